@@ -1,0 +1,39 @@
+# Quick start: `make demo` runs the default job, `make test` runs every check.
+# Both create .venv on first use. torch is installed first and pinned so that the
+# CPU wheel on disk is used and no multi-GB CUDA build is ever pulled in.
+PY      ?= python3.11
+VENV    := .venv
+BIN     := $(VENV)/bin
+TORCH   ?= torch==2.13.0
+STAMP   := $(VENV)/.installed
+
+.PHONY: setup test lint types layers pytest demo bench clean
+
+$(STAMP): pyproject.toml
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[dev]' $(TORCH)
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check flowrl workers transport tests bench recipes
+
+types: $(STAMP)
+	$(BIN)/mypy
+
+layers: $(STAMP)
+	$(BIN)/lint-imports
+
+pytest: $(STAMP)
+	$(BIN)/pytest -q
+
+test: lint types layers pytest
+
+demo: $(STAMP)
+	$(BIN)/python bench/store.py --quick
+
+clean:
+	$(BIN)/python -m flowrl.cleanup --all || true

@@ -1,0 +1,44 @@
+"""Typed errors of the transport layer.
+
+Every failure that crosses a socket becomes one of these, so callers can tell a
+malformed peer from a slow one from a remote bug without parsing strings.
+"""
+
+from __future__ import annotations
+
+
+class TransportError(Exception):
+    """Base class of every error raised by `transport`."""
+
+
+class MalformedMessage(TransportError):
+    """Bytes that do not decode into a valid message (bad msgpack, missing or short frames)."""
+
+
+class MessageTooLarge(MalformedMessage):
+    """A message, or a size it declares, exceeds the configured per-message limit."""
+
+
+class UnknownOperation(TransportError):
+    """A request named an operation the server does not serve."""
+
+
+class DeadlineExceeded(TransportError, TimeoutError):
+    """A call did not complete within its deadline."""
+
+
+class RemoteError(TransportError):
+    """The remote handler raised; carries the remote exception type and message."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+        self.message = message
+
+
+class ClosedError(TransportError):
+    """The socket or store was closed while an operation was pending."""
+
+
+class BindRefused(TransportError):
+    """A bind to a non-loopback address was attempted without explicit permission."""
