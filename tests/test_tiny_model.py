@@ -1,0 +1,131 @@
+"""The locally built tiny model: offline loading, determinism, caching, tokenizer, CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from workers.tiny_model import MANIFEST, build_tiny_model, synthetic_corpus
+
+torch.set_num_threads(2)
+
+# Small shapes for tests that build several models; the default shape is built once.
+SMALL: dict[str, Any] = {"vocab_size": 400, "hidden": 32, "layers": 1, "heads": 2, "kv_heads": 1}
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def test_loads_offline_with_auto_classes(tiny_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model: Any = AutoModelForCausalLM.from_pretrained(tiny_dir, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(tiny_dir, local_files_only=True)
+    n_params = sum(p.numel() for p in model.parameters())
+    assert 0.8e6 < n_params < 1.5e6
+    assert model.config.model_type == "qwen2"
+    assert model.config.tie_word_embeddings
+    assert model.get_input_embeddings().weight is model.get_output_embeddings().weight
+    assert model.config.vocab_size == len(tok) == 1024
+    assert tok.eos_token == "<|endoftext|>"
+    assert tok.pad_token == "<|pad|>"
+    assert model.config.eos_token_id == tok.eos_token_id
+    assert model.config.pad_token_id == tok.pad_token_id != tok.eos_token_id
+
+
+def test_tokenizer_splits_digits_and_matches_raw_tokenizer(tiny_dir: Path) -> None:
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir, local_files_only=True)
+    raw = Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
+    ids = tok("12+7=19").input_ids
+    assert tok.convert_ids_to_tokens(ids) == ["1", "2", "+", "7", "=", "1", "9"]
+    assert tok.decode(ids) == "12+7=19"
+    # Whatever class AutoTokenizer picks for a qwen2 model encodes exactly as the trained one.
+    for text in [*synthetic_corpus(seed=7, lines=300), "Hello, World! 3.14\nnew line"]:
+        assert tok(text).input_ids == raw.encode(text).ids, text
+    assert tok("done<|endoftext|>").input_ids[-1] == tok.eos_token_id
+
+
+def test_build_is_deterministic_and_seed_sensitive(tmp_path: Path) -> None:
+    a = build_tiny_model(tmp_path / "a", **SMALL, seed=3)
+    b = build_tiny_model(tmp_path / "b", **SMALL, seed=3)
+    c = build_tiny_model(tmp_path / "c", **SMALL, seed=4)
+    for name in ("model.safetensors", "tokenizer.json", "config.json", MANIFEST):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
+    # Building leaves the caller's RNG stream alone.
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    build_tiny_model(tmp_path / "d", **SMALL, seed=5)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_cache_reuses_matching_dir_and_rebuilds_on_change(tmp_path: Path) -> None:
+    out = build_tiny_model(tmp_path / "m", **SMALL)
+    weights = out / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    assert build_tiny_model(tmp_path / "m", **SMALL) == out
+    assert weights.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no build leftovers
+
+    build_tiny_model(tmp_path / "m", **{**SMALL, "hidden": 64})
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(out, local_files_only=True).hidden_size == 64
+    # A directory without a manifest (interrupted build) is rebuilt, not trusted.
+    (out / MANIFEST).unlink()
+    build_tiny_model(tmp_path / "m", **SMALL)
+    assert AutoConfig.from_pretrained(out, local_files_only=True).hidden_size == 32
+
+
+def test_custom_corpus_and_pretraining_lower_the_loss(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    corpus = [f"{a}+{b}={a + b}" for a in range(30) for b in range(30)]
+    raw = build_tiny_model(tmp_path / "raw", **SMALL, corpus=corpus)
+    warm = build_tiny_model(tmp_path / "warm", **SMALL, corpus=corpus, pretrain_steps=30)
+
+    def lm_loss(path: Path) -> float:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+        # Two-digit operands and sums: every line is 8 tokens, no padding needed.
+        lines = [f"{a}+{b}={a + b}" for a in (11, 17, 23) for b in (12, 19)]
+        ids = torch.tensor([tok(line).input_ids for line in lines])
+        with torch.no_grad():
+            return float(model(input_ids=ids, labels=ids).loss)
+
+    assert lm_loss(warm) < lm_loss(raw) - 0.5
+
+
+def test_rejects_bad_shapes(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="heads"):
+        build_tiny_model(tmp_path / "x", hidden=30, heads=4)
+    with pytest.raises(ValueError, match="empty"):
+        build_tiny_model(tmp_path / "x", corpus=[])
+
+
+@pytest.mark.timeout(60)
+def test_cli_builds_a_model(tmp_path: Path) -> None:
+    out = tmp_path / "cli"
+    proc = subprocess.run(
+        [sys.executable, "-m", "workers.tiny_model", str(out), "--hidden", "32", "--layers", "1",
+         "--vocab-size", "400"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(out)
+    assert (out / "model.safetensors").is_file()
+    assert (out / MANIFEST).is_file()

@@ -1,0 +1,276 @@
+"""The narrow seams between flowrl roles and compute engines.
+
+A rollout engine generates responses and takes new weights; a trainer engine computes per-token
+logprobs, accumulates gradients, steps its optimizer and exports weights. Roles code against
+these protocols only, so an engine (HF transformers, vLLM, a user's own) is swapped without
+touching the roles.
+
+The logprob contract, shared by every engine:
+- A reported logprob is ``log_softmax(logits / T)[token]`` in float32, where ``T`` is the
+  sampling temperature (``T = 1`` when sampling greedily, ``temperature == 0``). It is the
+  logprob under the tempered *model* distribution, before top-k / top-p truncation (vLLM's
+  "raw" mode, verl's actor convention), so a trainer that computes `token_logprobs` at the same
+  temperature gets the same number up to kernel rounding, and importance ratios between rollout
+  and training policies are well defined.
+- `token_logprobs` below is the reference definition; engines use it or match it.
+
+Engine-native weight paths: besides `RolloutEngine.load_weights` (a name → tensor mapping, e.g.
+views over a shared-memory segment), an engine may implement
+``load_weights_from(source: str | os.PathLike | object, version: int) -> None`` for its own fast
+path (a safetensors directory, a CUDA/NPU IPC handle, an NCCL broadcast group). Roles check for
+it with ``hasattr`` and fall back to `load_weights`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "FinishReason",
+    "Generation",
+    "LossFn",
+    "RolloutEngine",
+    "SamplingParams",
+    "SequenceBatch",
+    "TrainerEngine",
+    "TrainerState",
+    "token_logprobs",
+]
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. ``n`` responses per prompt; ``top_k = 0`` and ``top_p = 1`` disable them.
+
+    ``temperature == 0`` is greedy decoding. ``seed`` makes one `generate` call reproducible on
+    its own (same prompts, weights and device → same tokens); with ``seed=None`` the engine's
+    own generator advances, so a sequence of calls is reproducible from the engine's seed.
+    Generation stops at the model's EOS token(s), at any of ``stop_token_ids``, and at the
+    token that completes any of the ``stop`` strings in the decoded response.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    n: int = 1
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One response. Results come prompt-major: prompt i's n responses are at i*n .. i*n+n-1.
+
+    ``response_ids`` (int64, 1-D) includes the stop token (or the token completing a stop
+    string) when ``finish_reason == "stop"``, so training teaches the policy to stop.
+    ``logprobs`` (float32, same length) follows the module's logprob contract. ``version`` is
+    the weight version that produced it.
+    """
+
+    prompt_index: int
+    response_ids: Tensor
+    logprobs: Tensor
+    finish_reason: FinishReason
+    version: int
+
+
+@dataclass(frozen=True)
+class SequenceBatch:
+    """Prompt+response rows for scoring or training, right-padded to a common length.
+
+    input_ids: [B, L] int64. attention_mask: [B, L], 1 on real tokens.
+    response_mask: [B, L] bool, True where ``input_ids[b, t]`` is a response token (to score).
+    Every row needs at least one token before its first response token.
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    response_mask: Tensor
+
+    def __post_init__(self) -> None:
+        shape = self.input_ids.shape
+        if self.input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [B, L], got {tuple(shape)}")
+        if self.attention_mask.shape != shape or self.response_mask.shape != shape:
+            raise ValueError("input_ids, attention_mask and response_mask shapes differ")
+
+    @classmethod
+    def from_rows(
+        cls,
+        prompts: Sequence[Sequence[int] | Tensor],
+        responses: Sequence[Sequence[int] | Tensor],
+        *,
+        pad_token_id: int = 0,
+    ) -> SequenceBatch:
+        """Concatenate each prompt with its response and right-pad."""
+        if len(prompts) != len(responses):
+            raise ValueError("prompts and responses differ in length")
+        pairs = [(torch.as_tensor(p, dtype=torch.long), torch.as_tensor(r, dtype=torch.long))
+                 for p, r in zip(prompts, responses, strict=True)]
+        width = max((len(p) + len(r) for p, r in pairs), default=0)
+        ids = torch.full((len(pairs), width), pad_token_id, dtype=torch.long)
+        attn = torch.zeros((len(pairs), width), dtype=torch.long)
+        resp = torch.zeros((len(pairs), width), dtype=torch.bool)
+        for i, (p, r) in enumerate(pairs):
+            if len(p) == 0:
+                raise ValueError(f"row {i}: empty prompt")
+            ids[i, : len(p)] = p
+            ids[i, len(p) : len(p) + len(r)] = r
+            attn[i, : len(p) + len(r)] = 1
+            resp[i, len(p) : len(p) + len(r)] = True
+        return cls(ids, attn, resp)
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.response_mask.sum())
+
+    def response_values(self, per_token: Tensor) -> list[Tensor]:
+        """Split a [B, L] per-token tensor into each row's response values (1-D, in order)."""
+        mask = self.response_mask.to(per_token.device)
+        return [per_token[b][mask[b]] for b in range(per_token.shape[0])]
+
+
+LossFn = Callable[[Tensor, SequenceBatch], Tensor | tuple[Tensor, Mapping[str, float]]]
+"""``loss_fn(logprobs [B, L] float32 with grad, batch) -> loss`` or ``(loss, metrics)``.
+
+Extra per-row inputs (advantages, old or reference logprobs) travel in the closure."""
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """Optimizer checkpoint: flat CPU tensors plus JSON-able metadata; no pickle involved."""
+
+    tensors: dict[str, Tensor]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def save(self, directory: str | Path) -> Path:
+        """Write ``optimizer.safetensors`` and ``trainer_state.json`` into ``directory``."""
+        from safetensors.torch import save_file
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in self.tensors.items()},
+                  str(out / "optimizer.safetensors"))
+        (out / "trainer_state.json").write_text(json.dumps(self.meta, indent=1) + "\n")
+        return out
+
+    @classmethod
+    def load(cls, directory: str | Path) -> TrainerState:
+        from safetensors.torch import load_file
+
+        src = Path(directory)
+        tensors = load_file(str(src / "optimizer.safetensors"))
+        meta = json.loads((src / "trainer_state.json").read_text())
+        if not isinstance(meta, dict):
+            raise ValueError(f"{src / 'trainer_state.json'}: expected a JSON object")
+        return cls(dict(tensors), meta)
+
+
+def token_logprobs(logits: Tensor, token_ids: Tensor, temperature: float = 1.0) -> Tensor:
+    """``log_softmax(logits / T)`` at ``token_ids``, in float32. ``T <= 0`` counts as 1.
+
+    logits: [..., V]; token_ids: [...] → [...].
+    """
+    x = logits.float()
+    if temperature > 0.0 and temperature != 1.0:
+        x = x / temperature
+    picked = x.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(x, dim=-1)
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """Generates responses with the weights of one policy version.
+
+    Calls are not concurrent: a worker runs `generate` and `load_weights` one at a time
+    (weights change only between requests).
+    """
+
+    @property
+    def version(self) -> int:
+        """The weight version currently loaded."""
+        ...
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams
+    ) -> list[Generation]:
+        """``len(prompts) * params.n`` generations, prompt-major."""
+        ...
+
+    def load_weights(self, state: Mapping[str, Tensor], version: int) -> None:
+        """Replace every weight with ``state`` (names as in ``export_weights``; a tied weight
+        may appear under either of its names) and serve ``version`` from now on. All names
+        and shapes are checked before anything is written; a bad state leaves the engine as
+        it was."""
+        ...
+
+
+@runtime_checkable
+class TrainerEngine(Protocol):
+    """Owns the trainable policy and its optimizer."""
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps applied so far."""
+        ...
+
+    def logprobs(self, batch: SequenceBatch, *, temperature: float = 1.0) -> Tensor:
+        """[B, L] float32 logprobs of each response token given its prefix; 0 elsewhere."""
+        ...
+
+    def train_micro_batch(
+        self,
+        batch: SequenceBatch,
+        loss_fn: LossFn,
+        *,
+        loss_scale: float = 1.0,
+        temperature: float = 1.0,
+    ) -> dict[str, float]:
+        """Forward, ``loss_fn``, backward of ``loss * loss_scale`` into the accumulated
+        gradients (``loss_scale`` is the micro-batch's share of the step, e.g. 1/k)."""
+        ...
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip, step, zero the gradients; returns grad_norm, lr, step, skipped."""
+        ...
+
+    def export_weights(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+        """A snapshot of the weights: contiguous CPU tensors, a tied weight once."""
+        ...
+
+    def state_dict(self) -> TrainerState:
+        """Optimizer and schedule state (the weights go through `save_pretrained`)."""
+        ...
+
+    def load_state_dict(self, state: TrainerState) -> None: ...
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Weights (safetensors), HF config and tokenizer, loadable by ``from_pretrained``."""
+        ...

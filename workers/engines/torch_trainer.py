@@ -1,0 +1,260 @@
+"""Training on plain torch: a transformers causal LM with AdamW, on one device.
+
+`TorchTrainerEngine` scores prompt+response rows (per-token logprobs under the logprob
+contract of `protocols`), accumulates gradients over micro-batches, steps AdamW with gradient
+clipping and a constant-with-linear-warmup learning rate, and exports weights for rollout.
+
+Guarantees:
+- `logprobs` and `train_micro_batch` compute the same function (dropout is off), and it matches
+  `HFRolloutEngine`'s recorded logprobs for the same weights and tokens up to kernel rounding.
+- A step whose gradient norm is not finite is skipped (gradients dropped, counted in
+  ``skipped``); the weights and optimizer state stay as they were.
+- `export_weights` is a snapshot (later steps do not change it), one entry per tied weight.
+- Checkpoints carry no pickle: `state_dict` is flat tensors plus JSON metadata
+  (`TrainerState.save` writes safetensors + JSON); weights go through `save_pretrained`.
+
+Multi-rank data parallelism (FSDP / DDP) is a later engine behind the same protocol.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from workers.devices import pick_device
+from workers.engines.hf_rollout import _ForwardNames, load_causal_lm, tied_groups
+from workers.engines.protocols import LossFn, SequenceBatch, TrainerState, token_logprobs
+
+__all__ = ["TorchTrainerEngine"]
+
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+class TorchTrainerEngine:
+    """`TrainerEngine` for a transformers causal LM on one device (CPU, CUDA or NPU).
+
+    Weight decay applies to matrices only (not biases or norms). ``grad_clip`` None (or 0)
+    disables clipping. ``seed`` seeds torch's global RNG: the trainer owns its worker process.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        *,
+        lr: float = 1e-5,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        grad_clip: float | None = 1.0,
+        warmup_steps: int = 0,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+        attn_implementation: str | None = None,
+    ) -> None:
+        if lr <= 0 or warmup_steps < 0 or (grad_clip is not None and grad_clip < 0):
+            raise ValueError("need lr > 0, warmup_steps >= 0, grad_clip >= 0 or None")
+        torch.manual_seed(seed)
+        self.device = pick_device(device)
+        self.model_dir = Path(model_dir)
+        self.model = load_causal_lm(
+            model_dir, device=self.device, dtype=dtype, attn_implementation=attn_implementation
+        )
+        self.model.requires_grad_(True)
+        self._names = _ForwardNames(self.model)
+        self._groups = tied_groups(self.model)
+        self._lr = lr
+        self._warmup = warmup_steps
+        self._grad_clip = grad_clip
+        # named_parameters() lists a tied weight once, so each tensor is optimised once.
+        self._params = dict(self.model.named_parameters())
+        decay = [p for p in self._params.values() if p.dim() >= 2]
+        no_decay = [p for p in self._params.values() if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=lr,
+            betas=betas,
+            eps=eps,
+        )
+        self._step = 0
+        self._skipped = 0
+        self._pending = 0  # micro-batches accumulated since the last optimizer step
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    def lr_at(self, step: int) -> float:
+        """Constant learning rate after a linear warmup over the first ``warmup_steps``."""
+        if step < self._warmup:
+            return self._lr * (step + 1) / self._warmup
+        return self._lr
+
+    # -- scoring and training ----------------------------------------------------------------
+
+    def _logprobs(self, batch: SequenceBatch, temperature: float) -> Tensor:
+        ids = batch.input_ids.to(self.device, torch.long)
+        attn = batch.attention_mask.to(self.device, torch.long)
+        resp = batch.response_mask.to(self.device, torch.bool)
+        width = ids.shape[1]
+        has_resp = resp.any(dim=0)
+        if not bool(has_resp.any()):
+            return torch.zeros(ids.shape, dtype=torch.float32, device=self.device)
+        first = int(has_resp.int().argmax())
+        if first == 0:
+            raise ValueError("a response token at position 0 has no prefix to condition on")
+        # Position ids follow the mask, as in rollout, so padding never shifts positions.
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        kwargs: dict[str, Any] = {"use_cache": False}
+        if self._names.keep is not None:
+            # Only the logits that predict response tokens: positions first-1 .. width-2.
+            kwargs[self._names.keep] = width - first + 1
+        logits = self.model(
+            input_ids=ids, attention_mask=attn, position_ids=positions, **kwargs
+        ).logits
+        logits = logits[:, -(width - first + 1) : -1, :]
+        lps = token_logprobs(logits, ids[:, first:], temperature)
+        out = torch.zeros(ids.shape, dtype=lps.dtype, device=self.device)
+        out[:, first:] = lps
+        return out.masked_fill(~resp, 0.0)
+
+    def logprobs(self, batch: SequenceBatch, *, temperature: float = 1.0) -> Tensor:
+        with torch.no_grad():
+            return self._logprobs(batch, temperature).cpu()
+
+    def train_micro_batch(
+        self,
+        batch: SequenceBatch,
+        loss_fn: LossFn,
+        *,
+        loss_scale: float = 1.0,
+        temperature: float = 1.0,
+    ) -> dict[str, float]:
+        if not bool(batch.response_mask.any()):
+            raise ValueError("batch has no response tokens to train on")
+        lps = self._logprobs(batch, temperature)
+        result = loss_fn(lps, _on_device(batch, self.device))
+        loss, metrics = result if isinstance(result, tuple) else (result, {})
+        if loss.dim() != 0:
+            raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
+        torch.autograd.backward(loss * loss_scale)
+        self._pending += 1
+        out = {"loss": float(loss.detach()), "response_tokens": float(batch.num_response_tokens)}
+        out.update({k: float(v) for k, v in metrics.items()})
+        return out
+
+    def optimizer_step(self) -> dict[str, float]:
+        if self._pending == 0:
+            raise RuntimeError("optimizer_step without any train_micro_batch since the last step")
+        lr = self.lr_at(self._step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        params = list(self._params.values())
+        max_norm = self._grad_clip if self._grad_clip else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            self._skipped += 1
+        else:
+            self.optimizer.step()
+            self._step += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self._pending = 0
+        return {"grad_norm": grad_norm, "lr": lr, "step": float(self._step),
+                "skipped": float(skipped)}
+
+    # -- weights and checkpoints ---------------------------------------------------------------
+
+    def export_weights(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+        state = self.model.state_dict()
+        return {
+            group[0]: state[group[0]].detach().to("cpu", dtype=dtype, copy=True).contiguous()
+            for group in self._groups
+        }
+
+    def state_dict(self) -> TrainerState:
+        names = {id(p): n for n, p in self._params.items()}
+        tensors: dict[str, Tensor] = {}
+        for param, st in self.optimizer.state.items():
+            for key, value in st.items():
+                if not isinstance(value, Tensor):
+                    raise TypeError(f"non-tensor optimizer state {key!r}")
+                tensors[f"{names[id(param)]}/{key}"] = value.detach().to("cpu", copy=True)
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"},
+             "params": [names[id(p)] for p in g["params"]]}
+            for g in self.optimizer.param_groups
+        ]
+        meta = {"step": self._step, "skipped": self._skipped, "param_groups": groups}
+        return TrainerState(tensors, meta)
+
+    def load_state_dict(self, state: TrainerState) -> None:
+        meta = state.meta
+        index = {n: i for i, n in enumerate(n for g in meta["param_groups"] for n in g["params"])}
+        if set(index) != set(self._params):
+            raise ValueError("optimizer state names do not match the model's parameters")
+        per_param: dict[int, dict[str, Tensor]] = {}
+        for key, value in state.tensors.items():
+            name, _, field = key.rpartition("/")
+            if name not in index:
+                raise ValueError(f"optimizer state for unknown parameter {name!r}")
+            per_param.setdefault(index[name], {})[field] = value
+        groups = []
+        for g in meta["param_groups"]:
+            group = dict(g)
+            group["params"] = [index[n] for n in g["params"]]
+            if "betas" in group:
+                group["betas"] = tuple(group["betas"])
+            groups.append(group)
+        # torch.optim maps saved ids onto its own param order: match our ordering first.
+        ours = [n for g in self.optimizer.param_groups for n in self._group_names(g)]
+        theirs = [n for g in meta["param_groups"] for n in g["params"]]
+        if ours != theirs:
+            raise ValueError("optimizer parameter order differs from the checkpoint's")
+        self.optimizer.load_state_dict({"state": per_param, "param_groups": groups})
+        self._step = int(meta["step"])
+        self._skipped = int(meta.get("skipped", 0))
+
+    def _group_names(self, group: Mapping[str, Any]) -> list[str]:
+        names = {id(p): n for n, p in self._params.items()}
+        return [names[id(p)] for p in group["params"]]
+
+    def save_pretrained(self, directory: str | os.PathLike[str]) -> Path:
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(out)
+        # Tokenizer files are copied byte for byte: re-saving through a tokenizer class can
+        # rewrite them (class name, normalisation) and the policy must keep its tokenizer.
+        for name in _TOKENIZER_FILES:
+            src = self.model_dir / name
+            if src.is_file() and src.resolve() != (out / name).resolve():
+                shutil.copyfile(src, out / name)
+        return out
+
+
+def _on_device(batch: SequenceBatch, device: torch.device) -> SequenceBatch:
+    if batch.input_ids.device == device:
+        return batch
+    return SequenceBatch(
+        batch.input_ids.to(device), batch.attention_mask.to(device), batch.response_mask.to(device)
+    )

@@ -1,0 +1,303 @@
+"""A tiny, locally built causal LM and tokenizer for tests, demos and benchmarks.
+
+No model hub is needed: `build_tiny_model` trains a byte-level BPE tokenizer on a synthetic
+corpus (small arithmetic such as ``12+7=19`` and plain words), builds a Qwen2 causal LM
+(tied embeddings, about 1M parameters at the defaults) and saves both with
+``save_pretrained``, so ``AutoModelForCausalLM.from_pretrained(dir)`` and
+``AutoTokenizer.from_pretrained(dir)`` load it offline.
+
+Guarantees:
+- Deterministic: the same arguments give byte-identical weights and tokenizer files.
+- The tokenizer pipeline is exactly Qwen2's (NFC, Qwen2 split regex with single digits,
+  byte-level BPE), so the raw ``tokenizers`` object and the class ``AutoTokenizer`` picks for a
+  ``qwen2`` model encode every text identically.
+- Cache-friendly: a manifest of the build spec is written last; a directory whose manifest
+  matches is reused as is. A fresh directory is built aside and renamed into place, so a
+  concurrent builder never sees a half-written model.
+
+CLI: ``python -m workers.tiny_model OUT_DIR [--seed N] [--pretrain-steps N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "flowrl-tiny.json"
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+# Bump when the build procedure changes so cached directories are rebuilt.
+_FORMAT = 1
+
+# Qwen2's pre-tokenizer split: every digit is its own pre-token, which suits arithmetic.
+_QWEN2_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+_WORDS = (
+    "the", "a", "an", "and", "or", "but", "if", "then", "else", "when", "while", "of", "to", "in",
+    "on", "at", "by", "for", "with", "from", "up", "down", "over", "under", "into", "out", "is",
+    "are", "was", "were", "be", "been", "being", "have", "has", "had", "do", "does", "did", "can",
+    "could", "will", "would", "shall", "should", "may", "might", "must", "not", "no", "yes",
+    "all", "any", "some", "many", "much", "more", "most", "few", "one", "two", "three", "four",
+    "five", "six", "seven", "eight", "nine", "ten", "zero", "plus", "minus", "times", "equals",
+    "sum", "answer", "number", "question", "what", "which", "who", "how", "why", "where", "add",
+    "subtract", "multiply", "result", "total", "value", "cat", "dog", "fox", "bird", "fish",
+    "tree", "sun", "moon", "star", "sky", "sea", "river", "hill", "road", "house", "door",
+    "window", "book", "pen", "cup", "bowl", "table", "chair", "apple", "bread", "milk", "water",
+    "fire", "stone", "wood", "iron", "gold", "red", "green", "blue", "black", "white", "big",
+    "small", "long", "short", "fast", "slow", "hot", "cold", "old", "new", "good", "bad", "happy",
+    "sad", "quick", "lazy", "brown", "jumps", "runs", "walks", "reads", "writes", "sees", "finds",
+    "makes", "takes", "gives", "keeps", "counts",
+)
+_ONSETS = ("b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "st",
+           "tr", "pl", "ch", "sh", "th", "gr", "br")
+_VOWELS = ("a", "e", "i", "o", "u", "ai", "ea", "ou", "oo")
+_CODAS = ("", "", "n", "r", "s", "t", "l", "nd", "st", "ng", "ck")
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Everything that determines the built files; its JSON is the cache manifest."""
+
+    vocab_size: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    max_positions: int
+    seed: int
+    corpus_sha256: str
+    pretrain_steps: int
+    format: int = _FORMAT
+
+
+def arithmetic_line(rng: random.Random, max_operand: int = 99) -> str:
+    """One ``a<op>b=c`` line over non-negative operands (``-`` never goes below zero)."""
+    a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+    op = rng.choice("+-*")
+    if op == "-" and b > a:
+        a, b = b, a
+    result = a + b if op == "+" else a - b if op == "-" else a * b
+    return f"{a}{op}{b}={result}"
+
+
+def synthetic_corpus(seed: int = 0, *, lines: int = 6000) -> list[str]:
+    """Arithmetic lines, sentences of common words and syllable pseudo-words (for merges)."""
+    rng = random.Random(seed)
+    out: list[str] = []
+    for i in range(lines):
+        kind = i % 3
+        if kind == 0:
+            out.append(arithmetic_line(rng))
+        elif kind == 1:
+            out.append(" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 10))))
+        else:
+            words = [
+                "".join(
+                    rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS)
+                    for _ in range(rng.randint(1, 3))
+                )
+                for _ in range(rng.randint(3, 8))
+            ]
+            out.append(" ".join(words))
+    return out
+
+
+def _corpus_digest(corpus: Sequence[str]) -> str:
+    h = hashlib.sha256()
+    for line in corpus:
+        h.update(line.encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def _train_tokenizer(corpus: Sequence[str], vocab_size: int) -> Any:
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN, PAD_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return tok
+
+
+def _pretrain(model: Any, tokenizer: Any, corpus: Sequence[str], steps: int, seed: int) -> None:
+    """A short language-modelling warm-up on the corpus, so the model knows its formats."""
+    import torch
+
+    rng = random.Random(seed)
+    encoded = [[*tokenizer(line).input_ids, tokenizer.eos_token_id] for line in corpus]
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    model.train()
+    for _ in range(steps):
+        rows = [rng.choice(encoded) for _ in range(32)]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = torch.tensor(r)
+            mask[i, : len(r)] = 1
+        labels = ids.masked_fill(mask == 0, -100)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model.eval()
+
+
+def _write(dest: Path, spec: TinySpec, corpus: Sequence[str]) -> None:
+    import torch
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    hf_logging: Any = importlib.import_module("transformers.utils.logging")
+    hf_logging.disable_progress_bar()  # build logs stay line-oriented
+    raw = _train_tokenizer(corpus, spec.vocab_size)
+    fast_cls: Any = PreTrainedTokenizerFast
+    tokenizer: Any = fast_cls(
+        tokenizer_object=raw, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, unk_token=EOS_TOKEN
+    )
+    config = Qwen2Config(
+        vocab_size=raw.get_vocab_size(),
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
+    # A private RNG stream: the build is reproducible and leaves the caller's RNG untouched.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        model: Any = Qwen2ForCausalLM(config)
+        if spec.pretrain_steps:
+            _pretrain(model, tokenizer, corpus, spec.pretrain_steps, spec.seed)
+    model.eval()
+    model.save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
+    # The manifest goes last: it marks the directory complete.
+    (dest / MANIFEST).write_text(json.dumps(asdict(spec), indent=2, sort_keys=True) + "\n")
+
+
+def _read_manifest(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def build_tiny_model(
+    out_dir: str | os.PathLike[str],
+    *,
+    vocab_size: int = 1024,
+    hidden: int = 128,
+    layers: int = 4,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int | None = None,
+    max_positions: int = 512,
+    seed: int = 0,
+    corpus: Iterable[str] | None = None,
+    pretrain_steps: int = 0,
+) -> Path:
+    """Build (or reuse) a tiny Qwen2 model and tokenizer in ``out_dir``; return its path.
+
+    ``corpus`` defaults to `synthetic_corpus(seed)`. ``pretrain_steps`` > 0 runs that many
+    language-modelling steps (batch 32) on the corpus before saving; 0 keeps random weights.
+    The tokenizer's vocabulary is at most ``vocab_size`` (fewer if the corpus has too few
+    merges); the model's vocabulary equals the tokenizer's.
+    """
+    if hidden % heads or heads % kv_heads:
+        raise ValueError("hidden must divide by heads and heads by kv_heads")
+    lines = list(corpus) if corpus is not None else synthetic_corpus(seed)
+    if not lines:
+        raise ValueError("corpus is empty")
+    spec = TinySpec(
+        vocab_size=vocab_size,
+        hidden=hidden,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        intermediate=intermediate if intermediate is not None else 4 * hidden,
+        max_positions=max_positions,
+        seed=seed,
+        corpus_sha256=_corpus_digest(lines),
+        pretrain_steps=pretrain_steps,
+    )
+    out = Path(out_dir)
+    if _read_manifest(out) == asdict(spec):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if not out.exists():
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        try:
+            _write(tmp, spec, lines)
+            try:
+                tmp.rename(out)
+                return out
+            except OSError:
+                # Someone else created out_dir meanwhile; theirs wins if it is what we want.
+                if _read_manifest(out) == asdict(spec):
+                    return out
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    # An existing directory with another spec (or none): rebuild in place, manifest last.
+    (out / MANIFEST).unlink(missing_ok=True)
+    _write(out, spec, lines)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m workers.tiny_model", description=__doc__)
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vocab-size", type=int, default=1024)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--pretrain-steps", type=int, default=0)
+    args = parser.parse_args(argv)
+    path = build_tiny_model(
+        args.out_dir,
+        seed=args.seed,
+        vocab_size=args.vocab_size,
+        hidden=args.hidden,
+        layers=args.layers,
+        pretrain_steps=args.pretrain_steps,
+    )
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
