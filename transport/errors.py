@@ -42,3 +42,7 @@ class ClosedError(TransportError):
 
 class BindRefused(TransportError):
     """A bind to a non-loopback address was attempted without explicit permission."""
+
+
+class UnknownSegment(TransportError):
+    """A handle names a shared-memory segment the store does not hold (never written, or freed)."""

@@ -1,0 +1,373 @@
+"""RPC: concurrency, deadlines, remote errors, hostile peers, a real server process, close."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+import zmq
+import zmq.asyncio
+
+from transport._zsocket import AsyncSocket, new_socket
+from transport.codec import decode, encode
+from transport.endpoints import ipc_endpoint
+from transport.errors import (
+    ClosedError,
+    DeadlineExceeded,
+    MessageTooLarge,
+    RemoteError,
+    UnknownOperation,
+)
+from transport.rpc import REJECTED, RpcClient, RpcServer
+
+pytestmark = pytest.mark.timeout(60)
+
+STEP = 20.0  # bound on any single wait in these tests
+
+
+class Service:
+    """Handlers with observable behaviour."""
+
+    def __init__(self) -> None:
+        self.never = asyncio.Event()
+        self.entered = asyncio.Event()
+        self.cancelled = asyncio.Event()
+        self.peers: list[bytes] = []
+
+    async def echo(self, payload: Any, peer: bytes) -> Any:
+        self.peers.append(peer)
+        return payload
+
+    async def double(self, payload: Any, peer: bytes) -> Any:
+        await asyncio.sleep(0)  # suspends once, so calls interleave
+        return {"id": payload["id"], "t": payload["t"] * 2}
+
+    async def fail(self, payload: Any, peer: bytes) -> Any:
+        raise ValueError(f"bad input {payload!r}")
+
+    async def hang(self, payload: Any, peer: bytes) -> Any:
+        self.entered.set()
+        try:
+            await self.never.wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        return "late"
+
+    async def unencodable(self, payload: Any, peer: bytes) -> Any:
+        return {1, 2}
+
+    async def zeros(self, payload: Any, peer: bytes) -> Any:
+        return torch.zeros(payload, dtype=torch.uint8)
+
+    async def inner_cancel(self, payload: Any, peer: bytes) -> Any:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        fut.cancel()  # something the handler awaits is cancelled; the server is not closing
+        await fut
+
+    def handlers(self) -> dict[str, Any]:
+        return {
+            name: getattr(self, name)
+            for name in ("echo", "double", "fail", "hang", "unencodable", "zeros", "inner_cancel")
+        }
+
+
+@pytest.fixture
+def service() -> Service:
+    return Service()
+
+
+@pytest.fixture
+async def server(
+    service: Service, run_id: str, zmq_ctx: zmq.asyncio.Context
+) -> AsyncIterator[RpcServer]:
+    async with RpcServer(ipc_endpoint(run_id, "rpc"), service.handlers(), ctx=zmq_ctx) as srv:
+        yield srv
+    assert srv.statistics().in_flight == 0
+
+
+@pytest.fixture
+async def client(server: RpcServer, zmq_ctx: zmq.asyncio.Context) -> AsyncIterator[RpcClient]:
+    async with RpcClient(server.endpoint, ctx=zmq_ctx, timeout=STEP, identity=b"c1") as c:
+        yield c
+
+
+async def test_call_returns_the_handler_result_with_tensors(
+    client: RpcClient, service: Service
+) -> None:
+    payload = {"t": torch.arange(5000, dtype=torch.bfloat16), "nested": [1, "two", None]}
+    out = await client.call("echo", payload)
+    assert torch.equal(out["t"], torch.arange(5000, dtype=torch.bfloat16))
+    assert out["nested"] == [1, "two", None]
+    assert service.peers == [b"c1"]
+
+
+async def test_a_thousand_concurrent_calls_on_one_socket(client: RpcClient) -> None:
+    async def one(i: int) -> None:
+        out = await client.call("double", {"id": i, "t": torch.full((3,), float(i))})
+        assert out["id"] == i
+        assert torch.equal(out["t"], torch.full((3,), 2.0 * i))
+
+    async with asyncio.timeout(STEP):
+        await asyncio.gather(*(one(i) for i in range(1000)))
+    stats = client.statistics()
+    assert (stats.calls, stats.in_flight, stats.late_replies) == (1000, 0, 0)
+
+
+async def test_handler_exception_becomes_remote_error(client: RpcClient) -> None:
+    with pytest.raises(RemoteError) as info:
+        await client.call("fail", 7)
+    assert info.value.kind == "ValueError"
+    assert info.value.message == "bad input 7"
+    with pytest.raises(RemoteError) as info:
+        await client.call("unencodable")
+    assert info.value.kind == "TypeError"
+    with pytest.raises(RemoteError) as info:
+        await client.call("inner_cancel")
+    assert info.value.kind == "CancelledError"
+    assert await client.call("echo", "still serving") == "still serving"
+
+
+async def test_unknown_operation(client: RpcClient, server: RpcServer) -> None:
+    with pytest.raises(UnknownOperation, match="nope"):
+        await client.call("nope")
+    assert await client.call("echo", 1) == 1
+
+
+async def test_deadline_fires_late_reply_is_discarded_and_counted(
+    client: RpcClient, server: RpcServer, service: Service
+) -> None:
+    with pytest.raises(DeadlineExceeded):
+        await client.call("hang", timeout=0.2)
+    assert client.statistics().in_flight == 0
+    assert await client.call("echo", "after") == "after"  # the server still serves
+    service.never.set()  # the hung handler now replies, to a call that gave up
+    async with asyncio.timeout(STEP):
+        # Replies to this client arrive in order: each round trip flushes earlier replies.
+        while client.statistics().late_replies == 0:
+            assert await client.call("echo", 0) == 0
+    assert client.statistics().late_replies == 1
+
+
+async def test_malformed_requests_get_error_replies_and_the_server_survives(
+    service: Service, run_id: str, zmq_ctx: zmq.asyncio.Context
+) -> None:
+    server_limit = 1 << 20
+    server = RpcServer(
+        ipc_endpoint(run_id, "m"), service.handlers(), ctx=zmq_ctx, max_bytes=server_limit
+    )
+    await server.start()
+    client = RpcClient(server.endpoint, ctx=zmq_ctx, timeout=STEP)
+    raw = zmq_ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(server.endpoint)
+    tensor_header = bytes(encode(torch.zeros(4))[0])
+    bad: list[tuple[list[bytes], int | None]] = [  # (frames, request id the reply carries)
+        ([b"\xc1random"], None),
+        ([b""], None),
+        ([msgpack.packb("not a list")], None),
+        ([msgpack.packb([1, 2])], None),
+        ([msgpack.packb(["id", "echo", None])], None),
+        ([msgpack.packb([True, "echo", None])], None),
+        ([msgpack.packb([5, 42, None])], 5),
+        ([tensor_header], None),  # declares a frame that is missing
+        ([tensor_header, b"\x00" * 3], None),  # a frame shorter than declared
+        ([msgpack.packb([6, "echo", None]), b"unreferenced"], 6),
+    ]
+    try:
+        for frames, expected_id in bad:
+            await raw.send_multipart(frames)
+            async with asyncio.timeout(STEP):
+                reply = decode(await raw.recv_multipart(copy=False))
+            assert reply[:2] == [expected_id, REJECTED], frames
+            kind, message = reply[2]
+            assert kind == "MalformedMessage"
+            assert message
+        # A frame past the limit makes zmq drop the sender's connection; others are unaffected.
+        await raw.send_multipart([b"\x00" * (server_limit + 1)])
+    finally:
+        raw.close()
+    try:
+        assert await client.call("echo", "alive") == "alive"
+        assert server.statistics().rejected == len(bad)
+    finally:
+        await client.aclose()
+        await server.aclose()
+
+
+async def test_size_limits_on_both_sides(
+    service: Service, run_id: str, zmq_ctx: zmq.asyncio.Context
+) -> None:
+    limit = 64 << 10
+    endpoint = ipc_endpoint(run_id, "small")
+    async with (
+        RpcServer(endpoint, service.handlers(), ctx=zmq_ctx, max_bytes=limit) as server,
+        RpcClient(server.endpoint, ctx=zmq_ctx, timeout=STEP) as big,
+        RpcClient(server.endpoint, ctx=zmq_ctx, timeout=STEP, max_bytes=limit) as small,
+    ):
+        half = torch.zeros(limit // 2, dtype=torch.uint8)
+        with pytest.raises(MessageTooLarge):  # refused before sending
+            await small.call("echo", [half, half])
+        with pytest.raises(MessageTooLarge, match="server rejected"):  # each frame fits
+            await big.call("echo", [half, half])
+        with pytest.raises(RemoteError) as info:  # the reply would not fit
+            await small.call("zeros", limit)
+        assert info.value.kind == "MessageTooLarge"
+        assert torch.equal(await small.call("echo", half[:10]), half[:10])
+
+
+async def test_in_flight_handlers_are_bounded(run_id: str, zmq_ctx: zmq.asyncio.Context) -> None:
+    gate = asyncio.Event()
+    full = asyncio.Event()
+    active = 0
+    peak = 0
+
+    async def slow(payload: Any, peer: bytes) -> Any:
+        nonlocal active, peak
+        active += 1
+        peak = max(peak, active)
+        if active == 4:
+            full.set()
+        await gate.wait()
+        active -= 1
+        return payload
+
+    async with (
+        RpcServer(ipc_endpoint(run_id, "b"), {"slow": slow}, ctx=zmq_ctx, max_in_flight=4) as srv,
+        RpcClient(srv.endpoint, ctx=zmq_ctx, timeout=STEP) as client,
+    ):
+        calls = [asyncio.ensure_future(client.call("slow", i)) for i in range(50)]
+        async with asyncio.timeout(STEP):
+            await full.wait()
+            assert srv.statistics().in_flight == 4
+            gate.set()
+            assert await asyncio.gather(*calls) == list(range(50))
+    assert peak == 4
+
+
+async def test_client_close_fails_pending_calls(client: RpcClient, service: Service) -> None:
+    pending = asyncio.ensure_future(client.call("hang"))
+    async with asyncio.timeout(STEP):
+        await service.entered.wait()
+        await client.aclose()
+        with pytest.raises(ClosedError):
+            await pending
+    with pytest.raises(ClosedError):
+        await client.call("echo")
+    assert client.statistics().in_flight == 0
+
+
+async def test_server_close_cancels_running_handlers(
+    service: Service, run_id: str, zmq_ctx: zmq.asyncio.Context
+) -> None:
+    server = RpcServer(ipc_endpoint(run_id, "c"), service.handlers(), ctx=zmq_ctx)
+    await server.start()
+    async with RpcClient(server.endpoint, ctx=zmq_ctx, timeout=STEP) as client:
+        pending = asyncio.ensure_future(client.call("hang", timeout=0.5))
+        async with asyncio.timeout(STEP):
+            await service.entered.wait()
+            await server.aclose()
+            assert service.cancelled.is_set()
+            assert server.statistics().in_flight == 0
+            with pytest.raises(DeadlineExceeded):
+                await pending
+    await server.aclose()  # idempotent
+
+
+SERVER_PROCESS = r"""
+import asyncio, sys
+import torch
+from transport.rpc import RpcServer
+
+async def main(endpoint):
+    stop = asyncio.Event()
+
+    async def scale(payload, peer):
+        return payload["t"] * payload["k"]
+
+    async def fail(payload, peer):
+        raise KeyError("missing")
+
+    async def shutdown(payload, peer):
+        stop.set()
+        return "bye"
+
+    handlers = {"scale": scale, "fail": fail, "shutdown": shutdown}
+    async with RpcServer(endpoint, handlers) as server:
+        print(server.endpoint, flush=True)
+        await stop.wait()
+    print("closed", flush=True)
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+async def test_server_in_another_process(run_id: str, zmq_ctx: zmq.asyncio.Context) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        SERVER_PROCESS,
+        ipc_endpoint(run_id, "proc"),
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert proc.stdout is not None
+        async with asyncio.timeout(STEP * 2):  # the child imports torch
+            endpoint = (await proc.stdout.readline()).decode().strip()
+        assert endpoint == ipc_endpoint(run_id, "proc")
+        async with RpcClient(endpoint, ctx=zmq_ctx, timeout=STEP) as client:
+            t = torch.arange(100_000, dtype=torch.float32)
+            out = await asyncio.gather(*(client.call("scale", {"t": t, "k": k}) for k in range(8)))
+            for k, o in enumerate(out):
+                assert torch.equal(o, t * k)
+            with pytest.raises(RemoteError) as info:
+                await client.call("fail")
+            assert info.value.kind == "KeyError"
+            assert await client.call("shutdown") == "bye"
+        async with asyncio.timeout(STEP):
+            assert (await proc.stdout.readline()).strip() == b"closed"
+            assert await proc.wait() == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+# -- the socket layer under RPC and PubSub ---------------------------------------------------
+
+
+async def test_senders_wait_at_the_high_water_mark_and_lose_nothing(
+    run_id: str, zmq_ctx: zmq.asyncio.Context
+) -> None:
+    """With queues of one message, every send past the first few must wait for the reader."""
+    endpoint = ipc_endpoint(run_id, "hwm")
+    push, pull = new_socket(zmq_ctx, zmq.PUSH), new_socket(zmq_ctx, zmq.PULL)
+    push.setsockopt(zmq.SNDHWM, 1)
+    pull.setsockopt(zmq.RCVHWM, 1)
+    pull.bind(endpoint)
+    push.connect(endpoint)
+    received: list[int] = []
+    done = asyncio.Event()
+    n = 300
+
+    def on_message(frames: list[zmq.Frame]) -> None:
+        received.append(int.from_bytes(frames[0].bytes[:4], "little"))
+        if len(received) == n:
+            done.set()
+
+    sender, receiver = AsyncSocket(push), AsyncSocket(pull, on_message)
+    try:
+        blob = bytes(64 << 10)  # large enough that kernel buffers hold only a few
+        async with asyncio.timeout(STEP):
+            for i in range(n):
+                await sender.send([i.to_bytes(4, "little") + blob])
+            await done.wait()
+    finally:
+        sender.close()
+        receiver.close()
+    assert received == list(range(n))

@@ -1,0 +1,380 @@
+"""Asynchronous request/reply over ZeroMQ: a ROUTER server and a DEALER client.
+
+Wire (codec frames after the routing identity):
+- request `[request_id: int, op: str, payload]`;
+- reply `[request_id, status, body]`: status OK (body = the handler's result), ERROR (the
+  handler raised; body = [type name, message]), UNKNOWN_OP (body = message) or REJECTED (the
+  request was malformed or too large; body = [error name, message]; request_id is None when it
+  could not be read).
+
+Guarantees:
+- Server: every request is handled in its own task, concurrently, up to `max_in_flight`; past
+  that it stops reading and zmq's queues push back on clients. A handler exception becomes an
+  ERROR reply; a malformed request gets a REJECTED reply (it always has a routing identity);
+  nothing a peer sends stops the server. A reply to a peer that is gone or not reading is
+  dropped and counted, never waited on: one stuck client cannot stall the others.
+- Client: any number of calls in flight on one socket, matched by request id. Each call has a
+  deadline (DeadlineExceeded); a reply that arrives after it is discarded and counted. Closing
+  fails pending calls with ClosedError. No background task: replies are dispatched from the
+  socket's reader callback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgpack
+import zmq
+
+from transport._lifecycle import Closeable, Service, cancel_and_wait
+from transport._zsocket import AsyncSocket, bind, new_socket
+from transport.codec import MAX_MESSAGE_BYTES, decode, encode, frames_nbytes
+from transport.endpoints import check_bind
+from transport.errors import (
+    ClosedError,
+    DeadlineExceeded,
+    MalformedMessage,
+    MessageTooLarge,
+    RemoteError,
+    TransportError,
+    UnknownOperation,
+)
+
+__all__ = ["Handler", "RpcClient", "RpcClientStats", "RpcServer", "RpcServerStats"]
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Any, bytes], Awaitable[Any]]
+"""(payload, peer identity) -> reply payload."""
+
+OK: Final = 0
+ERROR: Final = 1
+UNKNOWN_OP: Final = 2
+REJECTED: Final = 3
+
+# Queued messages per peer and direction. A client's in-flight calls are bounded by its
+# callers (the scheduler's dispatch gate keeps them in the hundreds); 10k leaves room for
+# bursts while bounding memory if a peer stops reading. At the mark, client sends wait and
+# server replies are dropped and counted.
+_HWM: Final = 10_000
+_MAX_ERROR_TEXT: Final = 2_000
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int
+
+
+@dataclass(frozen=True, slots=True)
+class RpcServerStats:
+    requests: int
+    handler_errors: int
+    rejected: int
+    dropped_replies: int
+    in_flight: int
+
+
+@dataclass(frozen=True, slots=True)
+class RpcClientStats:
+    calls: int
+    in_flight: int
+    late_replies: int
+    malformed_replies: int
+
+
+class RpcServer(Service):
+    """Serves `handlers` by operation name on a ROUTER socket bound at `endpoint`."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        handlers: Mapping[str, Handler],
+        *,
+        ctx: zmq.Context[Any] | None = None,
+        max_bytes: int = MAX_MESSAGE_BYTES,
+        allow_remote: bool = False,
+        max_in_flight: int = 1024,
+    ) -> None:
+        check_bind(endpoint, allow_remote=allow_remote)
+        self._endpoint = endpoint
+        self._handlers = dict(handlers)
+        self._ctx = ctx
+        self._max_bytes = max_bytes
+        self._max_in_flight = max_in_flight
+        self._sock: AsyncSocket | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+        self._requests = 0
+        self._handler_errors = 0
+        self._rejected = 0
+        self._dropped = 0
+
+    @property
+    def endpoint(self) -> str:
+        """The bound endpoint once started (with the real port for tcp port 0)."""
+        return self._endpoint
+
+    async def start(self) -> str:
+        """Bind and start serving; returns the bound endpoint."""
+        if self._closed or self._sock is not None:
+            raise TransportError("server already started or closed")
+        options = [
+            # Mandatory routing makes a full or vanished peer an error we can count,
+            # instead of a silent drop inside zmq.
+            (zmq.ROUTER_MANDATORY, 1),
+            (zmq.SNDHWM, _HWM),
+            (zmq.RCVHWM, _HWM),
+            # zmq drops a peer that sends a frame past the limit before buffering it whole.
+            (zmq.MAXMSGSIZE, self._max_bytes),
+        ]
+        sock = new_socket(self._ctx, zmq.ROUTER, options)
+        self._endpoint = bind(sock, self._endpoint)
+        self._sock = AsyncSocket(sock, self._on_request)
+        return self._endpoint
+
+    async def aclose(self) -> None:
+        """Stop reading, cancel running handlers, close the socket."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._sock is not None:
+            self._sock.pause()
+        await cancel_and_wait(self._tasks)
+        if self._sock is not None:
+            self._sock.close()
+
+    def statistics(self) -> RpcServerStats:
+        return RpcServerStats(
+            requests=self._requests,
+            handler_errors=self._handler_errors,
+            rejected=self._rejected,
+            dropped_replies=self._dropped,
+            in_flight=len(self._tasks),
+        )
+
+    def _on_request(self, frames: list[zmq.Frame]) -> None:
+        self._requests += 1
+        peer = frames[0].bytes
+        try:
+            msg = decode(frames[1:], max_bytes=self._max_bytes)
+        except MalformedMessage as exc:
+            self._reject(peer, _peek_request_id(frames[1:]), exc)
+            return
+        if not (type(msg) is list and len(msg) == 3 and _is_int(msg[0])):
+            self._reject(peer, None, MalformedMessage("request is not [id, op, payload]"))
+            return
+        rid, op, payload = msg
+        if type(op) is not str:
+            self._reject(peer, rid, MalformedMessage("operation name is not a string"))
+            return
+        handler = self._handlers.get(op)
+        if handler is None:
+            self._reply(peer, [rid, UNKNOWN_OP, f"unknown operation {op[:100]!r}"])
+            return
+        task = asyncio.get_running_loop().create_task(self._serve(handler, peer, rid, payload))
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        if len(self._tasks) >= self._max_in_flight and self._sock is not None:
+            self._sock.pause()
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not self._closed and self._sock is not None and len(self._tasks) < self._max_in_flight:
+            self._sock.resume()
+
+    async def _serve(self, handler: Handler, peer: bytes, rid: int, payload: Any) -> None:
+        try:
+            result = await handler(payload, peer)
+            frames = encode([rid, OK, result])
+            size = frames_nbytes(frames)
+            if size > self._max_bytes:
+                raise MessageTooLarge(f"reply of {size} bytes exceeds {self._max_bytes}")
+        except asyncio.CancelledError as exc:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the server is closing
+            frames = self._error(handler, rid, exc)  # the handler's own awaitable was cancelled
+        except Exception as exc:
+            frames = self._error(handler, rid, exc)
+        self._send(peer, frames)
+
+    def _error(self, handler: Handler, rid: int, exc: BaseException) -> list[bytes | memoryview]:
+        self._handler_errors += 1
+        log.debug("handler %r failed", handler, exc_info=exc)
+        return encode([rid, ERROR, [type(exc).__name__, str(exc)[:_MAX_ERROR_TEXT]]])
+
+    def _reject(self, peer: bytes, rid: int | None, exc: MalformedMessage) -> None:
+        self._rejected += 1
+        log.debug("rejected a request from %r: %s", peer, exc)
+        self._reply(peer, [rid, REJECTED, [type(exc).__name__, str(exc)[:_MAX_ERROR_TEXT]]])
+
+    def _reply(self, peer: bytes, body: list[Any]) -> None:
+        self._send(peer, encode(body))
+
+    def _send(self, peer: bytes, frames: list[bytes | memoryview]) -> None:
+        sock = self._sock
+        if sock is None or sock.closed:
+            self._dropped += 1
+            return
+        try:
+            sock.send_nowait([peer, *frames])
+        except zmq.ZMQError as exc:  # Again: peer's queue full; EHOSTUNREACH: peer gone
+            self._dropped += 1
+            log.debug("dropped a reply to %r: %s", peer, exc)
+
+
+class RpcClient(Closeable):
+    """Calls operations on the RpcServer at `endpoint` over one DEALER socket."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        ctx: zmq.Context[Any] | None = None,
+        identity: bytes | None = None,
+        timeout: float = 30.0,
+        max_bytes: int = MAX_MESSAGE_BYTES,
+    ) -> None:
+        if identity is not None and not (0 < len(identity) <= 255 and identity[0] != 0):
+            raise ValueError("identity must be 1-255 bytes and not start with a zero byte")
+        self._endpoint = endpoint
+        self._ctx = ctx
+        self._identity = identity
+        self._timeout = timeout
+        self._max_bytes = max_bytes
+        self._sock: AsyncSocket | None = None
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._next_id = 0
+        self._closed = False
+        self._late = 0
+        self._malformed = 0
+
+    def _open(self) -> AsyncSocket:
+        if self._closed:
+            raise ClosedError("client is closed")
+        options: list[tuple[int, int | bytes]] = [
+            (zmq.SNDHWM, _HWM),
+            (zmq.RCVHWM, _HWM),
+            (zmq.MAXMSGSIZE, self._max_bytes),
+        ]
+        if self._identity is not None:
+            options.append((zmq.ROUTING_ID, self._identity))
+        sock = new_socket(self._ctx, zmq.DEALER, options)
+        sock.connect(self._endpoint)
+        self._sock = AsyncSocket(sock, self._on_reply)
+        return self._sock
+
+    async def call(
+        self,
+        op: str,
+        payload: Any = None,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 (a per-call deadline is the contract)
+    ) -> Any:
+        """Call `op` with `payload`; returns the handler's result.
+
+        Raises DeadlineExceeded, RemoteError, UnknownOperation, MessageTooLarge (request over
+        the limit, here or at the server), ClosedError.
+        """
+        sock = self._sock or self._open()
+        rid = self._next_id
+        self._next_id = rid + 1
+        frames = encode([rid, op, payload])
+        size = frames_nbytes(frames)
+        if size > self._max_bytes:
+            raise MessageTooLarge(f"request of {size} bytes exceeds {self._max_bytes}")
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        deadline = self._timeout if timeout is None else timeout
+        try:
+            async with asyncio.timeout(deadline):
+                try:
+                    sock.send_nowait(frames)
+                except zmq.Again:
+                    await sock.send(frames)
+                return await fut
+        except TimeoutError:
+            raise DeadlineExceeded(f"{op!r} got no reply within {deadline} s") from None
+        finally:
+            self._pending.pop(rid, None)
+
+    def _on_reply(self, frames: list[zmq.Frame]) -> None:
+        try:
+            msg = decode(frames, max_bytes=self._max_bytes)
+        except MalformedMessage:
+            self._malformed += 1
+            log.debug("dropped a malformed reply", exc_info=True)
+            return
+        if not (type(msg) is list and len(msg) == 3 and _is_int(msg[0])):
+            self._malformed += 1
+            return
+        rid, status, body = msg
+        fut = self._pending.pop(rid, None)
+        if fut is None or fut.done():
+            self._late += 1
+            return
+        if status == OK:
+            fut.set_result(body)
+        else:
+            fut.set_exception(_reply_error(status, body))
+
+    async def aclose(self) -> None:
+        """Close the socket; pending calls raise ClosedError."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._sock is not None:
+            self._sock.close()
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(ClosedError("client closed"))
+
+    def statistics(self) -> RpcClientStats:
+        return RpcClientStats(
+            calls=self._next_id,
+            in_flight=len(self._pending),
+            late_replies=self._late,
+            malformed_replies=self._malformed,
+        )
+
+
+def _peek_request_id(frames: list[zmq.Frame]) -> int | None:
+    """The request id of a request that does not decode, if its first bytes hold one.
+
+    A valid id is at most 9 bytes after the array header, so a 16-byte prefix suffices and
+    nothing else of a hostile frame is read.
+    """
+    if not frames:
+        return None
+    unpacker = msgpack.Unpacker()
+    unpacker.feed(frames[0].buffer[:16])
+    try:
+        if unpacker.read_array_header() != 3:
+            return None
+        rid = unpacker.unpack()
+    except Exception:  # msgpack raises several types on a bad prefix; all mean "no id"
+        return None
+    return rid if _is_int(rid) else None
+
+
+def _error_pair(body: Any) -> tuple[str, str] | None:
+    if type(body) is list and len(body) == 2 and all(type(x) is str for x in body):
+        return body[0], body[1]
+    return None
+
+
+def _reply_error(status: Any, body: Any) -> TransportError:
+    if status == UNKNOWN_OP and type(body) is str:
+        return UnknownOperation(body)
+    pair = _error_pair(body)
+    if status == ERROR and pair is not None:
+        return RemoteError(*pair)
+    if status == REJECTED and pair is not None:
+        kind, message = pair
+        cls = MessageTooLarge if kind == MessageTooLarge.__name__ else MalformedMessage
+        return cls(f"server rejected the request: {message}")
+    return MalformedMessage(f"invalid reply status {status!r}")
