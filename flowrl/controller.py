@@ -1,0 +1,676 @@
+"""The controller: one asyncio process that streams micro-batches between stages.
+
+It owns the metadata index, the worker registry, the staleness gate and the policy version; it
+never touches sample tensors, only their handles. Workers pull tasks with long polls; every
+reply that changes the index (a task done or failed, a worker up or down, a new version) wakes the
+scheduler, which dispatches whatever became possible — no loop ever sleeps to poll.
+
+Guarantees (the index guarantees the rest):
+
+- a row is trained at most once, and only by an optimizer step that completed: the train
+  micro-batches of a step are committed to the index when the step ends, and a trainer that dies
+  mid-step gives all of that step's rows back;
+- a train step at trainer version ``v`` only takes rows generated at version ``>= v -
+  max_staleness`` (staler rows are dropped and counted); with ``max_staleness = 0`` it is exactly
+  synchronous on-policy training;
+- a dead worker (process exit or missed heartbeats) has its tasks failed at once, so their rows
+  are redone by others.
+
+Bounds: a worker holds at most ``capacity + prefetch`` assigned tasks; admission holds at most
+``(max_staleness + 1) * groups_per_step`` groups ahead of the trainer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from flowrl import messages as m
+from flowrl.graph import StageSpec
+from flowrl.index import Index, Task
+from flowrl.pipeline import PipelineSpec
+from flowrl.procs import Child, Supervisor
+from flowrl.registry import Registry, WorkerInfo
+from flowrl.staleness import StalenessGate
+from transport.endpoints import ipc_endpoint, new_run_id, remove_run_dir, run_dir
+from transport.pubsub import Publisher
+from transport.rpc import RpcClient, RpcServer
+
+log = structlog.get_logger("flowrl.controller")
+
+
+class RunError(RuntimeError):
+    """The run cannot go on (e.g. a pool has no live worker left and cannot be restarted)."""
+
+
+@dataclass
+class _Assigned:
+    task: Task
+    worker: str
+    params: dict[str, Any]
+    ready_at: float
+
+
+class Controller:
+    """Async context manager: ``async with Controller(spec) as ctl: await ctl.run(steps=5)``."""
+
+    def __init__(
+        self, spec: PipelineSpec, *, run_id: str | None = None, node: str = "node0",
+        start_timeout_s: float = 120.0,
+    ) -> None:
+        self.spec = spec
+        self.graph = spec.graph()
+        self.run_id = run_id or new_run_id()
+        self.node = node
+        self.start_timeout_s = start_timeout_s
+        self.index = Index(self.graph)
+        self.registry = Registry(spec.heartbeat_timeout_s)
+        self.gate = StalenessGate(spec.max_staleness, spec.groups_per_step)
+        self.version = 0
+        self._source_stage = self._find_source_stage()
+        self._train_stage = next(
+            (s for s in self.graph.order if s.consumes_version_bound), None)
+        self._assigned: dict[int, _Assigned] = {}
+        self._queues: dict[str, asyncio.Queue[m.TaskMsg]] = {}
+        self._group_step: dict[int, int] = {}
+        self._admitted = 0
+        self._data_pos = 0
+        self._train_step = 0  # step the next train micro-batch belongs to
+        self._train_groups_in_step = 0
+        self._step_tasks: list[int] = []  # train tasks done but not yet committed
+        self._assigned_done: dict[int, Task] = {}
+        self._weights: dict[int, dict[str, Any]] = {}
+        self._kick = asyncio.Event()
+        self._changed = asyncio.Event()
+        self._failures: collections.Counter[tuple[str, int]] = collections.Counter()
+        self._kick_at = 0.0
+        self._stop = asyncio.Event()
+        self._steps_target = 0
+        self._steps_done_evt = asyncio.Event()
+        self._registered = asyncio.Event()
+        self._node_up = asyncio.Event()
+        self._store_endpoint = ""
+        self._endpoint = ""
+        self._broadcast = ""
+        self._fatal: BaseException | None = None
+        # Unbounded, but bounded in practice: frees follow retirements (at most the rows the
+        # staleness gate admitted) and broadcasts follow steps.
+        self._free_q: asyncio.Queue[list[Any]] = asyncio.Queue()
+        self._pub_q: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
+        self._last_step_at = 0.0
+        #: called with each step's metrics (the launcher prints them, the monitor streams them).
+        self.on_step: list[Callable[[dict[str, Any]], None]] = []
+        self._supervisor = Supervisor(self._on_child_exit)
+        self._owned: list[asyncio.Task[None]] = []
+        self._server: RpcServer | None = None
+        self._pub: Publisher | None = None
+        self._store: RpcClient | None = None
+        # accounting
+        self.trained_rows: set[int] = set()
+        self.rows_trained_twice = 0
+        self.stale_dropped = 0
+        self.staleness_hist: collections.Counter[int] = collections.Counter()
+        self.dispatch_us: collections.deque[float] = collections.deque(maxlen=100_000)
+        self.errors: collections.deque[dict[str, Any]] = collections.deque(maxlen=50)
+        self.step_log: list[dict[str, Any]] = []
+        self.worker_deaths = 0
+        self._t0 = 0.0
+        self._samples_trained = 0
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Controller:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        run_dir(self.run_id)
+        self._server = RpcServer(ipc_endpoint(self.run_id, "ctl"), self._handlers())
+        endpoint = self._endpoint = await self._server.start()
+        self._pub = Publisher(ipc_endpoint(self.run_id, "pub"))
+        self._broadcast = await self._pub.start()
+        loop = asyncio.get_running_loop()
+        self._owned = [loop.create_task(self._free_loop(), name="flowrl-free"),
+                       loop.create_task(self._watchdog(), name="flowrl-watchdog"),
+                       loop.create_task(self._publish_loop(), name="flowrl-publish")]
+        store = ipc_endpoint(self.run_id, f"store-{self.node}")
+        await self._supervisor.spawn(
+            f"node:{self.node}",
+            [sys.executable, "-m", "flowrl.node", "--run-id", self.run_id, "--node", self.node,
+             "--controller", endpoint, "--store", store,
+             "--capacity", str(self.spec.store_capacity_bytes)],
+        )
+        async with asyncio.timeout(self.start_timeout_s):
+            await self._node_up.wait()
+        self._store = RpcClient(self._store_endpoint)
+        for pool in self.spec.pools:
+            procs = math.ceil(pool.count / pool.per_process)
+            for p in range(procs):
+                count = min(pool.per_process, pool.count - p * pool.per_process)
+                await self._spawn_workers(pool.role, p, count, pool.capacity, pool.threads)
+        expected = sum(p.count for p in self.spec.pools)
+        try:
+            async with asyncio.timeout(self.start_timeout_s):
+                while len(self.registry) < expected:
+                    self._registered.clear()
+                    await self._registered.wait()
+                    if self._fatal is not None:
+                        raise self._fatal
+        except TimeoutError:
+            have = collections.Counter(w.role for w in self.registry.all())
+            missing = {p.role: p.count - have[p.role] for p in self.spec.pools
+                       if have[p.role] < p.count}
+            raise RunError(f"workers did not register within {self.start_timeout_s}s: "
+                           f"missing {missing}") from None
+        log.info("controller ready", run_id=self.run_id, workers=len(self.registry))
+
+    async def _spawn_workers(
+        self, role: str, proc_no: int, count: int, capacity: int, threads: int
+    ) -> Child:
+        argv = [
+            sys.executable, "-m", "workers.main", "--run-id", self.run_id, "--node", self.node,
+            "--controller", self._endpoint, "--broadcast", self._broadcast,
+            "--store", self._store_endpoint, "--role", role, "--count", str(count),
+            "--capacity", str(capacity), "--threads", str(threads),
+            "--engine", self.spec.engine,
+            "--engine-config", json.dumps(self.spec.engine_config),
+            "--seed", str(self.spec.seed * 1000 + proc_no),
+            "--heartbeat", str(self.spec.heartbeat_s), "--name", f"{role}.{proc_no}",
+        ]
+        return await self._supervisor.spawn(f"{role}.{proc_no}", argv)
+
+    async def aclose(self) -> None:
+        """Stop workers, the node agent and the sockets; leaves no process or file behind."""
+        self._stop.set()
+        if self._pub is not None:
+            await self._pub.publish(m.TOPIC_STOP, {"reason": "controller closing"})
+        await self._supervisor.stop_all(grace_s=5.0)
+        for t in self._owned:
+            t.cancel()
+        await asyncio.gather(*self._owned, return_exceptions=True)
+        if self._store is not None:
+            await self._store.aclose()
+        if self._pub is not None:
+            await self._pub.aclose()
+        if self._server is not None:
+            await self._server.aclose()
+        remove_run_dir(self.run_id)
+
+    # ---- running ---------------------------------------------------------------------------
+
+    async def run(self, steps: int, *, timeout_s: float | None = None) -> dict[str, Any]:
+        """Run ``steps`` optimizer steps; returns a summary of the run."""
+        self._steps_target = self.version + steps
+        self._steps_done_evt.clear()
+        self._t0 = self._last_step_at = time.perf_counter()
+        samples0 = self._samples_trained
+        scheduler = asyncio.get_running_loop().create_task(self._schedule(), name="flowrl-sched")
+        self._kick.set()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._steps_done_evt.wait()
+        finally:
+            scheduler.cancel()
+            await asyncio.gather(scheduler, return_exceptions=True)
+        if self._fatal is not None:
+            raise self._fatal
+        wall = time.perf_counter() - self._t0
+        samples = self._samples_trained - samples0
+        return {"steps": steps, "wall_s": wall, "samples": samples,
+                "samples_per_s": samples / wall if wall > 0 else 0.0,
+                "version": self.version, "stale_dropped": self.stale_dropped,
+                "rows_trained_twice": self.rows_trained_twice,
+                "staleness": dict(self.staleness_hist)}
+
+    async def wait_for(self, predicate: Callable[[], bool]) -> None:
+        """Wait until ``predicate()`` holds; re-checked after every step and worker event."""
+        while not predicate():
+            if self._fatal is not None:
+                raise self._fatal
+            await self._changed.wait()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _wake(self) -> None:
+        if not self._kick.is_set():
+            self._kick_at = time.perf_counter()
+            self._kick.set()
+
+    async def _schedule(self) -> None:
+        while True:
+            await self._kick.wait()
+            self._kick.clear()
+            if self._stop.is_set() or self._fatal is not None:
+                return
+            self._dispatch_pass()
+
+    def _dispatch_pass(self) -> None:
+        for stage in self.graph.order:
+            if stage is self._source_stage:
+                self._dispatch_source(stage)
+            elif stage is self._train_stage:
+                self._dispatch_train(stage)
+            else:
+                self._dispatch_rows(stage)
+
+    @property
+    def _max_in_flight(self) -> int:
+        return 1 + self.spec.prefetch
+
+    def _dispatch_rows(self, stage: StageSpec) -> None:
+        while True:
+            w = self.registry.least_loaded(stage.role, self._max_in_flight)
+            if w is None:
+                return
+            task = self.index.request(stage.name, stage.micro_batch, worker=w.worker_id)
+            if task is None:
+                return
+            self._assign(w, task, {})
+
+    def _dispatch_source(self, stage: StageSpec) -> None:
+        s = self.gate.max_staleness
+        # Groups given back by failed tasks go first; they were admitted for earlier steps.
+        while True:
+            w = self.registry.least_loaded(stage.role, self._max_in_flight)
+            if w is None:
+                return
+            task = self.index.request(stage.name, 1, worker=w.worker_id)
+            if task is None:
+                break
+            need = self._group_step[task.groups[0]] - s
+            if w.version < need:
+                other = self.registry.least_loaded(stage.role, self._max_in_flight, need)
+                if other is None:
+                    self._fail_task(task.id)
+                    return
+                w = other
+            self._assign(w, task, {})
+        if self._steps_target and self.version >= self._steps_target:
+            return
+        while self.gate.can_admit(self._admitted, self.version):
+            step = self._admitted // self.spec.groups_per_step
+            w = self.registry.least_loaded(stage.role, self._max_in_flight, step - s)
+            if w is None:
+                return
+            n = self.spec.group_size
+            gid = self.index.add_group(n, fields={"prompt": [self._data_pos] * n})
+            self._data_pos += 1
+            self._group_step[gid] = step
+            self._admitted += 1
+            task = self.index.request(stage.name, 1, worker=w.worker_id)
+            assert task is not None
+            self._assign(w, task, {"data_pos": self._data_pos - 1})
+
+    def _dispatch_train(self, stage: StageSpec) -> None:
+        g = self.spec.groups_per_step
+        while self._train_step < self._steps_target:
+            w = self.registry.least_loaded(stage.role, self._max_in_flight)
+            if w is None:
+                return
+            want = min(stage.micro_batch, g - self._train_groups_in_step)
+            min_version = self.gate.min_train_version(self._train_step)
+            task = self.index.request(stage.name, want, min_version=min_version,
+                                      worker=w.worker_id)
+            self._drop_stale()
+            if task is None:
+                return
+            self._train_groups_in_step += len(task.groups)
+            end = self._train_groups_in_step >= g
+            self._assign(w, task, {"step": self._train_step, "step_end": end})
+            if end:
+                self._train_step += 1
+                self._train_groups_in_step = 0
+
+    def _drop_stale(self) -> None:
+        for gid in self.index.take_stale():
+            handles = self.index.drop_group(gid)
+            self._group_step.pop(gid, None)
+            self.stale_dropped += 1
+            self._admitted -= 1  # its slot is admitted again
+            if handles:
+                self._free_q.put_nowait(handles)
+
+    def _assign(self, w: WorkerInfo, task: Task, params: dict[str, Any]) -> None:
+        self.registry.assign(w, task.id, max(1, task.tokens))
+        now = time.perf_counter()
+        self._assigned[task.id] = _Assigned(task, w.worker_id, params, now)
+        if self._kick_at:
+            self.dispatch_us.append((now - self._kick_at) * 1e6)
+        msg: m.TaskMsg = {
+            "task_id": task.id, "stage": task.stage, "rows": list(task.rows),
+            "groups": list(task.groups),
+            "row_groups": [self.index.row_group(r) for r in task.rows],
+            "inputs": {k: list(v) for k, v in task.handles.items()}, "params": params,
+        }
+        self._queues[w.worker_id].put_nowait(msg)
+
+    # ---- request handlers ------------------------------------------------------------------
+
+    def _handlers(self) -> dict[str, Any]:
+        return {
+            m.OP_REGISTER: self._on_register,
+            m.OP_HEARTBEAT: self._on_heartbeat,
+            m.OP_GET_TASK: self._on_get_task,
+            m.OP_TASK_DONE: self._on_task_done,
+            m.OP_TASK_FAILED: self._on_task_failed,
+            m.OP_SERVED: self._on_served,
+            m.OP_BYE: self._on_bye,
+            "node_up": self._on_node_up,
+        }
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    async def _on_node_up(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
+        self._store_endpoint = str(p["store"])
+        self._node_up.set()
+        return {"ok": True}
+
+    async def _on_register(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
+        role = str(p["role"])
+        if self.spec.pool(role) is None:
+            raise ValueError(f"no pool for role {role!r} in this pipeline")
+        info = self.registry.register(
+            name=str(p["name"]), role=role, node=str(p["node"]), pid=int(p["pid"]),
+            capacity=int(p["capacity"]), version=0, now=self._now())
+        self._queues[info.worker_id] = asyncio.Queue()
+        self._registered.set()
+        self._wake()
+        log.info("worker up", worker=info.worker_id, name=info.name, node=info.node)
+        latest = self._weights.get(self.version)
+        return {"worker_id": info.worker_id, "version": self.version, "weights": latest}
+
+    async def _on_heartbeat(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
+        info = self.registry.heartbeat(str(p["worker_id"]), self._now())
+        return {"ok": info is not None}
+
+    async def _on_get_task(self, p: dict[str, Any], peer: bytes) -> m.TaskMsg | None:
+        q = self._queues.get(str(p["worker_id"]))
+        if q is None:
+            return None
+        try:
+            async with asyncio.timeout(float(p["wait_s"])):
+                return await q.get()
+        except TimeoutError:
+            return None
+
+    async def _on_task_done(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
+        a = self._finish(p, ok=True)
+        if a is None:
+            return {"ok": False}
+        task = a.task
+        fields: dict[str, list[Any]] = p["fields"]
+        lengths: list[int] = list(p.get("lengths") or [])
+        if task.stage == (self._train_stage.name if self._train_stage else None):
+            self._step_tasks.append(task.id)
+            if a.params.get("step_end"):
+                self._commit_step(p)
+        else:
+            produced = {k: v for k, v in fields.items()}
+            retired = self.index.complete(task.id, produced, version=p.get("version"),
+                                          lengths=lengths or None)
+            if retired:
+                self._free_q.put_nowait(retired)
+        self._wake()
+        return {"ok": True}
+
+    def _commit_step(self, p: dict[str, Any]) -> None:
+        """All micro-batches of a step are trained: commit them and publish the new version."""
+        new_version = int(p["version"])
+        rewards: list[float] = []
+        staleness: list[int] = []
+        samples = 0
+        for task_id in self._step_tasks:
+            task = self._assigned_done.pop(task_id)
+            for row, v in zip(task.rows, task.versions, strict=True):
+                if row in self.trained_rows:
+                    self.rows_trained_twice += 1
+                self.trained_rows.add(row)
+                staleness.append(self.version - (v or 0))
+            rewards.extend(float(r) for r in task.handles.get("reward", ()))
+            samples += len(task.rows)
+            retired = self.index.complete(task_id)
+            if retired:
+                self._free_q.put_nowait(retired)
+        self._step_tasks.clear()
+        self.staleness_hist.update(staleness)
+        self._samples_trained += samples
+        self.version = new_version
+        weights = p.get("weights")
+        if weights:
+            self._weights[new_version] = weights
+            self._pub_q.put_nowait((m.TOPIC_VERSION, {"version": new_version, "weights": weights}))
+        self._release_old_weights()
+        now = time.perf_counter()
+        wall = now - self._t0
+        entry: dict[str, Any] = {
+            "step": new_version,
+            "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+            "samples": samples,
+            "samples_per_s": samples / (now - self._last_step_at) if self._last_step_at else 0.0,
+            "staleness_max": max(staleness, default=0),
+            "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
+            "served_versions": sorted(
+                {w.version for w in self.registry.of_role(self._source_stage.role)}),
+            "wall_s": wall,
+            **{f"train_{k}": v for k, v in (p.get("metrics") or {}).items()},
+        }
+        self._last_step_at = now
+        self.step_log.append(entry)
+        log.debug("step", **entry)
+        for callback in self.on_step:
+            callback(entry)
+        if self.version >= self._steps_target:
+            self._steps_done_evt.set()
+        self._notify()
+
+    async def _publish_loop(self) -> None:
+        """Broadcasts leave in order from one owned task, never from fire-and-forget tasks."""
+        assert self._pub is not None
+        while True:
+            topic, payload = await self._pub_q.get()
+            await self._pub.publish(topic, payload)
+
+    def _release_old_weights(self) -> None:
+        rollout = self._source_stage.role
+        served = [w.version for w in self.registry.of_role(rollout)]
+        keep_from = min([*served, self.version])
+        for v in [v for v in self._weights if v < keep_from and v != self.version]:
+            handles = [h for h, _shape in self._weights.pop(v).values()]
+            self._free_q.put_nowait(handles)
+
+    async def _on_task_failed(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
+        a = self._finish(p, ok=False)
+        if a is not None:
+            error = str(p.get("error", ""))
+            self.errors.append({"worker": a.worker, "stage": a.task.stage,
+                                "task": a.task.id, "version": self.version, "error": error})
+            key = (a.task.stage, a.task.rows[0] if a.task.rows else -1)
+            self._failures[key] += 1
+            if self._failures[key] >= self.spec.max_task_failures:
+                self._fail_run(RunError(
+                    f"stage {a.task.stage!r} failed {self._failures[key]} times on rows "
+                    f"starting at {key[1]} (last on worker {a.worker}, policy version "
+                    f"{self.version}): {error}"))
+            self._give_back(a)
+        self._wake()
+        return {"ok": True}
+
+    def _finish(self, p: dict[str, Any], *, ok: bool) -> _Assigned | None:
+        task_id = int(p["task_id"])
+        a = self._assigned.get(task_id)
+        if a is None or a.worker != str(p["worker_id"]):
+            return None  # a late report from a worker already declared dead
+        info = self.registry.get(a.worker)
+        if info is not None:
+            self.registry.finish(info, task_id, ok=ok)
+        del self._assigned[task_id]
+        if ok and self._train_stage is not None and a.task.stage == self._train_stage.name:
+            self._assigned_done[task_id] = a.task
+        return a
+
+    def _is_train(self, a: _Assigned) -> bool:
+        return self._train_stage is not None and a.task.stage == self._train_stage.name
+
+    def _give_back(self, a: _Assigned) -> None:
+        """A task failed: its rows return to the stage's queue (a train task undoes its step)."""
+        if self._is_train(a):
+            self._abort_step([a.task.id])
+        else:
+            self._fail_task(a.task.id)
+
+    def _abort_step(self, extra: list[int]) -> None:
+        """The trainer lost its accumulated gradients: redo every micro-batch of the step."""
+        step_tasks = [t for t, a in self._assigned.items() if self._is_train(a)]
+        for task_id in [*extra, *self._step_tasks, *step_tasks]:
+            self._assigned.pop(task_id, None)
+            self._assigned_done.pop(task_id, None)
+            self._fail_task(task_id)
+        for w in self.registry.of_role(self._train_stage.role if self._train_stage else ""):
+            for task_id in list(w.tasks):
+                self.registry.finish(w, task_id, ok=False)
+            self._drain_queue(w.worker_id)
+        self._step_tasks.clear()
+        self._train_step = self.version
+        self._train_groups_in_step = 0
+
+    def _fail_task(self, task_id: int) -> None:
+        freed = self.index.fail(task_id)
+        if freed:
+            self._free_q.put_nowait(freed)
+
+    def _drain_queue(self, worker_id: str) -> None:
+        q = self._queues.get(worker_id)
+        while q is not None and not q.empty():
+            q.get_nowait()
+
+    async def _on_served(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
+        info = self.registry.get(str(p["worker_id"]))
+        if info is not None:
+            info.version = int(p["version"])
+            self._release_old_weights()
+            self._wake()
+        return {"ok": True}
+
+    async def _on_bye(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
+        self._worker_gone(str(p["worker_id"]), "said bye")
+        return {"ok": True}
+
+    # ---- liveness --------------------------------------------------------------------------
+
+    def _worker_gone(self, worker_id: str, why: str) -> None:
+        info = self.registry.remove(worker_id)
+        if info is None:
+            return
+        if not self._stop.is_set():
+            self.worker_deaths += 1
+            log.warning("worker down", worker=worker_id, name=info.name, why=why,
+                        tasks=len(info.tasks))
+            self.errors.append({"worker": worker_id, "error": f"worker down: {why}"})
+            self._notify()
+        self._queues.pop(worker_id, None)
+        lost_train: list[int] = []
+        for task_id in list(info.tasks):
+            a = self._assigned.pop(task_id, None)
+            if a is None:
+                continue
+            if self._is_train(a):
+                lost_train.append(task_id)
+            else:
+                self._fail_task(task_id)
+        if self._train_stage is not None and info.role == self._train_stage.role:
+            self._abort_step(lost_train)
+        self._wake()
+
+    def _fail_run(self, error: RunError) -> None:
+        """Stop the run with ``error``: every waiter wakes up and raises it."""
+        if self._fatal is None:
+            log.error("run failed", error=str(error))
+            self._fatal = error
+        self._registered.set()
+        self._steps_done_evt.set()
+        self._node_up.set()
+        self._notify()
+
+    def _on_child_exit(self, child: Child, code: int) -> None:
+        if child.name.startswith("node:") and not self._stop.is_set():
+            self._fail_run(RunError(f"node agent {child.name} exited with code {code}"))
+            return
+        for info in self.registry.by_pid(child.pid):
+            self._worker_gone(info.worker_id, f"process {child.pid} exited with code {code}")
+
+    async def _watchdog(self) -> None:
+        while True:
+            deadline = self.registry.next_deadline()
+            now = self._now()
+            delay = self.spec.heartbeat_timeout_s if deadline is None else deadline - now
+            await asyncio.sleep(max(0.0, delay) + 0.001)
+            for info in self.registry.expired(self._now()):
+                self._worker_gone(info.worker_id, "missed heartbeats")
+
+    async def _free_loop(self) -> None:
+        while True:
+            handles = await self._free_q.get()
+            while not self._free_q.empty():  # batch what piled up
+                handles.extend(self._free_q.get_nowait())
+            # Inline field values (prompt positions, rewards) hold no memory; handles are lists.
+            handles = [h for h in handles if isinstance(h, list | tuple) and len(h) == 5]
+            if self._store is not None and handles:
+                try:
+                    await self._store.call("free", {"handles": handles}, timeout=10.0)
+                except Exception as exc:
+                    log.warning("store free failed", error=repr(exc), handles=len(handles))
+
+    # ---- introspection ---------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        stats = self.index.statistics()
+        wall = (time.perf_counter() - self._t0) if self._t0 else 0.0
+        return {
+            "run_id": self.run_id,
+            "version": self.version,
+            "max_staleness": self.gate.max_staleness,
+            "index": stats.as_dict(),
+            "workers": [
+                {"id": w.worker_id, "name": w.name, "role": w.role, "node": w.node,
+                 "version": w.version, "in_flight": w.in_flight, "load": w.load,
+                 "done": w.done, "failed": w.failed}
+                for w in self.registry.all()
+            ],
+            "staleness_histogram": {str(k): v for k, v in sorted(self.staleness_hist.items())},
+            "samples_trained": self._samples_trained,
+            "samples_per_s": self._samples_trained / wall if wall else 0.0,
+            "stale_dropped": self.stale_dropped,
+            "worker_deaths": self.worker_deaths,
+            "errors": list(self.errors),
+        }
+
+    def kill_worker_process(self, pid: int) -> None:
+        """SIGKILL one child (tests and chaos use this)."""
+        self._supervisor.kill(pid)
+
+    def worker_pids(self, role: str | None = None) -> list[int]:
+        return sorted({w.pid for w in self.registry.all() if role in (None, w.role)})
+
+    def _find_source_stage(self) -> StageSpec:
+        src = set(self.graph.source_fields)
+        firsts = [s for s in self.graph.order if set(s.needs) <= src]
+        if len(firsts) != 1:
+            raise ValueError(
+                f"exactly one stage must read only the data source's fields {sorted(src)}; "
+                f"found {[s.name for s in firsts]}")
+        return firsts[0]

@@ -1,0 +1,68 @@
+"""Names and shapes of the messages between the controller and its workers.
+
+Pure definitions (no I/O, nothing heavy imported) so that `workers` may import them without
+pulling in the controller. Every payload is a msgpack map; tensors never ride in these messages,
+only store handles (lists) and small scalars.
+
+Requests (worker -> controller, over the controller's ROUTER socket):
+
+- ``register``   ``{name, role, node, pid, capacity}`` -> ``{worker_id, version, config}``
+- ``heartbeat``  ``{worker_id, version, busy}`` -> ``{ok}``; an unknown worker gets ``{ok: False}``
+  and must exit (the controller has already declared it dead and requeued its rows).
+- ``get_task``   ``{worker_id, wait_s}`` -> a `TaskMsg` map, or ``None`` when nothing came within
+  ``wait_s`` (a long poll: the controller answers the moment a task is assigned).
+- ``task_done``  ``{worker_id, task_id, fields, lengths, version, metrics}`` -> ``{ok}``
+- ``task_failed`` ``{worker_id, task_id, error}`` -> ``{ok}``
+- ``served``     ``{worker_id, version}`` -> ``{ok}``: the worker now serves that policy version.
+- ``bye``        ``{worker_id}`` -> ``{ok}``: clean exit.
+
+Broadcasts (controller -> everyone, PUB/SUB topics):
+
+- ``version``  ``{version, weights}``: a new policy version is published; ``weights`` maps
+  parameter names to store handles (rollout workers load it at their next safe point).
+- ``stop``     ``{reason}``: finish the current task and exit.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, NotRequired, TypedDict
+
+OP_REGISTER: Final = "register"
+OP_HEARTBEAT: Final = "heartbeat"
+OP_GET_TASK: Final = "get_task"
+OP_TASK_DONE: Final = "task_done"
+OP_TASK_FAILED: Final = "task_failed"
+OP_SERVED: Final = "served"
+OP_BYE: Final = "bye"
+
+TOPIC_VERSION: Final = "version"
+TOPIC_STOP: Final = "stop"
+
+
+class TaskMsg(TypedDict):
+    """One micro-batch of work handed to a worker."""
+
+    task_id: int
+    stage: str
+    rows: list[int]
+    groups: list[int]
+    #: the group of each row, aligned with ``rows`` (group-level stages get whole groups).
+    row_groups: list[int]
+    #: field name -> one value per row: a store handle (a list) or an inline scalar.
+    inputs: dict[str, list[Any]]
+    #: stage-specific parameters, e.g. the train step and whether this micro-batch ends it.
+    params: dict[str, Any]
+
+
+class DoneMsg(TypedDict):
+    worker_id: str
+    task_id: int
+    #: produced field name -> one value per row (store handle or inline scalar).
+    fields: dict[str, list[Any]]
+    #: per-row token counts of what was produced (used for load balancing), or empty.
+    lengths: list[int]
+    #: the policy version that produced these rows, when the stage generates samples.
+    version: int | None
+    metrics: dict[str, float]
+    #: set by the task that ends a train step: parameter name -> store handle of version+1.
+    weights: NotRequired[dict[str, Any]]

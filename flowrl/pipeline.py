@@ -1,0 +1,83 @@
+"""What the controller runs: the stage graph, the worker pools and the run's bounds.
+
+Plain frozen dataclasses with no heavy imports; recipes (validated user configuration) compile
+into a `PipelineSpec`, and tests and benchmarks build one directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from flowrl.graph import StageGraph, StageSpec
+
+#: fields every GRPO-style dataflow uses; the data source provides only ``prompt``.
+SOURCE_FIELDS = ("prompt",)
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """A pool of identical workers serving one role."""
+
+    role: str
+    count: int = 1
+    #: workers hosted by one process (simulated workers are cheap; real engines use 1).
+    per_process: int = 1
+    #: tasks one worker runs concurrently.
+    capacity: int = 1
+    #: torch threads per worker process (DESIGN §7: rollout and training overlap, not fight).
+    threads: int = 1
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    stages: tuple[StageSpec, ...]
+    pools: tuple[PoolSpec, ...]
+    #: responses per prompt (the GRPO/RLOO group).
+    group_size: int = 4
+    #: prompt groups per optimizer step (the global batch).
+    groups_per_step: int = 8
+    max_staleness: int = 0
+    #: worker implementation: "sim" (modelled cost) or a real engine name.
+    engine: str = "sim"
+    engine_config: dict[str, Any] = field(default_factory=dict)
+    store_capacity_bytes: int = 1 << 30
+    #: admission pauses while the store is fuller than this share of its capacity.
+    store_high_water: float = 0.8
+    heartbeat_s: float = 1.0
+    heartbeat_timeout_s: float = 10.0
+    #: tasks assigned to a worker beyond its capacity, so the next one is already waiting when
+    #: it finishes; small, because an assigned task cannot move to a less loaded worker.
+    prefetch: int = 1
+    #: a micro-batch whose task fails this many times stops the run with the last error.
+    max_task_failures: int = 3
+    seed: int = 0
+
+    def graph(self) -> StageGraph:
+        return StageGraph(self.stages, SOURCE_FIELDS)
+
+    def pool(self, role: str) -> PoolSpec | None:
+        return next((p for p in self.pools if p.role == role), None)
+
+
+def grpo_stages(
+    *, group_size: int, train_micro_groups: int = 1, reward_micro_batch: int | None = None,
+    reference: bool = False,
+) -> tuple[StageSpec, ...]:
+    """rollout (per group) → reward (per row) → [reference] → train (per group, streamed)."""
+    rmb = reward_micro_batch or group_size
+    stages = [
+        StageSpec("rollout", needs=("prompt",),
+                  produces=("prompt_ids", "response_ids", "rollout_logprobs"),
+                  micro_batch=1, group_level=True),
+        StageSpec("reward", needs=("prompt", "response_ids"), produces=("reward",),
+                  micro_batch=rmb),
+    ]
+    train_needs = ["prompt_ids", "response_ids", "rollout_logprobs", "reward"]
+    if reference:
+        stages.append(StageSpec("reference", needs=("prompt_ids", "response_ids"),
+                                produces=("ref_logprobs",), micro_batch=rmb))
+        train_needs.append("ref_logprobs")
+    stages.append(StageSpec("train", needs=tuple(train_needs), micro_batch=train_micro_groups,
+                            group_level=True, consumes_version_bound=True))
+    return tuple(stages)

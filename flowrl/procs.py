@@ -1,0 +1,96 @@
+"""Child processes of the controller: start, watch, forward output, stop in order.
+
+Every child is owned: one watcher task per child awaits its exit and reports it through
+``on_exit`` (a dead worker's rows are requeued at once, without waiting for missed heartbeats).
+Children's output lines reach the controller's log prefixed with the child's name. Stopping is
+polite first (the caller broadcasts ``stop``), then SIGTERM, then SIGKILL, each with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import structlog
+
+log = structlog.get_logger("flowrl.procs")
+
+
+@dataclass
+class Child:
+    name: str
+    proc: asyncio.subprocess.Process
+    watcher: asyncio.Task[None]
+    expected_exit: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+class Supervisor:
+    def __init__(self, on_exit: Callable[[Child, int], None]) -> None:
+        self._on_exit = on_exit
+        self._children: dict[int, Child] = {}
+
+    @property
+    def children(self) -> list[Child]:
+        return list(self._children.values())
+
+    async def spawn(
+        self, name: str, argv: Sequence[str], env: dict[str, str] | None = None
+    ) -> Child:
+        full_env = {**os.environ, **(env or {})}
+        full_env.setdefault("PYTHONUNBUFFERED", "1")
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=full_env,
+        )
+        child = Child(name, proc, asyncio.get_running_loop().create_task(self._watch(name, proc)))
+        self._children[proc.pid] = child
+        return child
+
+    async def _watch(self, name: str, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stdout is not None
+        while line := await proc.stdout.readline():
+            sys.stderr.write(f"[{name}] {line.decode(errors='replace')}")
+        code = await proc.wait()
+        child = self._children.pop(proc.pid, None)
+        if child is not None:
+            if not child.expected_exit:
+                log.warning("child exited", child=name, pid=proc.pid, code=code)
+            self._on_exit(child, code)
+
+    def kill(self, pid: int, sig: int = signal.SIGKILL) -> None:
+        child = self._children.get(pid)
+        if child is not None:
+            with contextlib.suppress(ProcessLookupError):
+                child.proc.send_signal(sig)
+
+    async def stop_all(self, grace_s: float = 5.0) -> None:
+        """Wait ``grace_s`` for children to exit on their own, then TERM, then KILL."""
+        children = list(self._children.values())
+        for c in children:
+            c.expected_exit = True
+        watchers = [c.watcher for c in children]
+        if not watchers:
+            return
+        _, pending = await asyncio.wait(watchers, timeout=grace_s)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if not pending:
+                break
+            for c in children:
+                if c.watcher in pending:
+                    with contextlib.suppress(ProcessLookupError):
+                        c.proc.send_signal(sig)
+            _, pending = await asyncio.wait(pending, timeout=grace_s)
+        for task in pending:  # unreachable unless the kernel refuses SIGKILL
+            task.cancel()

@@ -1,0 +1,656 @@
+"""Recipes: the typed, validated description of one RL run.
+
+A `Recipe` is a frozen pydantic model made of small sections (model, data, algorithm, rollout,
+reward, trainer, monitor, sim, placement). Defaults make the common case short::
+
+    recipe = Recipe(
+        steps=200,
+        model=ModelConfig(path="/models/qwen2.5-0.5b"),
+        data=DataConfig(kind="jsonl", path="data/gsm8k.jsonl"),
+        reward=RewardConfig(fn="my_rewards:score"),
+    )
+
+Guarantees:
+
+- Every section forbids unknown keys and checks bounds and cross-field rules at construction; a
+  rule violation is a ``recipe_rule`` error whose context names the field (`flowrl.recipe_file`
+  turns errors into messages naming the file and the dotted field path).
+- A constructed recipe is immutable and always compiles: `Recipe.to_pipeline` returns a valid
+  `PipelineSpec` whose ``engine_config`` is plain JSON (it travels on worker command lines).
+- The monitor token is a `SecretStr`: it is never shown by ``repr``/``str``/``model_dump_json``,
+  input values are hidden in validation errors, and it is never put in ``engine_config``.
+- Filesystem checks (model directory, data file, reward file) run only for local placement with a
+  real engine, where the controller's filesystem is the workers' filesystem.
+
+Imports nothing heavy (pydantic and the standard library), so `workers` may import it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages
+
+__all__ = [
+    "LOSS_AGG_ALGORITHM_NAMES",
+    "TINY_MODEL",
+    "AlgorithmConfig",
+    "ArithmeticConfig",
+    "DataConfig",
+    "ModelConfig",
+    "MonitorConfig",
+    "PlacementConfig",
+    "Recipe",
+    "RewardConfig",
+    "RolloutConfig",
+    "SimConfig",
+    "TinyModelConfig",
+    "TrainerConfig",
+    "callable_ref",
+    "check_fn_ref",
+]
+
+TINY_MODEL = "tiny"
+"""`ModelConfig.path` value that builds a tiny Qwen2 model locally instead of loading one."""
+
+DEFAULT_TIS_CAP = 2.0
+"""Truncated-importance-sampling cap used when samples may be stale (mirrors
+``flowrl.algorithms.DEFAULT_TIS_CAP``; this module may not import torch)."""
+
+LossAggName = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+
+LOSS_AGG_ALGORITHM_NAMES: dict[str, str] = {
+    "token_mean": "token-mean",
+    "seq_mean_token_mean": "seq-mean-token-mean",
+    "seq_mean_token_sum_norm": "seq-mean-token-sum-norm",
+}
+"""Recipe spelling → the spelling `flowrl.algorithms.compute_policy_loss` takes (verl's)."""
+
+
+def _fspath(v: Any) -> Any:
+    return os.fspath(v) if isinstance(v, os.PathLike) else v
+
+
+_PathText = Annotated[str, BeforeValidator(_fspath)]
+"""A filesystem path kept as text (``"tiny"`` is not a path); accepts `pathlib.Path`."""
+
+
+def _rule(field: str, message: str) -> PydanticCustomError:
+    """A cross-field rule violation; ``ctx["field"]`` is the field path below the model."""
+    return PydanticCustomError(
+        "recipe_rule", "{field}: {message}", {"field": field, "message": message}
+    )
+
+
+class _Section(BaseModel):
+    # hide_input_in_errors: a rejected monitor token must not appear in an error message, and
+    # nested sections are reported with the outer model's setting, so every section hides input.
+    model_config = ConfigDict(
+        extra="forbid",
+        frozen=True,
+        validate_default=True,
+        hide_input_in_errors=True,
+        use_attribute_docstrings=True,
+        coerce_numbers_to_str=True,
+    )
+
+
+# ---- model --------------------------------------------------------------------------------------
+
+
+class TinyModelConfig(_Section):
+    """A tiny Qwen2 model built locally (no model hub): ``workers.tiny_model.build_tiny_model``."""
+
+    hidden: int = Field(default=128, ge=8, le=4096)
+    """Hidden size; must divide by `heads`."""
+    layers: int = Field(default=4, ge=1, le=64)
+    """Transformer layers."""
+    heads: int = Field(default=4, ge=1, le=64)
+    """Attention heads; must divide by `kv_heads`."""
+    kv_heads: int = Field(default=2, ge=1, le=64)
+    """Key/value heads (grouped-query attention)."""
+    vocab_size: int = Field(default=1024, ge=300, le=65536)
+    """Upper bound on the byte-level BPE vocabulary trained on the synthetic corpus."""
+    max_positions: int = Field(default=512, ge=16, le=32768)
+    """Longest prompt + response the model accepts."""
+    pretrain_steps: int = Field(default=0, ge=0, le=100_000)
+    """Language-modelling steps on the synthetic corpus before RL; 0 keeps random weights."""
+    seed: int = Field(default=0, ge=0)
+    """Seed of the corpus, tokenizer and weights (the build is deterministic)."""
+
+    @model_validator(mode="after")
+    def _shapes(self) -> TinyModelConfig:
+        if self.hidden % self.heads:
+            raise _rule("hidden", f"{self.hidden} does not divide by heads={self.heads}")
+        if self.heads % self.kv_heads:
+            raise _rule("heads", f"{self.heads} does not divide by kv_heads={self.kv_heads}")
+        return self
+
+
+class ModelConfig(_Section):
+    """The policy model (also the reference model when the KL term is on)."""
+
+    path: _PathText = Field(default=TINY_MODEL, min_length=1)
+    """A local Hugging Face model directory, or ``"tiny"`` to build a tiny Qwen2 model."""
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+    """Settings of the tiny model; only used when `path` is ``"tiny"``."""
+
+    @model_validator(mode="after")
+    def _tiny_only_for_tiny(self) -> ModelConfig:
+        if "tiny" in self.model_fields_set and self.path != TINY_MODEL:
+            raise _rule("tiny", f"tiny-model settings given but path is {self.path!r}, not 'tiny'")
+        return self
+
+
+# ---- data ---------------------------------------------------------------------------------------
+
+
+class ArithmeticConfig(_Section):
+    """The built-in synthetic task: prompts such as ``"12+7="`` whose exact answer is ``"19"``."""
+
+    max_operand: int = Field(default=20, ge=1, le=10**9)
+    """Operands are drawn uniformly from ``0..max_operand``."""
+    count: int = Field(default=4096, ge=1, le=10**8)
+    """Number of distinct prompts in the dataset."""
+    seed: int = Field(default=0, ge=0)
+    """Seed of the prompt generator."""
+
+
+class DataConfig(_Section):
+    """Where prompts (and the answers the reward function checks) come from."""
+
+    kind: Literal["arithmetic", "jsonl", "parquet"] = "arithmetic"
+    """``arithmetic`` (built in, synthetic), or a ``jsonl`` / ``parquet`` file of rows."""
+    path: _PathText | None = None
+    """The data file; required for ``jsonl`` and ``parquet``, not allowed for ``arithmetic``."""
+    prompt_key: str = Field(default="prompt", min_length=1)
+    """Column holding the prompt text."""
+    answer_key: str = Field(default="answer", min_length=1)
+    """Column passed to the reward function as its ``answer`` keyword."""
+    max_prompt_tokens: int = Field(default=256, ge=1, le=1 << 20)
+    """Prompts longer than this (in tokens) are dropped from the dataset."""
+    arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig)
+    """Settings of the ``arithmetic`` task."""
+
+    @model_validator(mode="after")
+    def _kind_matches(self) -> DataConfig:
+        if self.kind == "arithmetic":
+            if self.path is not None:
+                raise _rule("path", "not used by kind 'arithmetic'; set kind='jsonl' or 'parquet'")
+        else:
+            if self.path is None:
+                raise _rule("path", f"required when kind is {self.kind!r}")
+            if "arithmetic" in self.model_fields_set:
+                raise _rule("arithmetic", f"settings given but kind is {self.kind!r}")
+        return self
+
+
+# ---- algorithm ----------------------------------------------------------------------------------
+
+
+class AlgorithmConfig(_Section):
+    """The RL objective: advantage estimator, clipping, KL, loss aggregation, corrections."""
+
+    name: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo"] = "grpo"
+    """Advantage estimator: GRPO, Dr. GRPO (no std normalisation), RLOO, REINFORCE++, PPO."""
+    group_size: int = Field(default=4, ge=1, le=1024)
+    """Responses sampled per prompt (the group whose rewards form the baseline)."""
+    kl_coef: float = Field(default=0.0, ge=0.0, le=100.0)
+    """Weight of the KL(π‖π_ref) loss term; 0 disables it and the reference stage."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator (Schulman 2020); k3 is GRPO's."""
+    clip_low: float = Field(default=0.2, ge=0.0, lt=1.0)
+    """PPO ratio clip below 1: ratios under ``1 - clip_low`` are clipped."""
+    clip_high: float | None = Field(default=None, ge=0.0, le=10.0)
+    """Ratio clip above 1 (DAPO's clip-higher uses 0.28); None means the same as `clip_low`."""
+    loss_agg: LossAggName = "token_mean"
+    """How per-token losses become one number: over all tokens, per sequence then averaged, or
+    per-sequence sums over a fixed token budget (Dr. GRPO)."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal (no learning signal) and sample replacements
+    (DAPO)."""
+    tis_cap: float | Literal["auto"] | None = "auto"
+    """Truncated importance-sampling cap for stale samples; ``"auto"`` means 2.0 when
+    ``max_staleness > 0`` and off otherwise, None turns it off (see `Recipe.tis_cap`)."""
+
+    @field_validator("tis_cap")
+    @classmethod
+    def _positive_cap(cls, v: float | str | None) -> float | str | None:
+        if isinstance(v, float) and not (v > 0.0 and math.isfinite(v)):
+            raise ValueError(f"must be a positive finite number, 'auto' or None, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _groups(self) -> AlgorithmConfig:
+        if self.name in ("grpo", "dr_grpo", "rloo") and self.group_size < 2:
+            raise _rule("group_size", f"{self.name} needs groups of at least 2 responses")
+        if self.dynamic_sampling and self.group_size < 2:
+            raise _rule("dynamic_sampling", "needs group_size >= 2 (a group of one is always "
+                        "dropped)")
+        if self.name == "ppo":
+            raise _rule("name", "'ppo' needs a critic stage, which the pipeline does not "
+                        "provide yet; use grpo, dr_grpo, rloo or reinforce_pp")
+        return self
+
+    @property
+    def clip_high_resolved(self) -> float:
+        """`clip_high`, or `clip_low` when it is None."""
+        return self.clip_low if self.clip_high is None else self.clip_high
+
+
+# ---- rollout ------------------------------------------------------------------------------------
+
+
+class RolloutConfig(_Section):
+    """The generation engine and how it samples."""
+
+    engine: Literal["hf", "vllm", "sim"] = "hf"
+    """``hf`` (transformers, runs on a CPU), ``vllm``, or ``sim`` (modelled cost, no model)."""
+    workers: int = Field(default=1, ge=1, le=4096)
+    """Rollout engine instances."""
+    temperature: float = Field(default=1.0, ge=0.0, le=10.0)
+    """Sampling temperature; 0 is greedy decoding."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass; 1 disables it."""
+    max_new_tokens: int = Field(default=256, ge=1, le=1 << 20)
+    """Longest response; with ``engine="sim"`` also the simulated length cap."""
+    stop: tuple[str, ...] = ()
+    """Strings that end a response (besides the model's end-of-sequence token)."""
+    threads: int = Field(default=1, ge=1, le=1024)
+    """torch threads per rollout worker process (DESIGN §7)."""
+
+    @field_validator("stop")
+    @classmethod
+    def _non_empty_stops(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not s for s in v):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+
+# ---- reward -------------------------------------------------------------------------------------
+
+
+def _lookup(obj: Any, qualname: str) -> Any:
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _is_dotted_name(s: str) -> bool:
+    return bool(s) and all(p.isidentifier() for p in s.split("."))
+
+
+def callable_ref(fn: Callable[..., Any]) -> str:
+    """A reference worker processes can resolve: ``module:qualname`` or ``/abs/file.py:name``.
+
+    An importable module is preferred. A function defined in a file run as a script or as a
+    recipe (``runpy``: no importable module) is referred to by its file, which the worker
+    executes as a module. Lambdas, nested functions and callable objects cannot be located and
+    raise ValueError.
+    """
+    qualname = getattr(fn, "__qualname__", None)
+    module = getattr(fn, "__module__", None)
+    if not isinstance(qualname, str) or not isinstance(module, str):
+        raise ValueError(f"cannot locate {fn!r} from another process; give a module-level "
+                         "function or a 'module:function' string")
+    if "<" in qualname:
+        raise ValueError(f"{qualname!r} is a lambda or a nested function; worker processes "
+                         "can only load module-level functions")
+    mod = sys.modules.get(module)
+    spec = getattr(mod, "__spec__", None)
+    if mod is not None and spec is not None and _lookup(mod, qualname) is fn:
+        return f"{spec.name if module == '__main__' else module}:{qualname}"
+    code = getattr(fn, "__code__", None)
+    filename = getattr(code, "co_filename", "")
+    globals_ = getattr(fn, "__globals__", {})
+    if (filename.endswith(".py") and Path(filename).is_file() and "." not in qualname
+            and globals_.get(qualname) is fn):
+        return f"{Path(filename).resolve()}:{qualname}"
+    raise ValueError(f"cannot locate {module}.{qualname} from another process: its module is "
+                     "not importable and it is not defined at the top of a .py file")
+
+
+def check_fn_ref(ref: str) -> tuple[str, str]:
+    """Split ``"module:function"`` or ``"path/file.py:function"`` into (target, name).
+
+    Checks the syntax only (no import); ValueError says what is wrong.
+    """
+    target, sep, name = ref.rpartition(":")
+    if not sep or not target or not _is_dotted_name(name):
+        raise ValueError(f"{ref!r} is not 'module:function' or 'path/to/file.py:function'")
+    if not target.endswith(".py") and not _is_dotted_name(target):
+        raise ValueError(f"{target!r} is neither a dotted module name nor a .py file")
+    return target, name
+
+
+class RewardConfig(_Section):
+    """The reward function and the workers that call it."""
+
+    fn: str | Callable[..., Any] = "workers.roles.reward:exact_match"
+    """``"module:function"``, ``"path/to/file.py:function"``, or a module-level function.
+    Per sample: ``fn(prompt, response, **row_meta) -> float`` (row_meta holds ``answer``);
+    batched: ``fn(prompts, responses, metas) -> list[float]``. Sync or async."""
+    batched: bool = False
+    """Call `fn` once per micro-batch with lists instead of once per sample."""
+    timeout_s: float = Field(default=10.0, gt=0.0, le=3600.0)
+    """Per call; a call that takes longer scores 0 and is counted as failed."""
+    workers: int = Field(default=1, ge=1, le=1024)
+    """Reward worker processes."""
+    concurrency: int = Field(default=8, ge=1, le=1024)
+    """Calls in flight per worker (also the size of its thread pool for sync functions)."""
+
+    @field_validator("fn")
+    @classmethod
+    def _locatable(cls, v: str | Callable[..., Any]) -> str | Callable[..., Any]:
+        try:
+            if isinstance(v, str):
+                check_fn_ref(v)
+            else:
+                callable_ref(v)
+        except ValueError as e:
+            raise ValueError(str(e)) from None
+        return v
+
+    @field_serializer("fn", when_used="json")
+    def _fn_as_ref(self, v: str | Callable[..., Any]) -> str:
+        return self.ref
+
+    @property
+    def ref(self) -> str:
+        """`fn` as a reference string that worker processes resolve."""
+        return self.fn if isinstance(self.fn, str) else callable_ref(self.fn)
+
+
+# ---- trainer ------------------------------------------------------------------------------------
+
+
+_Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
+
+
+class TrainerConfig(_Section):
+    """The optimizer (AdamW) and how a global batch is split."""
+
+    lr: float = Field(default=1e-6, gt=0.0, le=1.0)
+    """Peak learning rate."""
+    weight_decay: float = Field(default=0.0, ge=0.0, le=1.0)
+    """AdamW decoupled weight decay."""
+    betas: tuple[_Beta, _Beta] = (0.9, 0.999)
+    """AdamW moment decay rates."""
+    grad_clip: float | None = Field(default=1.0, gt=0.0)
+    """Global gradient-norm clip; None disables it."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Linear learning-rate warm-up, in optimizer steps."""
+    groups_per_step: int = Field(default=8, ge=1, le=1 << 20)
+    """Prompts (groups) per optimizer step: the global batch is ``groups_per_step *
+    group_size`` responses."""
+    micro_batch_groups: int = Field(default=1, ge=1, le=1 << 20)
+    """Groups per forward/backward pass (gradient accumulation within a step)."""
+    threads: int = Field(default=1, ge=1, le=1024)
+    """torch threads per trainer rank."""
+    ranks: int = Field(default=1, ge=1, le=4096)
+    """Data-parallel trainer processes."""
+
+    @model_validator(mode="after")
+    def _micro_fits(self) -> TrainerConfig:
+        if self.micro_batch_groups > self.groups_per_step:
+            raise _rule("micro_batch_groups", f"{self.micro_batch_groups} is larger than "
+                        f"groups_per_step={self.groups_per_step}")
+        return self
+
+
+# ---- monitor, simulation, placement --------------------------------------------------------------
+
+
+_MIN_TOKEN_CHARS = 16
+
+
+class MonitorConfig(_Section):
+    """The controller's HTTP monitor (status, metrics, dashboard)."""
+
+    host: str = Field(default="127.0.0.1", min_length=1)
+    """Bind address; anything but loopback requires a `token`."""
+    port: Annotated[int, Field(ge=1, le=65535)] | None = None
+    """TCP port; None picks a free one (printed at start)."""
+    token: SecretStr | None = None
+    """Bearer token (16+ characters) for control actions and for any access off loopback.
+    Never printed."""
+
+    @field_validator("token")
+    @classmethod
+    def _strong_token(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and len(v.get_secret_value()) < _MIN_TOKEN_CHARS:
+            raise ValueError(f"must be at least {_MIN_TOKEN_CHARS} characters long")
+        return v
+
+    @model_validator(mode="after")
+    def _remote_needs_token(self) -> MonitorConfig:
+        if not _is_loopback(self.host) and self.token is None:
+            raise _rule("token", f"required when the monitor binds to {self.host!r} "
+                        "(not loopback)")
+        return self
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class SimConfig(_Section):
+    """Modelled costs of simulated workers (``rollout.engine="sim"``); see ``workers.sim``.
+
+    Mirrors ``workers.sim.SimCost`` except its length cap, which is `RolloutConfig.max_new_tokens`.
+    """
+
+    prompt_len: int = Field(default=64, ge=1, le=1 << 20)
+    """Tokens per simulated prompt."""
+    log_mean: float = Field(default=math.log(96), ge=0.0, le=20.0)
+    """Mean of log(response length)."""
+    log_sigma: float = Field(default=1.0, ge=0.0, le=10.0)
+    """Standard deviation of log(response length)."""
+    rollout_base_s: float = Field(default=0.002, ge=0.0)
+    """Fixed cost of generating one group."""
+    rollout_token_s: float = Field(default=0.0001, ge=0.0)
+    """Decode cost per token of a group's longest response."""
+    reward_token_s: float = Field(default=0.000002, ge=0.0)
+    """Reward cost per response token."""
+    reference_token_s: float = Field(default=0.00001, ge=0.0)
+    """Reference-model cost per response token."""
+    train_token_s: float = Field(default=0.00001, ge=0.0)
+    """Forward+backward cost per response token."""
+    train_step_s: float = Field(default=0.01, ge=0.0)
+    """Optimizer step cost."""
+    weight_numel: int = Field(default=1 << 16, ge=1, le=1 << 34)
+    """float32 weights published after each step (weight-sync traffic)."""
+
+
+class PlacementConfig(_Section):
+    """Where processes run and how the controller watches them."""
+
+    kind: Literal["local", "ray"] = "local"
+    """``local`` subprocesses on this machine, or Ray-placed node agents and workers."""
+    nodes: int = Field(default=1, ge=1, le=4096)
+    """Nodes (one node agent and one shared-memory store each); local placement has one."""
+    store_capacity_mb: int = Field(default=1024, ge=1, le=1 << 24)
+    """Shared-memory sample store per node, in MiB."""
+    heartbeat_timeout_s: float = Field(default=10.0, ge=3.0, le=3600.0)
+    """A worker silent this long is declared dead (heartbeats are sent every second)."""
+
+    @model_validator(mode="after")
+    def _local_is_one_node(self) -> PlacementConfig:
+        if self.kind == "local" and self.nodes != 1:
+            raise _rule("nodes", f"local placement runs on one node, got nodes={self.nodes}")
+        return self
+
+
+# ---- the recipe ---------------------------------------------------------------------------------
+
+
+class Recipe(_Section):
+    """One RL run. Only `steps` is required; `to_pipeline` compiles it for the controller."""
+
+    steps: int = Field(ge=1, le=10**9)
+    """Optimizer steps to run."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The policy (and reference) model."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """The prompt dataset."""
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    """The RL objective."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Generation engine and sampling."""
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    """The reward function."""
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    """Optimizer and batch sizes."""
+    max_staleness: int = Field(default=0, ge=0, le=64)
+    """Policy versions a sample may lag behind the trainer; 0 is synchronous on-policy."""
+    seed: int = Field(default=0, ge=0)
+    """Seed of sampling, data order and simulated costs."""
+    output: Path | None = None
+    """Run directory for checkpoints and logs; None writes nothing."""
+    checkpoint_every: int = Field(default=0, ge=0)
+    """Save a checkpoint every this many steps (and at the end); 0 never. Needs `output`."""
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+    """The HTTP monitor."""
+    sim: SimConfig = Field(default_factory=SimConfig)
+    """Simulated costs; only with ``rollout.engine="sim"``."""
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    """Process placement."""
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> Recipe:
+        sim = self.rollout.engine == "sim"
+        if "sim" in self.model_fields_set and not sim:
+            raise _rule("sim", f"simulated costs given but rollout.engine is "
+                        f"{self.rollout.engine!r}, not 'sim'")
+        if self.checkpoint_every and self.output is None:
+            raise _rule("checkpoint_every", "needs output (a directory to write checkpoints to)")
+        if not sim and self.model.path == TINY_MODEL:
+            longest = self.data.max_prompt_tokens + self.rollout.max_new_tokens
+            if longest > self.model.tiny.max_positions:
+                raise _rule("rollout.max_new_tokens", f"data.max_prompt_tokens + "
+                            f"rollout.max_new_tokens = {longest} exceeds "
+                            f"model.tiny.max_positions = {self.model.tiny.max_positions}")
+        if not sim and self.placement.kind == "local":
+            self._check_local_paths()
+        return self
+
+    def _check_local_paths(self) -> None:
+        if self.model.path != TINY_MODEL and not (Path(self.model.path) / "config.json").is_file():
+            raise _rule("model.path", f"{self.model.path!r} is not a model directory "
+                        "(no config.json in it)")
+        if self.data.path is not None and not Path(self.data.path).is_file():
+            raise _rule("data.path", f"no such file: {self.data.path!r}")
+        if isinstance(self.reward.fn, str):
+            target, _ = check_fn_ref(self.reward.fn)
+            if target.endswith(".py") and not Path(target).is_file():
+                raise _rule("reward.fn", f"no such file: {target!r}")
+
+    @property
+    def tis_cap(self) -> float | None:
+        """The resolved TIS cap: `AlgorithmConfig.tis_cap`, with ``"auto"`` → 2.0 when
+        ``max_staleness > 0``, else None (off)."""
+        cap = self.algorithm.tis_cap
+        if cap == "auto":
+            return DEFAULT_TIS_CAP if self.max_staleness > 0 else None
+        assert not isinstance(cap, str)
+        return cap
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the run has a reference stage (the KL term is on)."""
+        return self.algorithm.kl_coef > 0.0
+
+    # ---- compilation --------------------------------------------------------------------------
+
+    def to_pipeline(self) -> PipelineSpec:
+        """The controller's view: stages, worker pools, bounds and the engines' configuration."""
+        sim = self.rollout.engine == "sim"
+        group = self.algorithm.group_size
+        reference = self.uses_reference
+        # Simulated workers are coroutines that only sleep: many share one process.
+        rollout_per_process = self.rollout.workers if sim else 1
+        reward_per_process = self.reward.workers if sim else 1
+        # A reward task is one group; enough tasks per worker to keep `concurrency` calls busy.
+        reward_capacity = max(1, math.ceil(self.reward.concurrency / group))
+        pools = [
+            PoolSpec("rollout", count=self.rollout.workers, per_process=rollout_per_process,
+                     threads=self.rollout.threads),
+            PoolSpec("reward", count=self.reward.workers, per_process=reward_per_process,
+                     capacity=reward_capacity),
+        ]
+        if reference:
+            pools.append(PoolSpec("reference", count=1, threads=self.rollout.threads))
+        pools.append(PoolSpec("train", count=self.trainer.ranks, threads=self.trainer.threads))
+        return PipelineSpec(
+            stages=grpo_stages(group_size=group, train_micro_groups=self.trainer.micro_batch_groups,
+                               reference=reference),
+            pools=tuple(pools),
+            group_size=group,
+            groups_per_step=self.trainer.groups_per_step,
+            max_staleness=self.max_staleness,
+            engine=self.rollout.engine,
+            engine_config=self.sim_cost() if sim else self.engine_config(),
+            store_capacity_bytes=self.placement.store_capacity_mb << 20,
+            heartbeat_timeout_s=self.placement.heartbeat_timeout_s,
+            seed=self.seed,
+        )
+
+    def sim_cost(self) -> dict[str, Any]:
+        """The ``workers.sim.SimCost`` field values of this recipe."""
+        return {**self.sim.model_dump(mode="json"), "max_new_tokens": self.rollout.max_new_tokens}
+
+    def engine_config(self) -> dict[str, Any]:
+        """Plain-JSON settings real-engine workers need (no monitor secrets, resolved values)."""
+        a = self.algorithm
+        return {
+            "model": self.model.model_dump(mode="json"),
+            "data": self.data.model_dump(mode="json"),
+            "algorithm": {
+                "name": a.name,
+                "group_size": a.group_size,
+                "kl_coef": a.kl_coef,
+                "kl_estimator": a.kl_estimator,
+                "clip_low": a.clip_low,
+                "clip_high": a.clip_high_resolved,
+                "loss_agg": LOSS_AGG_ALGORITHM_NAMES[a.loss_agg],
+                "dynamic_sampling": a.dynamic_sampling,
+                "tis_cap": self.tis_cap,
+            },
+            "sampling": {
+                "n": a.group_size,
+                "temperature": self.rollout.temperature,
+                "top_p": self.rollout.top_p,
+                "max_new_tokens": self.rollout.max_new_tokens,
+                "stop": list(self.rollout.stop),
+            },
+            "reward": self.reward.model_dump(mode="json", exclude={"workers"}),
+            "trainer": self.trainer.model_dump(mode="json", exclude={"threads", "ranks"}),
+            "max_staleness": self.max_staleness,
+            "steps": self.steps,
+            "seed": self.seed,
+            "output": None if self.output is None else str(self.output),
+            "checkpoint_every": self.checkpoint_every,
+        }

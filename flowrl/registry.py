@@ -1,0 +1,110 @@
+"""The worker registry: who is alive, what each worker serves, how loaded it is.
+
+A pure state machine driven by the controller (no sockets, no clock of its own: every method
+that needs the time takes ``now``). Liveness: a worker is dead when its process exits or when no
+heartbeat arrived for ``heartbeat_timeout_s``; the controller then fails its tasks so their rows
+are redone elsewhere.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class WorkerInfo:
+    worker_id: str
+    name: str
+    role: str
+    node: str
+    pid: int
+    capacity: int
+    version: int = 0
+    #: assigned and not finished: task id -> load (tokens, or rows when lengths are unknown).
+    tasks: dict[int, int] = field(default_factory=dict)
+    load: int = 0
+    deadline: float = 0.0
+    done: int = 0
+    failed: int = 0
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.tasks)
+
+
+class Registry:
+    def __init__(self, heartbeat_timeout_s: float) -> None:
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._workers: dict[str, WorkerInfo] = {}
+        self._by_role: dict[str, dict[str, WorkerInfo]] = {}
+        self._ids = itertools.count()
+
+    def register(
+        self, *, name: str, role: str, node: str, pid: int, capacity: int, version: int,
+        now: float,
+    ) -> WorkerInfo:
+        worker_id = f"{role}-{next(self._ids)}"
+        info = WorkerInfo(worker_id, name, role, node, pid, max(1, capacity), version,
+                          deadline=now + self.heartbeat_timeout_s)
+        self._workers[worker_id] = info
+        self._by_role.setdefault(role, {})[worker_id] = info
+        return info
+
+    def get(self, worker_id: str) -> WorkerInfo | None:
+        return self._workers.get(worker_id)
+
+    def heartbeat(self, worker_id: str, now: float) -> WorkerInfo | None:
+        info = self._workers.get(worker_id)
+        if info is not None:
+            info.deadline = now + self.heartbeat_timeout_s
+        return info
+
+    def remove(self, worker_id: str) -> WorkerInfo | None:
+        info = self._workers.pop(worker_id, None)
+        if info is not None:
+            self._by_role[info.role].pop(worker_id, None)
+        return info
+
+    def of_role(self, role: str) -> list[WorkerInfo]:
+        return list(self._by_role.get(role, {}).values())
+
+    def by_pid(self, pid: int) -> list[WorkerInfo]:
+        return [w for w in self._workers.values() if w.pid == pid]
+
+    def expired(self, now: float) -> list[WorkerInfo]:
+        return [w for w in self._workers.values() if w.deadline < now]
+
+    def next_deadline(self) -> float | None:
+        return min((w.deadline for w in self._workers.values()), default=None)
+
+    def assign(self, info: WorkerInfo, task_id: int, load: int) -> None:
+        info.tasks[task_id] = load
+        info.load += load
+
+    def finish(self, info: WorkerInfo, task_id: int, *, ok: bool) -> None:
+        info.load -= info.tasks.pop(task_id, 0)
+        if ok:
+            info.done += 1
+        else:
+            info.failed += 1
+
+    def least_loaded(
+        self, role: str, max_in_flight: int, min_version: int | None = None,
+    ) -> WorkerInfo | None:
+        """The worker of ``role`` with the least outstanding load that can take one more task."""
+        best: WorkerInfo | None = None
+        for w in self._by_role.get(role, {}).values():
+            if w.in_flight >= w.capacity * max_in_flight:
+                continue
+            if min_version is not None and w.version < min_version:
+                continue
+            if best is None or (w.load, w.in_flight) < (best.load, best.in_flight):
+                best = w
+        return best
+
+    def all(self) -> list[WorkerInfo]:
+        return list(self._workers.values())
+
+    def __len__(self) -> int:
+        return len(self._workers)

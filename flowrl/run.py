@@ -1,0 +1,85 @@
+"""Run a validated recipe: prepare the model, start the controller, train, summarize.
+
+Shared by the launch CLI, benchmarks and notebooks (``await run_recipe(recipe)`` inside a
+running loop works: nothing here calls ``asyncio.run`` or installs an event-loop policy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import json
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from flowrl.controller import Controller
+from flowrl.pipeline import PipelineSpec
+from flowrl.recipe import TINY_MODEL, Recipe
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "flowrl"
+
+
+def prepare_model(recipe: Recipe) -> Path | None:
+    """The local model directory the workers load; builds the tiny model once and caches it."""
+    if recipe.rollout.engine == "sim":
+        return None
+    if recipe.model.path != TINY_MODEL:
+        return Path(recipe.model.path)
+    from workers.tiny_model import build_tiny_model
+
+    settings = recipe.model.tiny.model_dump(mode="json")
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    out = cache_dir() / "models" / f"tiny-{key}"
+    return build_tiny_model(
+        out, vocab_size=settings["vocab_size"], hidden=settings["hidden"],
+        layers=settings["layers"], heads=settings["heads"], kv_heads=settings["kv_heads"],
+        max_positions=settings["max_positions"], pretrain_steps=settings["pretrain_steps"],
+        seed=settings["seed"],
+    )
+
+
+def compile_recipe(recipe: Recipe) -> PipelineSpec:
+    spec = recipe.to_pipeline()
+    model = prepare_model(recipe)
+    if model is not None:
+        config = dict(spec.engine_config)
+        config["model"] = {**config["model"], "path": str(model)}
+        spec = dataclasses.replace(spec, engine_config=config)
+    return spec
+
+
+async def run_recipe(
+    recipe: Recipe, *, on_step: Callable[[dict[str, Any]], None] | None = None,
+    steps: int | None = None,
+) -> dict[str, Any]:
+    """Train ``steps`` (default: the recipe's) optimizer steps; SIGTERM stops cleanly."""
+    spec = await asyncio.to_thread(compile_recipe, recipe)
+    me = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    handled = False
+    if me is not None and threading_main():
+        loop.add_signal_handler(signal.SIGTERM, me.cancel)
+        handled = True
+    try:
+        async with Controller(spec) as ctl:
+            if on_step is not None:
+                ctl.on_step.append(on_step)
+            summary = await ctl.run(steps or recipe.steps)
+            summary["steps_log"] = ctl.step_log
+            return summary
+    finally:
+        if handled:
+            loop.remove_signal_handler(signal.SIGTERM)
+
+
+def threading_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()

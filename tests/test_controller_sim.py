@@ -1,0 +1,67 @@
+"""A real multi-process run with simulated workers over real sockets and shared memory."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from flowrl.controller import Controller
+from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages
+
+# Tiny modelled costs so a run takes a fraction of a second of simulated compute.
+FAST = {
+    "prompt_len": 8, "max_new_tokens": 64, "log_mean": 2.5, "log_sigma": 0.8,
+    "rollout_base_s": 0.001, "rollout_token_s": 0.0002, "reward_token_s": 0.0,
+    "reference_token_s": 0.0, "train_token_s": 0.00002, "train_step_s": 0.005,
+    "weight_numel": 1024,
+}
+
+
+def spec(max_staleness: int, *, rollout: int = 2, reference: bool = False) -> PipelineSpec:
+    return PipelineSpec(
+        stages=grpo_stages(group_size=4, train_micro_groups=2, reference=reference),
+        pools=(
+            PoolSpec("rollout", count=rollout, per_process=rollout),
+            PoolSpec("reward", count=1),
+            *((PoolSpec("reference", count=1),) if reference else ()),
+            PoolSpec("train", count=1),
+        ),
+        group_size=4, groups_per_step=4, max_staleness=max_staleness,
+        engine="sim", engine_config=FAST, store_capacity_bytes=64 << 20,
+        heartbeat_s=0.5, heartbeat_timeout_s=10.0,
+    )
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("staleness", [0, 1])
+async def test_run_trains_every_row_once_within_the_staleness_bound(staleness: int) -> None:
+    async with Controller(spec(staleness, reference=True)) as ctl:
+        out = await ctl.run(steps=4, timeout_s=60)
+        status = ctl.status()
+    assert out["version"] == 4
+    assert out["samples"] == 4 * 4 * 4
+    assert out["rows_trained_twice"] == 0
+    assert set(out["staleness"]) <= set(range(staleness + 1))
+    if staleness == 0:
+        assert out["staleness"] == {0: 64}
+    assert status["worker_deaths"] == 0
+
+
+@pytest.mark.timeout(90)
+async def test_a_killed_rollout_process_loses_nothing() -> None:
+    two_procs = spec(1, rollout=2)
+    two_procs = dataclasses.replace(
+        two_procs, pools=(PoolSpec("rollout", count=2, per_process=1), *two_procs.pools[1:]))
+    async with Controller(two_procs) as ctl:
+        run = asyncio.ensure_future(ctl.run(steps=6, timeout_s=60))
+        await ctl.wait_for(lambda: ctl.version >= 2)
+        victim = ctl.worker_pids("rollout")[0]
+        ctl.kill_worker_process(victim)
+        await ctl.wait_for(lambda: ctl.worker_deaths >= 1)
+        out = await run
+        assert ctl.status()["errors"], "the death is reported"
+    assert out["version"] == 6
+    assert out["rows_trained_twice"] == 0
+    assert out["samples"] == 6 * 16

@@ -1,0 +1,465 @@
+"""SampleStore: real shared memory, real child processes."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+
+import msgpack
+import pytest
+import torch
+
+from transport import handles as handles_mod
+from transport import packing, shm
+from transport.errors import ClosedError, MalformedMessage, UnknownSegment
+from transport.reading import MappingCache, cached_padded
+from transport.store import DTYPES, Handle, SampleStore, local_get, local_get_padded
+
+pytestmark = pytest.mark.timeout(60)
+
+NODE = "node0"
+
+
+@pytest.fixture
+def run_id() -> Iterator[str]:
+    rid = f"t{uuid.uuid4().hex[:10]}"
+    yield rid
+    leftovers = shm.list_segments(f"flowrl-{rid}-")
+    for name in leftovers:
+        shm.unlink(name)
+    assert leftovers == [], "segments left behind"
+    assert not shm.run_dir_path(rid).exists(), "run directory left behind"
+
+
+@pytest.fixture
+def store(run_id: str) -> Iterator[SampleStore]:
+    with SampleStore(run_id, NODE, capacity_bytes=64 << 20) as s:
+        yield s
+
+
+def _sample(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    return torch.randint(0, 100, shape, generator=g).to(dtype)
+
+
+def _all(handles: dict[str, list[Handle]]) -> list[Handle]:
+    return [h for hs in handles.values() for h in hs]
+
+
+def _padded_reference(
+    rows: list[torch.Tensor], pad: float | int | bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(r.shape[0] for r in rows)
+    out = torch.full((len(rows), width, *rows[0].shape[1:]), pad, dtype=rows[0].dtype)
+    for i, r in enumerate(rows):
+        out[i, : r.shape[0]] = r
+    return out, torch.tensor([r.shape[0] for r in rows])
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+async def test_round_trip_every_dtype(store: SampleStore, dtype: torch.dtype) -> None:
+    rows = [_sample(dtype, (n,), seed=n) for n in (7, 0, 1, 33, 5)]
+    handles = await store.put({"x": rows})
+    assert [h.dtype for h in handles["x"]] == [handles_mod.dtype_name(dtype)] * 5
+    for got, want in zip(store.get(handles["x"]), rows, strict=True):
+        assert got.dtype == dtype
+        assert torch.equal(got, want)
+    batch, lengths = store.get_padded(handles["x"], pad=0)
+    want_batch, want_lengths = _padded_reference(rows, 0)
+    assert torch.equal(batch, want_batch)
+    assert torch.equal(lengths, want_lengths)
+    store.free(handles["x"])
+
+
+async def test_round_trip_field_forms(store: SampleStore) -> None:
+    """Lists of rows, (padded, lengths) pairs, batch tensors, scalars and 2-D rows, in one put."""
+    rows = [torch.arange(n, dtype=torch.int64) for n in (3, 0, 9, 1)]
+    padded = _sample(torch.float32, (4, 6), seed=1).requires_grad_()  # stored as plain values
+    lengths = torch.tensor([6, 2, 0, 5])
+    scores = torch.tensor([0.5, -1.0, 2.0, 3.5])
+    grid = [_sample(torch.float16, (n, 3), seed=n).requires_grad_() for n in (2, 4, 1, 2)]
+    handles = await store.put(
+        {"rows": rows, "pair": (padded, lengths), "score": scores, "grid": grid}
+    )
+    assert {k: len(v) for k, v in handles.items()} == {"rows": 4, "pair": 4, "score": 4, "grid": 4}
+    # One segment for the whole micro-batch; a zero-byte row references none.
+    assert len({h.segment for h in _all(handles)} - {""}) == 1
+    assert handles["rows"][1].segment == ""
+    assert handles["pair"][2].segment == ""
+
+    for got, want in zip(store.get(handles["rows"]), rows, strict=True):
+        assert torch.equal(got, want)
+    padded = padded.detach()
+    pair_rows = [padded[i, : int(n)] for i, n in enumerate(lengths)]
+    for got, want in zip(store.get(handles["pair"]), pair_rows, strict=True):
+        assert torch.equal(got, want)
+    assert [t.item() for t in store.get(handles["score"])] == scores.tolist()
+    grid = [g.detach() for g in grid]
+    for got, want in zip(store.get(handles["grid"]), grid, strict=True):
+        assert torch.equal(got, want)
+        assert not got.requires_grad
+
+    batch, got_lengths = store.get_padded(handles["pair"], pad=-7.0)
+    want_batch, want_lengths = _padded_reference(pair_rows, -7.0)
+    assert torch.equal(batch, want_batch)
+    assert torch.equal(got_lengths, want_lengths)
+    batch, _ = store.get_padded(handles["grid"], pad=0)
+    assert torch.equal(batch, _padded_reference(grid, 0)[0])
+    scalars, ones = store.get_padded(handles["score"])
+    assert torch.equal(scalars, scores)
+    assert ones.tolist() == [1, 1, 1, 1]
+    store.free(_all(handles))
+
+
+async def test_get_is_zero_copy_and_get_padded_copies_once(store: SampleStore) -> None:
+    rows = [torch.arange(16, dtype=torch.int32) + i for i in range(4)]
+    handles = (await store.put({"x": rows}))["x"]
+    first, second = store.get(handles), store.get(handles)
+    assert [t.data_ptr() for t in first] == [t.data_ptr() for t in second]
+    # The rows of one field are packed back to back in one buffer.
+    ptrs = [t.data_ptr() for t in first]
+    assert [b - a for a, b in itertools.pairwise(ptrs)] == [64, 64, 64]
+    batch, _ = store.get_padded(handles)
+    assert batch.data_ptr() not in ptrs
+    batch.fill_(0)  # the copy is the caller's own
+    assert torch.equal(store.get(handles)[2], rows[2])
+    store.free(handles)
+
+
+async def test_get_padded_across_runs_and_orders(store: SampleStore) -> None:
+    a = [_sample(torch.int64, (n,), seed=n) for n in (5, 5, 5, 5)]
+    b = [_sample(torch.int64, (n,), seed=10 + n) for n in (2, 9, 0, 4)]
+    ha = (await store.put({"x": a}))["x"]
+    hb = (await store.put({"x": b}))["x"]
+    cases = [
+        (ha + hb, a + b),
+        (hb[::-1] + ha[1:3], b[::-1] + a[1:3]),
+        ([hb[2], ha[0], hb[2]], [b[2], a[0], b[2]]),
+        (ha[::2], a[::2]),
+    ]
+    for handles, rows in cases:
+        batch, lengths = store.get_padded(handles, pad=-1)
+        want_batch, want_lengths = _padded_reference(rows, -1)
+        assert torch.equal(batch, want_batch)
+        assert torch.equal(lengths, want_lengths)
+    assert len(handles_mod.contiguous_runs(ha + hb)) == 2
+    assert len(handles_mod.contiguous_runs(hb)) == 1  # the empty row does not break the run
+    store.free(ha + hb)
+
+
+async def test_get_padded_rejects_mixed_rows(store: SampleStore) -> None:
+    handles = await store.put(
+        {"a": [torch.zeros(3)], "b": [torch.zeros(3, dtype=torch.int64)], "c": [torch.zeros(2, 2)]}
+    )
+    with pytest.raises(ValueError, match="one dtype"):
+        store.get_padded(handles["a"] + handles["b"])
+    with pytest.raises(ValueError, match="one dtype"):
+        store.get_padded(handles["a"] + handles["c"])
+    store.free(_all(handles))
+
+
+def test_handle_wire_round_trip_and_validation() -> None:
+    h = Handle("n", "flowrl-run1-10-20-10-3", 64, "float32", (4, 2))
+    wire = msgpack.unpackb(msgpack.packb(h))
+    assert wire == ["n", "flowrl-run1-10-20-10-3", 64, "float32", [4, 2]]
+    assert Handle.from_wire(wire) == h
+    assert Handle.from_wire(["n", "", 0, "int8", [0]]).nbytes == 0
+    bad = [
+        None,
+        ["n", "flowrl-run1-10-20-10-3", 64, "float32"],
+        ["n", "flowrl-run1-10-20-10-3", 64, "complex64", [4]],
+        ["n", "flowrl-run1-10-20-10-3", 2, "float32", [4]],  # misaligned
+        ["n", "flowrl-run1-10-20-10-3", -8, "float32", [4]],
+        ["n", "flowrl-run1-10-20-10-3", 8, "float32", [-1]],
+        ["n", "flowrl-run1-10-20-10-3", 8, "float32", [True]],
+        ["n", "../../etc/passwd", 0, "uint8", [4]],
+        ["n", "flowrl-run1-10-20-10-3.tmp", 0, "uint8", [4]],
+        [1, "flowrl-run1-10-20-10-3", 0, "uint8", [4]],
+    ]
+    for value in bad:
+        with pytest.raises(MalformedMessage):
+            Handle.from_wire(value)
+
+
+async def test_free_retires_segments_and_rejects_misuse(run_id: str) -> None:
+    with SampleStore(run_id, NODE, capacity_bytes=8 << 20, pool_bytes=0) as store:
+        handles = (await store.put({"x": [torch.ones(100), torch.ones(50), torch.ones(0)]}))["x"]
+        (segment,) = {h.segment for h in handles} - {""}
+        assert segment in shm.list_segments(store.prefix)
+        with pytest.raises(ValueError, match="node"):
+            store.free([handles[0]._replace(node="other")])
+        assert segment in shm.list_segments(store.prefix)
+        # The handle is freed once, and the duplicate reported.
+        with pytest.raises(ValueError, match="twice"):
+            store.free([handles[0], handles[0], handles[2]])
+        with pytest.raises(ValueError, match="twice"):
+            store.free([handles[0]])
+        assert segment in shm.list_segments(store.prefix)  # one handle left
+        assert torch.equal(store.get(handles[1:2])[0], torch.ones(50))
+        store.free([handles[1]])
+        assert shm.list_segments(store.prefix) == []
+        assert store.used_bytes == 0
+        with pytest.raises(UnknownSegment):
+            store.get(handles[:1])
+        with pytest.raises(UnknownSegment):
+            store.free(handles[:1])
+        store.free(handles[2:])  # zero-byte rows hold nothing: freeing them is a no-op
+        # A bad handle in a batch does not keep the good ones from being freed.
+        other = (await store.put({"y": [torch.ones(3)]}))["y"]
+        with pytest.raises(UnknownSegment):
+            store.free(handles[:1] + other)
+        assert not store.holds(other[0].segment)
+        assert store.used_bytes == 0
+
+
+async def test_freed_segments_are_pooled_and_reused(run_id: str) -> None:
+    with SampleStore(run_id, NODE, capacity_bytes=8 << 20, pool_bytes=1 << 20) as store:
+        first = (await store.put({"x": torch.ones(8, 1000)}))["x"]
+        store.free(first)
+        stats = store.statistics()
+        assert stats.segments == 0
+        assert stats.pooled_bytes == stats.used_bytes > 0
+        (pooled,) = shm.list_segments(store.prefix)
+        assert pooled.endswith(".pool")
+        second = (await store.put({"x": torch.full((8, 990), 2.0)}))["x"]
+        assert store.statistics().pooled_bytes == 0  # the pooled segment was rewritten
+        assert all(torch.equal(t, torch.full((990,), 2.0)) for t in store.get(second))
+        (published,) = shm.list_segments(store.prefix)
+        assert published == second[0].segment != first[0].segment
+        store.free(second)
+
+
+async def test_put_waits_while_full_until_a_free(run_id: str) -> None:
+    row = torch.zeros(1 << 18, dtype=torch.uint8)  # 256 KiB
+    with SampleStore(run_id, NODE, capacity_bytes=3 << 18, pool_bytes=0) as store:
+        h1 = (await store.put({"x": [row, row]}))["x"]
+        h2 = (await store.put({"x": [row]}))["x"]
+        assert store.used_bytes == store.capacity_bytes
+        blocked = asyncio.create_task(store.put({"x": [row, row]}))
+        try:
+            await store.wait_waiting_puts(1)
+            assert not blocked.done()
+            store.free(h2)  # 256 KiB back: not enough for the waiting put
+            assert store.statistics().waiting_puts == 1
+            assert not blocked.done()
+            store.free(h1)
+            h3 = (await blocked)["x"]
+        finally:
+            blocked.cancel()
+        assert store.used_bytes == 2 << 18
+        store.free(h3)
+        with pytest.raises(ValueError, match="exceeds the capacity"):
+            await store.put({"x": [torch.zeros(1 << 20, dtype=torch.uint8)]})
+
+
+async def test_waiting_puts_are_served_in_order_and_cancel_cleanly(run_id: str) -> None:
+    row = torch.zeros(1 << 16, dtype=torch.uint8)
+    with SampleStore(run_id, NODE, capacity_bytes=2 << 16, pool_bytes=0) as store:
+        held = (await store.put({"x": [row, row]}))["x"]
+        order: list[str] = []
+
+        async def put(tag: str) -> list[Handle]:
+            out = (await store.put({"x": [row]}))["x"]
+            order.append(tag)
+            return out
+
+        first = asyncio.create_task(put("first"))
+        await store.wait_waiting_puts(1)
+        cancelled = asyncio.create_task(put("cancelled"))
+        await store.wait_waiting_puts(2)
+        last = asyncio.create_task(put("last"))
+        await store.wait_waiting_puts(3)
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        store.free(held)
+        got = await first + await last
+        assert order == ["first", "last"]
+        store.free(got)
+        assert store.used_bytes == 0
+
+
+async def test_close_fails_waiting_puts_and_removes_everything(run_id: str) -> None:
+    store = SampleStore(run_id, NODE, capacity_bytes=1 << 16)
+    await store.put({"x": [torch.zeros(1 << 16, dtype=torch.uint8)]})
+    blocked = asyncio.create_task(store.put({"x": [torch.zeros(10)]}))
+    await store.wait_waiting_puts(1)
+    stray = shm.create(f"{store.prefix}{os.getpid() + 1}-0.tmp", shm.PAGE)  # a writer's
+    store.close()
+    with pytest.raises(ClosedError):
+        await blocked
+    assert shm.list_segments(store.prefix) == []
+    stray.close()
+    with pytest.raises(ClosedError):
+        await store.put({"x": [torch.zeros(1)]})
+
+
+async def test_a_failed_write_publishes_nothing(
+    store: SampleStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = 0
+    real = packing.write_field
+
+    def failing(plan: packing.FieldPlan, segment: torch.Tensor) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise RuntimeError("disk on fire")
+        real(plan, segment)
+
+    monkeypatch.setattr(packing, "write_field", failing)
+    with pytest.raises(RuntimeError, match="on fire"):
+        await store.put({"a": [torch.ones(10)], "b": [torch.ones(10)]})
+    assert shm.list_segments(store.prefix) == []
+    assert store.used_bytes == 0
+
+
+_READER = """
+import json, sys
+import torch
+from transport.reading import MappingCache
+from transport.store import Handle, local_get, local_get_padded
+handles = [Handle.from_wire(h) for h in json.load(sys.stdin)]
+cache = MappingCache()
+views = local_get(handles)
+batch, lengths = local_get_padded(handles, pad=-1, cache=cache)
+for v in views:
+    v.fill_(123)  # copy-on-write: must not reach the writer's memory, nor the cache
+maps = open("/proc/self/maps").read()
+print(json.dumps({
+    "rows": [v.tolist() for v in local_get(handles)],
+    "cached": local_get_padded(handles, pad=-1, cache=cache)[0].tolist(),
+    "batch": batch.tolist(),
+    "lengths": lengths.tolist(),
+    "mapped": sorted({h.segment for h in handles if h.segment and h.segment in maps}),
+}))
+"""
+
+
+async def test_another_process_reads_without_copies(store: SampleStore) -> None:
+    rows = [torch.arange(n, dtype=torch.int64) * 3 for n in (4, 0, 7, 2)]
+    handles = (await store.put({"x": rows}))["x"]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        _READER,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(json.dumps(handles).encode()), 30)
+    assert proc.returncode == 0
+    got = json.loads(out)
+    assert got["rows"] == [r.tolist() for r in rows]
+    want_batch, want_lengths = _padded_reference(rows, -1)
+    assert got["batch"] == want_batch.tolist()
+    assert got["cached"] == want_batch.tolist()
+    assert got["lengths"] == want_lengths.tolist()
+    assert got["mapped"] == [handles[0].segment]
+    assert [r.tolist() for r in store.get(handles)] == [r.tolist() for r in rows]
+    store.free(handles)
+    with pytest.raises(UnknownSegment):
+        local_get(handles)
+    with pytest.raises(UnknownSegment):
+        local_get_padded(handles)
+
+
+_KILLED_WRITER = """
+import asyncio, sys
+import torch
+from transport import shm
+from transport.store import SampleStore
+
+async def main():
+    store = SampleStore(sys.argv[1], "node0", capacity_bytes=1 << 24)
+    await store.put({"x": [torch.ones(1000), torch.ones(10)]})
+    shm.create(store.prefix + "1-0.tmp", shm.PAGE)  # a half-written segment
+    print(store.prefix, flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+def test_killed_store_is_swept_by_the_next_one(run_id: str) -> None:
+    with subprocess.Popen(
+        [sys.executable, "-c", _KILLED_WRITER, run_id], stdout=subprocess.PIPE, text=True
+    ) as proc:
+        try:
+            assert proc.stdout is not None
+            prefix = proc.stdout.readline().strip()
+            assert prefix.startswith(f"flowrl-{run_id}-{proc.pid}-")
+            assert len(shm.list_segments(prefix)) == 2
+            assert shm.run_dir_path(run_id).is_dir()
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(10)
+    left = shm.list_segments(prefix)
+    assert len(left) == 2  # nobody cleaned up after the killed owner
+    with SampleStore(run_id, "node0", capacity_bytes=1 << 20) as store:
+        assert set(store.swept) >= {f"/dev/shm/{n}" for n in left} | {str(shm.run_dir_path(run_id))}
+        assert shm.list_segments(prefix) == []
+
+
+async def test_run_ids_with_dashes_never_touch_each_other(run_id: str) -> None:
+    with SampleStore(run_id, NODE, capacity_bytes=1 << 20) as first:
+        # This run id makes every segment name of `other` start with `first.prefix`.
+        other_run = f"{run_id}-{first.owner.pid}-{first.owner.start}"
+        other = SampleStore(other_run, NODE, capacity_bytes=1 << 20)
+        try:
+            theirs = (await other.put({"x": [torch.ones(3)]}))["x"]
+            assert theirs[0].segment.startswith(first.prefix)
+            mine = (await first.put({"x": [torch.ones(3)]}))["x"]
+            assert shm.segments_of(run_id) == [mine[0].segment]
+            first.close()
+            assert torch.equal(other.get(theirs)[0], torch.ones(3))
+            assert shm.list_segments(first.prefix) == [theirs[0].segment]
+            other.free(theirs)
+        finally:
+            other.close()
+    assert shm.segments_of(other_run) == []
+
+
+async def test_readers_map_a_recycled_segment_once(run_id: str) -> None:
+    cache = MappingCache()
+    with SampleStore(run_id, NODE, capacity_bytes=8 << 20) as store:
+        first = (await store.put({"x": torch.full((4, 1000), 1.0)}))["x"]
+        batch, _ = cached_padded(first, cache) or (None, None)
+        assert batch is not None
+        assert torch.equal(batch, torch.full((4, 1000), 1.0))
+        whole = cache.data(first[0].segment)
+        store.free(first)
+        with pytest.raises(UnknownSegment):
+            cache.data(first[0].segment)  # the name is gone with the free
+        second = (await store.put({"x": torch.full((4, 1000), 2.0)}))["x"]
+        assert second[0].segment != first[0].segment
+        # Same file under a new name: the cached mapping is found again, new bytes and all.
+        assert cache.data(second[0].segment).data_ptr() == whole.data_ptr()
+        batch, lengths = cached_padded(second, cache) or (None, None)
+        assert batch is not None
+        assert torch.equal(batch, torch.full((4, 1000), 2.0))
+        assert lengths is not None
+        assert lengths.tolist() == [1000] * 4
+        # Only equal-length rows of one put, in order, take this path.
+        assert cached_padded(second[::-1], cache) is None
+        store.free(second)
+
+
+async def test_mapping_cache_bounds_what_it_pins(store: SampleStore) -> None:
+    cache = MappingCache(max_bytes=1)
+    puts = [(await store.put({"x": [torch.ones(10)]}))["x"] for _ in range(3)]
+    views = [cache.data(h[0].segment) for h in puts]
+    # The newest only; the evicted ones live on in their views.
+    assert cache.mapped_bytes == views[-1].numel()
+    assert all(torch.equal(v[:40].view(torch.float32), torch.ones(10)) for v in views)
+    store.free([h for hs in puts for h in hs])

@@ -1,0 +1,603 @@
+"""The node store over RPC: `StoreServer` in the node's store process, `StoreClient` elsewhere.
+
+Worker processes on the node write micro-batches straight into shared memory; only capacity
+and bookkeeping go through the server:
+
+    reserve(size) -> grant        (waits while the store is full: backpressure)
+    <write the segment under its temporary or pooled name, rename it when complete>
+    commit(grant, name, refs)     (the store now holds the segment; its handles are valid)
+
+To keep one round trip per put, a commit also returns a *spare* grant of the same size when
+one is free at once and no put is waiting: each client holds at most one spare, so at most one
+segment of capacity per client sits reserved but unused.
+
+Reads on the node map segments directly (`transport.store.local_get`), without the server.
+Readers on other nodes send byte ranges to that node's server, which answers with views over
+its mappings; the bytes go out as ZeroMQ frames without a copy in user space, and the reader
+builds its tensors over the received frames. Frees go to the node that holds the handles.
+
+Guarantees: everything `SampleStore` guarantees, plus: a client that exits or dies never leaks
+capacity — `aclose` gives its grants back, and the server reclaims the grants and unpublished
+segments of dead writers before it makes a put wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from dataclasses import asdict
+from typing import Any
+
+import torch
+import zmq
+
+from transport import shm
+from transport.errors import ClosedError, MalformedMessage, RemoteError
+from transport.handles import DTYPES, ITEMSIZE, Handle, Run, contiguous_runs, single_run
+from transport.packing import (
+    FieldData,
+    Grant,
+    SegmentWriter,
+    count_refs,
+    make_handles,
+    plan_fields,
+    size_class,
+)
+from transport.reading import (
+    MappingCache,
+    cached_padded,
+    map_runs,
+    padded_from_runs,
+    views_from_runs,
+)
+from transport.rpc import RpcClient, RpcServer, RpcServerStats
+from transport.store import SampleStore
+
+__all__ = ["StoreClient", "StoreServer"]
+
+# A reserve waits at most this long on the server before answering "not yet"; the client asks
+# again. Keeps every call well inside the RPC timeout however long the store stays full.
+_RESERVE_POLL_S = 5.0
+# Remote reads are split into requests of about this many bytes, sent concurrently, so the
+# server's sends and the reader's receives overlap.
+_READ_CHUNK = 4 << 20
+# A reply carries at most this much: a range larger than a chunk goes alone in one request.
+_MAX_REPLY = 1 << 34
+
+
+def _as_int(value: Any, name: str) -> int:
+    if type(value) is not int:
+        raise MalformedMessage(f"{name} must be an int")
+    return value
+
+
+def _as_str(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise MalformedMessage(f"{name} must be a string")
+    return value
+
+
+def _field(payload: Any, name: str) -> Any:
+    if not isinstance(payload, dict) or name not in payload:
+        raise MalformedMessage(f"request needs {name!r}")
+    return payload[name]
+
+
+def _grant_wire(grant: Grant | None) -> list[Any] | None:
+    return None if grant is None else [grant.id, grant.size, grant.pool]
+
+
+def _grant_from_wire(value: Any) -> Grant | None:
+    if value is None:
+        return None
+    gid, size, pool = value
+    return Grant(int(gid), int(size), None if pool is None else str(pool))
+
+
+class StoreServer:
+    """Serves one node's `SampleStore` on a ROUTER socket (through `RpcServer`)."""
+
+    def __init__(
+        self,
+        store: SampleStore,
+        endpoint: str,
+        *,
+        ctx: zmq.Context[Any] | None = None,
+        allow_remote: bool = False,
+    ) -> None:
+        self.store = store
+        self.endpoint = endpoint
+        self._writers: dict[int, shm.Owner] = {}
+        self._rpc = RpcServer(
+            endpoint,
+            {
+                "hello": self._hello,
+                "reserve": self._reserve,
+                "commit": self._commit,
+                "abandon": self._abandon,
+                "release": self._release,
+                "free": self._free,
+                "read": self._read,
+                "stats": self._stats,
+            },
+            ctx=ctx,
+            allow_remote=allow_remote,
+        )
+
+    async def start(self) -> str:
+        self.endpoint = await self._rpc.start()
+        return self.endpoint
+
+    def statistics(self) -> RpcServerStats:
+        """The RPC server's counters (the store's own are `store.statistics()`)."""
+        return self._rpc.statistics()
+
+    async def aclose(self) -> None:
+        await self._rpc.aclose()
+
+    async def __aenter__(self) -> StoreServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def _writer(self, payload: Any) -> shm.Owner:
+        pid = _as_int(_field(payload, "pid"), "pid")
+        owner = self._writers.get(pid)
+        if owner is None or not owner.alive():
+            start = shm.process_start(pid)
+            if start is None:
+                raise ValueError(f"writer process {pid} is not running")
+            owner = self._writers[pid] = shm.Owner(pid, start)
+        return owner
+
+    async def _hello(self, payload: Any, peer: bytes) -> dict[str, Any]:
+        store = self.store
+        return {
+            "node": store.node,
+            "run_id": store.run_id,
+            "owner": [store.owner.pid, store.owner.start],
+            "capacity": store.capacity_bytes,
+        }
+
+    async def _reserve(self, payload: Any, peer: bytes) -> list[Any] | None:
+        writer = self._writer(payload)
+        size = _as_int(_field(payload, "size"), "size")
+        wait = min(float(payload.get("wait", _RESERVE_POLL_S)), _RESERVE_POLL_S)
+        try:
+            async with asyncio.timeout(wait):
+                return _grant_wire(await self.store.reserve(size, writer=writer))
+        except TimeoutError:
+            return None
+
+    async def _commit(self, payload: Any, peer: bytes) -> list[Any] | None:
+        writer = self._writer(payload)
+        gid = _as_int(_field(payload, "grant"), "grant")
+        name = _as_str(_field(payload, "name"), "name")
+        try:
+            self.store.commit(gid, name, _as_int(_field(payload, "refs"), "refs"))
+        except BaseException:
+            mine = shm.segments_of(self.store.run_id, self.store.owner, writer.pid)
+            if name in mine and not self.store.holds(name):
+                shm.unlink(name)  # written under a grant that no longer holds
+            self.store.abandon(gid)
+            raise
+        following = _as_int(payload.get("next", 0), "next")
+        if following <= 0:
+            return None
+        return _grant_wire(self.store.reserve_nowait(following, writer=writer))
+
+    async def _abandon(self, payload: Any, peer: bytes) -> None:
+        self.store.abandon(_as_int(_field(payload, "grant"), "grant"))
+
+    async def _release(self, payload: Any, peer: bytes) -> None:
+        self.store.release_writer(_as_int(_field(payload, "pid"), "pid"))
+
+    async def _free(self, payload: Any, peer: bytes) -> None:
+        handles = _field(payload, "handles")
+        if not isinstance(handles, list):
+            raise MalformedMessage("handles must be a list")
+        self.store.free([Handle.from_wire(h) for h in handles])
+
+    async def _read(self, payload: Any, peer: bytes) -> list[torch.Tensor]:
+        ranges = _field(payload, "ranges")
+        if not isinstance(ranges, list):
+            raise MalformedMessage("ranges must be a list")
+        checked: list[tuple[str, int, int]] = []
+        for r in ranges:
+            if not isinstance(r, list) or len(r) != 3:
+                raise MalformedMessage("a range is [segment, offset, nbytes]")
+            checked.append(
+                (_as_str(r[0], "segment"), _as_int(r[1], "offset"), _as_int(r[2], "nbytes"))
+            )
+        return self.store.read_ranges(checked)
+
+    async def _stats(self, payload: Any, peer: bytes) -> dict[str, Any]:
+        return asdict(self.store.statistics())
+
+
+class StoreClient:
+    """A process's view of the sample store: its own node's, and other nodes' for reading.
+
+    Writes go into shared memory directly, with capacity reserved from the node's server; reads
+    of this node's handles map shared memory (no server involved); reads of other nodes' handles
+    go to their servers, whose endpoints `peers` (or `set_peer`) give.
+    """
+
+    def __init__(
+        self,
+        run_id: str,
+        node: str,
+        endpoint: str,
+        *,
+        peers: Mapping[str, str] | None = None,
+        ctx: zmq.Context[Any] | None = None,
+        timeout: float = 30.0,
+        spare: bool = True,
+        cache_bytes: int = 256 << 20,
+    ) -> None:
+        """`spare`: ask for a spare grant with every commit (one round trip per put).
+        `cache_bytes` bounds each of this process's two mapping caches (segments it wrote,
+        segments it read), which make recycled segments free of page faults."""
+        self.run_id = shm.check_run_id(run_id)
+        self.node = node
+        self.endpoint = endpoint
+        self._peers = dict(peers or {})
+        self._ctx = ctx
+        self._timeout = timeout
+        self._spare_wanted = spare
+        self._rpc: RpcClient | None = None
+        self._remote: dict[str, RpcClient] = {}
+        self._connecting = asyncio.Lock()  # one hello, one writer (its names must not repeat)
+        self._writer: SegmentWriter | None = None
+        self._capacity = 0
+        self._spare: Grant | None = None
+        self._pid = os.getpid()
+        self._closed = False
+        self._reads = MappingCache(cache_bytes)
+        self._writes = MappingCache(cache_bytes, writable=True)
+        self._batchers: dict[str, _ReadBatcher] = {}
+
+    def set_peer(self, node: str, endpoint: str) -> None:
+        """Where the store server of `node` listens (for reading and freeing its handles)."""
+        self._peers[node] = endpoint
+
+    # -- connections ----------------------------------------------------------------------------
+
+    def _own(self) -> RpcClient:
+        if self._closed:
+            raise ClosedError("store client closed")
+        if self._rpc is None:
+            self._rpc = RpcClient(self.endpoint, ctx=self._ctx, timeout=self._timeout)
+        return self._rpc
+
+    def _peer(self, node: str) -> RpcClient:
+        if node == self.node:
+            return self._own()
+        client = self._remote.get(node)
+        if client is None:
+            endpoint = self._peers.get(node)
+            if endpoint is None:
+                raise ValueError(f"no store endpoint known for node {node!r}")
+            client = RpcClient(endpoint, ctx=self._ctx, timeout=self._timeout, max_bytes=_MAX_REPLY)
+            self._remote[node] = client
+        return client
+
+    async def _connect(self) -> SegmentWriter:
+        if self._writer is not None:
+            return self._writer
+        async with self._connecting:
+            if self._writer is None:
+                self._writer = await self._hello()
+            return self._writer
+
+    async def _hello(self) -> SegmentWriter:
+        hello = await self._own().call("hello")
+        if hello["node"] != self.node or hello["run_id"] != self.run_id:
+            raise ValueError(
+                f"store at {self.endpoint} serves node {hello['node']!r} of run "
+                f"{hello['run_id']!r}, not node {self.node!r} of run {self.run_id!r}"
+            )
+        self._capacity = int(hello["capacity"])
+        owner = shm.Owner(int(hello["owner"][0]), int(hello["owner"][1]))
+        return SegmentWriter(self.run_id, owner, self._writes)
+
+    # -- writing --------------------------------------------------------------------------------
+
+    async def put(self, fields: Mapping[str, FieldData]) -> dict[str, list[Handle]]:
+        """Write one micro-batch into this node's store; waits while the store is full."""
+        plans, nbytes = plan_fields(fields)
+        if nbytes == 0:
+            self._own()
+            return make_handles(self.node, "", plans)
+        writer = await self._connect()
+        size = size_class(nbytes)
+        if size > self._capacity:
+            raise ValueError(f"a put of {size} bytes exceeds the capacity {self._capacity}")
+        grant = await self._grant(size)
+        rpc = self._own()
+        try:
+            name, _ = writer.write(grant, plans)
+        except BaseException:
+            await rpc.call("abandon", {"grant": grant.id})
+            raise
+        refs = count_refs(plans)
+        spare = await rpc.call(
+            "commit",
+            {
+                "pid": self._pid,
+                "grant": grant.id,
+                "name": name,
+                "refs": refs,
+                "next": size if self._spare_wanted else 0,
+            },
+        )
+        extra = _grant_from_wire(spare)
+        if extra is not None and self._spare is None:
+            self._spare = extra
+        elif extra is not None:  # a concurrent put got one first: at most one is held
+            await rpc.call("abandon", {"grant": extra.id})
+        return make_handles(self.node, name, plans)
+
+    async def _grant(self, size: int) -> Grant:
+        rpc = self._own()
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            if size <= spare.size <= 2 * size:
+                return spare
+            await rpc.call("abandon", {"grant": spare.id})
+        while True:
+            reply = await rpc.call(
+                "reserve",
+                {"pid": self._pid, "size": size, "wait": _RESERVE_POLL_S},
+                timeout=_RESERVE_POLL_S + self._timeout,
+            )
+            grant = _grant_from_wire(reply)
+            if grant is not None:
+                return grant
+
+    # -- reading --------------------------------------------------------------------------------
+
+    async def _buffers(self, runs: Sequence[Run], cache: MappingCache | None) -> list[torch.Tensor]:
+        """One uint8 buffer per run: this node's through `cache` (fresh mappings if None),
+        other nodes' fetched from their servers, concurrently."""
+        if all(r.node == self.node for r in runs):
+            return map_runs(runs, cache)
+        out: list[torch.Tensor | None] = [None] * len(runs)
+        local = [k for k, r in enumerate(runs) if r.node == self.node]
+        for k, buf in zip(local, map_runs([runs[k] for k in local], cache), strict=True):
+            out[k] = buf
+        remote: dict[str, list[int]] = {}
+        for k, r in enumerate(runs):
+            if r.node != self.node:
+                remote.setdefault(r.node, []).append(k)
+        fetches = [
+            self._fetch(node, chunk, runs, out)
+            for node, indices in remote.items()
+            for chunk in _chunks(indices, runs)
+        ]
+        if len(fetches) == 1:
+            await fetches[0]  # one request: no task needed
+        elif fetches:
+            await _all_or_first_error(fetches)
+        return [b for b in out if b is not None]
+
+    async def _fetch(
+        self, node: str, indices: list[int], runs: Sequence[Run], out: list[torch.Tensor | None]
+    ) -> None:
+        ranges = [(runs[k].segment, runs[k].offset, runs[k].nbytes) for k in indices]
+        batcher = self._batchers.get(node)
+        if batcher is None:
+            batcher = self._batchers[node] = _ReadBatcher(self._peer(node))
+        for k, buf in zip(indices, await batcher.read(ranges), strict=True):
+            out[k] = buf
+
+    async def get(self, handles: Sequence[Handle]) -> list[torch.Tensor]:
+        """Per-row tensors: views of shared memory on this node, of received frames otherwise."""
+        runs = contiguous_runs(handles)
+        return views_from_runs(handles, runs, await self._buffers(runs, None))
+
+    async def get_padded(
+        self, handles: Sequence[Handle], pad: float | int | bool = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One padded batch and the lengths: one copy on this node; from another node, the
+        received bytes themselves when the rows need no padding (the kernel's copy is the one
+        copy), else one copy out of them."""
+        if handles and handles[0].node == self.node:  # this node's: the common case first
+            fast = cached_padded(handles, self._reads)
+            if fast is not None:
+                return fast
+        single = single_run(handles) if handles else None
+        if single is not None:
+            run, lens = single
+            (buf,) = await self._buffers([run], self._reads)
+            count, width, dtype = len(lens), lens[0], handles[0].dtype
+            aligned = buf.data_ptr() % ITEMSIZE[dtype] == 0
+            if run.node != self.node and aligned and lens.count(width) == count:
+                # The received frame is this call's own writable memory: it is the batch.
+                batch = buf.view(DTYPES[dtype]).view(count, width)
+                return batch, torch.full((count,), width, dtype=torch.int64)
+            return padded_from_runs(handles, [run], [buf], pad, lens)
+        runs = contiguous_runs(handles)
+        return padded_from_runs(handles, runs, await self._buffers(runs, self._reads), pad)
+
+    async def free(self, handles: Sequence[Handle]) -> None:
+        """Free handles at the nodes that hold them."""
+        by_node: dict[str, list[Handle]] = {}
+        for h in handles:
+            if h.segment:
+                by_node.setdefault(h.node, []).append(h)
+        targets = [(self._peer(node), hs) for node, hs in by_node.items()]  # may raise: first
+        calls = [client.call("free", {"handles": hs}) for client, hs in targets]
+        if len(calls) == 1:
+            await calls[0]
+        elif calls:
+            await _all_or_first_error(calls)
+
+    async def stats(self, node: str | None = None) -> dict[str, Any]:
+        reply: dict[str, Any] = await self._peer(node or self.node).call("stats")
+        return reply
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Give back this process's grants and close every connection (idempotent)."""
+        if self._closed:
+            return
+        try:
+            if self._rpc is not None and self._writer is not None:
+                await self._rpc.call("release", {"pid": self._pid})
+        finally:
+            self._closed = True
+            self._spare = None
+            clients = [c for c in (self._rpc, *self._remote.values()) if c is not None]
+            self._rpc = None
+            self._remote.clear()
+            self._batchers.clear()
+            self._reads.clear()
+            self._writes.clear()
+            for client in clients:
+                await client.aclose()
+
+    async def __aenter__(self) -> StoreClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+async def _all_or_first_error(calls: Iterable[Awaitable[Any]]) -> None:
+    """Run `calls` concurrently; if one fails, cancel the rest and raise its error as is."""
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for call in calls:
+                tg.create_task(_wrap(call))
+    except BaseExceptionGroup as group:
+        first: BaseException = group
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise first from None
+
+
+async def _wrap(call: Awaitable[Any]) -> None:
+    await call
+
+
+class _ReadBatcher:
+    """Joins the reads that start in the same loop iteration into one request to a peer.
+
+    A reader of a micro-batch asks for its fields concurrently; one request per field would pay
+    the per-message costs of both sides several times for the same round trip. The first caller
+    leads: it yields once, so that concurrent callers can join its request (up to
+    `_READ_CHUNK` bytes), sends it, and hands each joined caller its buffers.
+    """
+
+    def __init__(self, rpc: RpcClient) -> None:
+        self._rpc = rpc
+        self._open: _Batch | None = None
+
+    async def read(self, ranges: list[tuple[str, int, int]]) -> list[torch.Tensor]:
+        nbytes = sum(r[2] for r in ranges)
+        batch = self._open
+        if batch is not None and batch.nbytes + nbytes <= _READ_CHUNK:
+            try:
+                return await batch.join(ranges, nbytes)
+            except _ReadAlone:
+                return await self._read(ranges)
+        batch = self._open = _Batch()
+        part = batch.add(ranges, nbytes)
+        try:
+            try:
+                await asyncio.sleep(0)  # one yield: let the concurrent readers join
+            finally:
+                if self._open is batch:
+                    self._open = None
+            buffers = await self._read(batch.ranges)
+        except RemoteError:
+            if batch.parts == 1:
+                raise
+            # One reader's bad range (a freed handle, say) must not fail the others: each
+            # asks again on its own and gets its own answer.
+            batch.fail(_ReadAlone())
+            return await self._read(ranges)
+        except BaseException as exc:
+            batch.fail(exc)  # whoever joined learns of it too
+            raise
+        return batch.deliver(buffers)[part]
+
+    async def _read(self, ranges: list[tuple[str, int, int]]) -> list[torch.Tensor]:
+        reply = await self._rpc.call("read", {"ranges": [list(r) for r in ranges]})
+        return _checked_buffers(reply, ranges)
+
+
+class _ReadAlone(Exception):
+    """Tells the readers that joined a failed request to ask again on their own."""
+
+
+class _Batch:
+    def __init__(self) -> None:
+        self.ranges: list[tuple[str, int, int]] = []
+        self.nbytes = 0
+        self._parts: list[tuple[int, int]] = []  # (start, stop) into `ranges`
+        self._waiters: dict[int, asyncio.Future[list[torch.Tensor]]] = {}
+
+    @property
+    def parts(self) -> int:
+        return len(self._parts)
+
+    def add(self, ranges: list[tuple[str, int, int]], nbytes: int) -> int:
+        self._parts.append((len(self.ranges), len(self.ranges) + len(ranges)))
+        self.ranges.extend(ranges)
+        self.nbytes += nbytes
+        return len(self._parts) - 1
+
+    async def join(self, ranges: list[tuple[str, int, int]], nbytes: int) -> list[torch.Tensor]:
+        part = self.add(ranges, nbytes)
+        fut: asyncio.Future[list[torch.Tensor]] = asyncio.get_running_loop().create_future()
+        self._waiters[part] = fut
+        return await fut
+
+    def deliver(self, buffers: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        parts = [buffers[start:stop] for start, stop in self._parts]
+        for part, fut in self._waiters.items():
+            if not fut.done():
+                fut.set_result(parts[part])
+        return parts
+
+    def fail(self, exc: BaseException) -> None:
+        if isinstance(exc, asyncio.CancelledError):  # the leader left; its followers did not
+            exc = ClosedError("the read this one joined was cancelled")
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.set_exception(exc)
+
+
+def _checked_buffers(reply: Any, ranges: list[tuple[str, int, int]]) -> list[torch.Tensor]:
+    if not isinstance(reply, list) or len(reply) != len(ranges):
+        raise MalformedMessage("a read reply has one buffer per range")
+    buffers: list[torch.Tensor] = []
+    for buf, (_, _, nbytes) in zip(reply, ranges, strict=True):
+        if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8:
+            raise MalformedMessage("a read reply holds uint8 tensors")
+        if buf.numel() != nbytes:
+            raise MalformedMessage("a read reply buffer has the wrong size")
+        buffers.append(buf)
+    return buffers
+
+
+def _chunks(indices: list[int], runs: Sequence[Run]) -> list[list[int]]:
+    """Split runs into requests of about `_READ_CHUNK` bytes."""
+    chunks: list[list[int]] = []
+    current: list[int] = []
+    size = 0
+    for k in indices:
+        if current and size + runs[k].nbytes > _READ_CHUNK:
+            chunks.append(current)
+            current, size = [], 0
+        current.append(k)
+        size += runs[k].nbytes
+    if current:
+        chunks.append(current)
+    return chunks

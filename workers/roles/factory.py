@@ -1,0 +1,153 @@
+"""Build the real ("hf" engine) roles from the JSON config every worker receives.
+
+`make_hf_role(role, config, seed)` reads `flowrl.recipe.Recipe.engine_config` output and
+returns a ready `workers.runtime.Role`: it loads the model, tokenizer and dataset, and wires them
+into `RolloutRole`, `RewardRole`, `ReferenceRole` or `TrainerRole`. The roles themselves take
+constructed objects (engine, tokenizer, dataset), so tests and custom launchers can inject their
+own; this module is the one place that knows the config's layout.
+
+Guarantees:
+- Every worker built from the same config maps a dataset position to the same example (the
+  dataset is built deterministically from ``config["data"]`` and ``config["seed"]``).
+- A config the roles cannot serve (a model path that is not a directory, an unsupported data
+  kind, an unknown role) raises ValueError naming the field, before any model is loaded.
+
+Imports torch and transformers lazily, inside the functions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from flowrl.data import Dataset, arithmetic, jsonl
+
+if TYPE_CHECKING:
+    from workers.engines.protocols import SamplingParams
+    from workers.runtime import Role
+
+__all__ = [
+    "HF_ROLES",
+    "dataset_from_config",
+    "load_tokenizer",
+    "make_hf_role",
+    "model_dir",
+    "sampling_from_config",
+]
+
+HF_ROLES = ("rollout", "reward", "reference", "train")
+
+
+def model_dir(config: dict[str, Any]) -> Path:
+    """``config["model"]["path"]``, checked to be a local model directory."""
+    path = Path(str(config["model"]["path"]))
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model.path: {str(path)!r} is not a local model directory (no "
+                         "config.json); the launcher resolves 'tiny' before workers start")
+    return path
+
+
+def dataset_from_config(config: dict[str, Any]) -> Dataset:
+    """The prompt dataset of ``config["data"]`` (the same on every worker)."""
+    data = config["data"]
+    kind = data["kind"]
+    if kind == "arithmetic":
+        a = data["arithmetic"]
+        return arithmetic(int(a["count"]), max_operand=int(a["max_operand"]), seed=int(a["seed"]))
+    if kind == "jsonl":
+        return jsonl(str(data["path"]), prompt_key=str(data["prompt_key"]),
+                     answer_key=str(data["answer_key"]), seed=int(config.get("seed", 0)))
+    raise ValueError(f"data.kind: {kind!r} is not supported by the hf roles (arithmetic, jsonl)")
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The model directory's tokenizer, offline."""
+    from transformers import AutoTokenizer
+
+    from workers.engines.hf_rollout import quiet_transformers
+
+    quiet_transformers()
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def sampling_from_config(config: dict[str, Any]) -> SamplingParams:
+    """``config["sampling"]`` as `SamplingParams` (``n`` is set per task by the rollout role)."""
+    from workers.engines.protocols import SamplingParams
+
+    s = config["sampling"]
+    return SamplingParams(temperature=float(s["temperature"]), top_p=float(s["top_p"]),
+                          max_new_tokens=int(s["max_new_tokens"]),
+                          stop=tuple(str(x) for x in s.get("stop", ())))
+
+
+def make_hf_role(role: str, config: dict[str, Any], seed: int) -> Role:
+    """A real role for ``role`` (one of `HF_ROLES`) from the worker's JSON ``config``."""
+    if role not in HF_ROLES:
+        raise ValueError(f"no hf role {role!r}; have {list(HF_ROLES)}")
+    if role == "reward":
+        return _reward(config)
+    path = model_dir(config)
+    if role == "rollout":
+        return _rollout(config, path, seed)
+    if role == "reference":
+        return _reference(config, path, seed)
+    return _trainer(config, path, seed)
+
+
+def _reward(config: dict[str, Any]) -> Role:
+    from workers.roles.reward import RewardRunner, resolve_reward_fn
+    from workers.roles.reward_role import RewardRole
+
+    r = config["reward"]
+    runner = RewardRunner(resolve_reward_fn(str(r["fn"])), batched=bool(r["batched"]),
+                          timeout_s=float(r["timeout_s"]),
+                          max_concurrency=int(r["concurrency"]))
+    return RewardRole(runner, load_tokenizer(model_dir(config)), dataset_from_config(config))
+
+
+def _rollout(config: dict[str, Any], path: Path, seed: int) -> Role:
+    from workers.engines.hf_rollout import HFRolloutEngine
+    from workers.roles.rollout import RolloutRole
+
+    dataset = dataset_from_config(config)
+    sampling = sampling_from_config(config)
+    return RolloutRole(HFRolloutEngine(path, seed=seed), load_tokenizer(path), dataset, sampling,
+                       max_prompt_tokens=int(config["data"]["max_prompt_tokens"]))
+
+
+def _reference(config: dict[str, Any], path: Path, seed: int) -> Role:
+    from workers.engines.torch_trainer import TorchTrainerEngine
+    from workers.roles.reference import ReferenceRole
+
+    # The trainer's engine class, never stepped: its logprobs are the trainer's at version 0.
+    engine = TorchTrainerEngine(path, seed=seed)
+    engine.model.requires_grad_(False)
+    return ReferenceRole(engine, temperature=sampling_from_config(config).temperature,
+                         pad_token_id=_pad_id(engine.model))
+
+
+def _trainer(config: dict[str, Any], path: Path, seed: int) -> Role:
+    from workers.engines.torch_trainer import TorchTrainerEngine
+    from workers.roles.trainer import TrainerRole, TrainSettings
+
+    settings = TrainSettings.from_config(config)
+    t = config["trainer"]
+    betas = t.get("betas", (0.9, 0.999))
+    engine = TorchTrainerEngine(
+        path, lr=float(t["lr"]), weight_decay=float(t["weight_decay"]),
+        betas=(float(betas[0]), float(betas[1])),
+        grad_clip=None if t.get("grad_clip") is None else float(t["grad_clip"]),
+        warmup_steps=int(t["warmup_steps"]), seed=seed,
+    )
+    return TrainerRole(engine, settings, pad_token_id=_pad_id(engine.model))
+
+
+def _pad_id(model: Any) -> int:
+    """The model's pad token (its EOS when it has none): right padding is masked anyway."""
+    cfg = model.config
+    for value in (getattr(cfg, "pad_token_id", None), getattr(cfg, "eos_token_id", None)):
+        if isinstance(value, int):
+            return value
+        if isinstance(value, list | tuple) and value:
+            return int(value[0])
+    return 0

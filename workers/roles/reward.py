@@ -1,0 +1,364 @@
+"""The reward role's logic: call a user's reward function without letting it hurt the worker.
+
+`RewardRunner.score` turns samples (prompt text, response text, the dataset row's metadata)
+into one `RewardResult` each. Guarantees:
+
+- ``score`` never raises because of the user function (only when the caller cancels it): a call
+  that raises, exceeds ``timeout_s`` or returns garbage (not a number, NaN or infinite, a batch of
+  the wrong length) gives its samples ``reward = 0.0, ok = False`` and the error text, and is
+  counted by kind in `RewardRunner.statistics`.
+- The event loop stays free: sync functions run in threads, async functions on the loop under a
+  timeout scope. At most ``max_concurrency`` calls run at once.
+- Threads are bounded. Python cannot kill a thread, so a sync call that hangs past its timeout
+  keeps its thread until it returns; it is then *abandoned* (the caller moves on, its slot is
+  freed). While ``max_concurrency`` or more calls are abandoned, sync calls fail at once (kind
+  ``stuck``) instead of starting threads, until abandoned calls return. A thread starts only
+  when fewer than ``max_concurrency`` are abandoned and at most ``max_concurrency`` run, so fewer
+  than ``2 * max_concurrency`` threads ever exist. The threads are daemon threads, not a
+  ``ThreadPoolExecutor``'s: an executor joins its threads at interpreter exit, so one hung call
+  would keep the worker process alive forever.
+- An async function is cancelled at its timeout; one that swallows cancellation, or blocks the
+  loop with sync work, defeats the timeout (nothing can prevent that in-process).
+
+Per-sample functions are called ``fn(prompt, response, **meta)``; batched ones
+``fn(prompts, responses, metas)`` and return one number per sample. Imports only the standard
+library.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Literal
+
+__all__ = [
+    "FailureKind",
+    "RewardFnError",
+    "RewardResult",
+    "RewardRunner",
+    "RewardSample",
+    "RewardStats",
+    "exact_match",
+    "resolve_reward_fn",
+]
+
+FailureKind = Literal["error", "timeout", "invalid", "stuck"]
+"""Why a sample's reward failed: the function raised, ran past its timeout, returned something
+that is not a finite number (or a batch of the wrong length), or every thread was hung."""
+
+_MAX_ERROR_CHARS = 500
+
+
+@dataclass(frozen=True, slots=True)
+class RewardSample:
+    """One response to score; ``meta`` is the dataset row's metadata (e.g. ``answer``)."""
+
+    prompt: str
+    response: str
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class RewardResult:
+    """A sample's reward; when ``ok`` is False the reward is 0.0 and ``error`` says why."""
+
+    reward: float
+    ok: bool
+    error: str | None = None
+    kind: FailureKind | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RewardStats:
+    """A snapshot of a runner's counters."""
+
+    calls: int
+    samples: int
+    ok: int
+    failures: Mapping[str, int]
+    """Failed samples by `FailureKind`."""
+    abandoned_threads: int
+    """Sync calls that ran past their timeout and have not returned yet."""
+
+
+class RewardFnError(ValueError):
+    """A reward function reference that cannot be resolved to a callable."""
+
+
+class _Failure(Exception):
+    def __init__(self, kind: FailureKind, message: str) -> None:
+        super().__init__(message)
+        self.kind: FailureKind = kind
+
+
+@dataclass(slots=True)
+class _ThreadCall:
+    future: asyncio.Future[Any]
+    finished: bool = False
+    abandoned: bool = False
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    call = getattr(fn, "__call__", None)  # noqa: B004 — callable objects with an async __call__
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call)
+
+
+def _describe(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}"
+    return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 3] + "..."
+
+
+def _short_repr(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _as_reward(value: Any) -> float:
+    """A finite float, or `_Failure("invalid")`. Accepts bools, ints, floats and scalars that
+    convert with ``float()`` (numpy, 0-d tensors); never parses strings."""
+    if inspect.iscoroutine(value):
+        value.close()  # a sync function returned a coroutine: close it so it warns nobody
+        raise _Failure("invalid", "returned a coroutine; declare the function `async def`")
+    if isinstance(value, str | bytes) or not (
+        isinstance(value, numbers.Real) or hasattr(value, "__float__")
+    ):
+        raise _Failure("invalid", f"returned {type(value).__name__} {_short_repr(value)}, "
+                                  "expected a number")
+    try:
+        x = float(value)
+    except (TypeError, ValueError) as e:
+        raise _Failure("invalid", f"returned {_short_repr(value)}: {e}") from None
+    if not math.isfinite(x):
+        raise _Failure("invalid", f"returned {x}, expected a finite number")
+    return x
+
+
+class RewardRunner:
+    """Scores samples with a user reward function; see the module docstring for guarantees."""
+
+    def __init__(
+        self, fn: Callable[..., Any], *, batched: bool, timeout_s: float, max_concurrency: int,
+    ) -> None:
+        if not callable(fn):
+            raise TypeError(f"reward function must be callable, got {type(fn).__name__}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        self.fn = fn
+        self.batched = batched
+        self.timeout_s = float(timeout_s)
+        self.max_concurrency = max_concurrency
+        self._async = _is_async(fn)
+        # Calls in flight (sync or async); a slot is freed when its caller stops waiting.
+        self._slots = asyncio.Semaphore(max_concurrency)
+        self._max_abandoned = max_concurrency
+        self._abandoned = 0
+        self._none_abandoned = asyncio.Event()
+        self._none_abandoned.set()
+        self._counts: collections.Counter[str] = collections.Counter()
+
+    # ---- public ---------------------------------------------------------------------------------
+
+    async def score(self, samples: Sequence[RewardSample]) -> list[RewardResult]:
+        """One result per sample, in order. Never raises for the user function's faults."""
+        if not samples:
+            return []
+        if self.batched:
+            results = await self._score_batch(samples)
+        else:
+            async with asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(self._score_one(s)) for s in samples]
+            results = [t.result() for t in tasks]
+        self._counts["samples"] += len(results)
+        for r in results:
+            self._counts[r.kind or "ok"] += 1
+        return results
+
+    def statistics(self) -> RewardStats:
+        c = self._counts
+        kinds: tuple[FailureKind, ...] = ("error", "timeout", "invalid", "stuck")
+        return RewardStats(calls=c["calls"], samples=c["samples"], ok=c["ok"],
+                           failures={k: c[k] for k in kinds}, abandoned_threads=self._abandoned)
+
+    async def wait_unabandoned(self) -> None:
+        """Wait until every abandoned (timed-out) sync call has returned."""
+        await self._none_abandoned.wait()
+
+    # ---- scoring --------------------------------------------------------------------------------
+
+    async def _score_one(self, s: RewardSample) -> RewardResult:
+        try:
+            value = await self._call((s.prompt, s.response), dict(s.meta))
+            return RewardResult(_as_reward(value), True)
+        except _Failure as f:
+            return RewardResult(0.0, False, str(f), f.kind)
+
+    async def _score_batch(self, samples: Sequence[RewardSample]) -> list[RewardResult]:
+        args = ([s.prompt for s in samples], [s.response for s in samples],
+                [dict(s.meta) for s in samples])
+        try:
+            values = await self._call(args, {})
+            if isinstance(values, str | bytes | Mapping) or not hasattr(values, "__len__"):
+                raise _Failure("invalid", f"returned {type(values).__name__}, expected one "
+                                          f"number per sample ({len(samples)})")
+            values = list(values)
+            if len(values) != len(samples):
+                raise _Failure("invalid", f"returned {len(values)} values for "
+                                          f"{len(samples)} samples")
+        except _Failure as f:
+            return [RewardResult(0.0, False, str(f), f.kind) for _ in samples]
+        out = []
+        for v in values:
+            try:
+                out.append(RewardResult(_as_reward(v), True))
+            except _Failure as f:
+                out.append(RewardResult(0.0, False, str(f), f.kind))
+        return out
+
+    async def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The function's return value, or `_Failure`; a cancelled caller propagates."""
+        async with self._slots:
+            self._counts["calls"] += 1
+            try:
+                async with asyncio.timeout(self.timeout_s) as scope:
+                    if self._async:
+                        return await self.fn(*args, **kwargs)
+                    return await self._in_thread(args, kwargs)
+            except _Failure:
+                raise
+            except Exception as e:
+                if scope.expired():
+                    raise _Failure("timeout", f"timed out after {self.timeout_s:g}s") from None
+                raise _Failure("error", _describe(e)) from None
+
+    # ---- threads for sync functions -----------------------------------------------------------
+
+    async def _in_thread(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self._abandoned >= self._max_abandoned:
+            raise _Failure("stuck", f"{self._abandoned} reward threads are still hung in calls "
+                                    f"that timed out (limit {self._max_abandoned})")
+        loop = asyncio.get_running_loop()
+        call = _ThreadCall(loop.create_future())
+        threading.Thread(target=self._thread_main, args=(loop, call, args, kwargs),
+                         name="flowrl-reward", daemon=True).start()
+        try:
+            return await call.future
+        finally:
+            if not call.finished:  # the caller gave up (timeout or cancel); the thread runs on
+                call.abandoned = True
+                self._abandoned += 1
+                self._none_abandoned.clear()
+
+    def _thread_main(
+        self, loop: asyncio.AbstractEventLoop, call: _ThreadCall, args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        value: Any = None
+        error: BaseException | None = None
+        try:
+            value = self.fn(*args, **kwargs)
+        except Exception as e:
+            error = e
+        except BaseException as e:  # SystemExit/KeyboardInterrupt raised by user code
+            error = RuntimeError(_describe(e))
+        # RuntimeError: the loop is closed, so nobody is waiting for this result any more.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(self._thread_done, call, value, error)
+
+    def _thread_done(self, call: _ThreadCall, value: Any, error: BaseException | None) -> None:
+        # Runs on the loop, so the counters need no lock.
+        call.finished = True
+        if call.abandoned:
+            if inspect.iscoroutine(value):
+                value.close()
+            self._abandoned -= 1
+            if self._abandoned == 0:
+                self._none_abandoned.set()
+        elif not call.future.done():
+            if error is not None:
+                call.future.set_exception(error)
+            else:
+                call.future.set_result(value)
+
+
+# ---- resolving references ---------------------------------------------------------------------
+
+
+def resolve_reward_fn(ref: str) -> Callable[..., Any]:
+    """The callable named by ``"module:function"`` or ``"path/to/file.py:function"``.
+
+    A file is executed once per process as a module (not as ``__main__``) and cached in
+    ``sys.modules``. Every failure raises `RewardFnError` naming the reference.
+    """
+    target, sep, name = ref.rpartition(":")
+    if not sep or not target or not all(p.isidentifier() for p in name.split(".")):
+        raise RewardFnError(f"{ref!r} is not 'module:function' or 'path/to/file.py:function'")
+    try:
+        module = _load_file(Path(target)) if target.endswith(".py") else \
+            importlib.import_module(target)
+    except RewardFnError:
+        raise
+    except Exception as e:
+        raise RewardFnError(f"reward function {ref!r}: cannot load {target!r}: "
+                            f"{_describe(e)}") from e
+    obj: Any = module
+    for part in name.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise RewardFnError(f"reward function {ref!r}: {target!r} has no {part!r}") from None
+    if not callable(obj):
+        raise RewardFnError(f"reward function {ref!r} is a {type(obj).__name__}, not callable")
+    return obj  # type: ignore[no-any-return]
+
+
+def _load_file(path: Path) -> ModuleType:
+    if not path.is_file():
+        raise RewardFnError(f"no such file: {str(path)!r}")
+    resolved = path.resolve()
+    digest = hashlib.sha256(str(resolved).encode()).hexdigest()[:12]
+    name = f"_flowrl_reward_{resolved.stem}_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, resolved)
+    if spec is None or spec.loader is None:
+        raise RewardFnError(f"cannot load {str(path)!r} as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before running it: dataclasses in the file look themselves up
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+# ---- a built-in reward ------------------------------------------------------------------------
+
+
+def exact_match(prompt: str, response: str, *, answer: Any, **_: Any) -> float:
+    """1.0 when the response starts with the answer and the answer ends there, else 0.0.
+
+    Leading whitespace is ignored; the character after the answer must not be a letter or digit,
+    so ``"19"`` matches ``" 19"``, ``"19."`` and ``"19 apples"`` but not ``"190"``.
+    """
+    want = str(answer).strip()
+    got = response.lstrip()
+    if not want or not got.startswith(want):
+        return 0.0
+    rest = got[len(want):]
+    return 0.0 if rest[:1].isalnum() else 1.0

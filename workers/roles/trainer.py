@@ -1,0 +1,381 @@
+"""The train role: streamed micro-batches of whole groups → one optimizer step per global batch.
+
+Per micro-batch (task): the rows' prompt+response tokens form a right-padded `SequenceBatch`;
+advantages come from the rewards and the rows' groups (``task["row_groups"]``) by the configured
+estimator; the policy loss is `flowrl.algorithms.compute_policy_loss` with
+``old_logprobs = logprobs.detach()`` (one update per batch: on-policy ratio 1), truncated
+importance sampling against ``rollout_logprobs`` when ``tis_cap`` is set, and the KL term to
+``ref_logprobs`` when ``kl_coef > 0``. The task with ``params["step_end"]`` ends the step: the
+optimizer steps, the new weights are exported as version + 1 (`RoleOutput.weights`), and a
+checkpoint is written every ``checkpoint_every`` steps (and at the last step).
+
+Gradient accumulation is exact. The step's loss is ``L = (1/D)·Σ_k S_k``, where ``S_k`` is
+micro-batch k's loss computed with ``num_tokens = num_seqs = 1`` — a plain sum over its tokens
+(``token-mean``) or over its rows' per-row values (the ``seq-mean`` modes, whose per-row divisor
+is the row's own length or the constant ``max_new_tokens``) — and ``D`` is the whole step's
+count: response tokens for ``token-mean``, rows with a response token otherwise. ``D`` is known
+only when the last micro-batch has arrived, so each backward accumulates ``∇S_k`` and the step's
+end multiplies the gradients by ``1/D`` before clipping and stepping:
+``∇L = (1/D)·Σ_k ∇S_k``, the gradient of the loss computed on the concatenated batch (up to
+float rounding; ``tests/test_roles.py`` checks 1e-6). The KL term is aggregated with the same
+counts, so it is exact as well, and so are the group estimators (GRPO, Dr. GRPO, RLOO): a
+micro-batch holds whole groups. REINFORCE++ whitens its returns over the micro-batch (the step's
+statistics are unknown until its end); with one micro-batch per step it is exact.
+
+Metrics of the task that ends a step cover the whole step: ``loss`` (L), ``grad_norm`` (before
+clipping), ``lr``, ``reward_mean``, ``clip_frac``, ``approx_kl`` (token-weighted means),
+``kl`` (the aggregated KL term, when on), ``tis_mean`` (when on), ``tokens``, ``seqs``,
+``skipped`` (1 when a non-finite gradient skipped the update).
+
+Compute runs in a thread, one task at a time. `load_version` with no weights means "resume at
+this version"; with weights of a newer version it loads them (a trainer joining a running job);
+the broadcast of the trainer's own new version (not newer than its own) is ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, cast, get_args
+
+import structlog
+import torch
+from torch import Tensor
+
+from flowrl import messages as m
+from flowrl.algorithms import (
+    KLEstimator,
+    LossAgg,
+    compute_policy_loss,
+    dr_grpo_advantages,
+    grpo_advantages,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
+from workers.engines.protocols import SequenceBatch, TrainerEngine, TrainerState
+from workers.runtime import RoleOutput
+
+__all__ = ["AdvantageName", "TrainBatch", "TrainSettings", "TrainerRole", "scale_gradients"]
+
+log = structlog.get_logger("flowrl.trainer")
+
+AdvantageName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """The objective and checkpointing of a train role (see `from_config`)."""
+
+    algorithm: AdvantageName = "grpo"
+    clip_low: float = 0.2
+    clip_high: float | None = None
+    loss_agg: LossAgg = "token-mean"
+    kl_coef: float = 0.0
+    kl_estimator: KLEstimator = "k3"
+    tis_cap: float | None = None
+    #: the sampling temperature: logprobs are computed under the same tempered distribution.
+    temperature: float = 1.0
+    #: Dr. GRPO's constant per-row divisor (the generation budget); needed by
+    #: ``seq-mean-token-sum-norm`` so every micro-batch divides alike.
+    max_new_tokens: int | None = None
+    output: Path | None = None
+    checkpoint_every: int = 0
+    #: the run's last step, always checkpointed when checkpoints are on.
+    steps: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in get_args(AdvantageName):
+            raise ValueError(f"algorithm.name: {self.algorithm!r} is not supported by the "
+                             f"trainer; use one of {get_args(AdvantageName)}")
+        if self.loss_agg not in get_args(LossAgg):
+            raise ValueError(f"algorithm.loss_agg: unknown mode {self.loss_agg!r}")
+        if self.loss_agg == "seq-mean-token-sum-norm" and not self.max_new_tokens:
+            raise ValueError("seq-mean-token-sum-norm needs max_new_tokens (a constant divisor)")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> TrainSettings:
+        """From a worker's JSON config (`flowrl.recipe.Recipe.engine_config`)."""
+        a, s = config["algorithm"], config["sampling"]
+        output = config.get("output")
+        cap = a.get("tis_cap")
+        return cls(
+            algorithm=cast(AdvantageName, a["name"]),
+            clip_low=float(a["clip_low"]),
+            clip_high=None if a.get("clip_high") is None else float(a["clip_high"]),
+            loss_agg=cast(LossAgg, a["loss_agg"]),
+            kl_coef=float(a["kl_coef"]),
+            kl_estimator=cast(KLEstimator, a["kl_estimator"]),
+            tis_cap=None if cap is None else float(cap),
+            temperature=float(s["temperature"]),
+            max_new_tokens=int(s["max_new_tokens"]),
+            output=None if output is None else Path(output),
+            checkpoint_every=int(config.get("checkpoint_every", 0)),
+            steps=None if config.get("steps") is None else int(config["steps"]),
+        )
+
+    @property
+    def count_tokens(self) -> bool:
+        """Whether the step's divisor counts tokens (token-mean) rather than sequences."""
+        return self.loss_agg == "token-mean"
+
+
+def _padded(values: Sequence[Tensor], mask: Tensor, name: str) -> Tensor:
+    """Per-row 1-D values laid onto the response positions of a [B, L] mask (0 elsewhere)."""
+    counts = mask.sum(dim=-1).tolist()
+    for i, (v, n) in enumerate(zip(values, counts, strict=True)):
+        if v.numel() != n:
+            raise ValueError(f"row {i}: {name} has {v.numel()} values for {n} response tokens")
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    if values:
+        # Boolean-mask assignment fills row-major, and each row's response positions are in
+        # order, so the concatenated rows land exactly on their tokens.
+        out[mask] = torch.cat([v.reshape(-1).to(torch.float32) for v in values])
+    return out
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    """One micro-batch, tensors on the CPU: the sequences and the loss's per-row inputs."""
+
+    seqs: SequenceBatch
+    rewards: Tensor  # [B] float32
+    group_ids: Tensor  # [B] int64
+    rollout_logprobs: Tensor  # [B, L] float32, 0 off the response
+    ref_logprobs: Tensor | None  # [B, L] float32, 0 off the response
+
+    @classmethod
+    def from_inputs(
+        cls, inputs: Mapping[str, Sequence[Any]], row_groups: Sequence[int], *, pad_token_id: int
+    ) -> TrainBatch:
+        """From a train task's inputs (store tensors are only read, never written)."""
+        seqs = SequenceBatch.from_rows(inputs["prompt_ids"], inputs["response_ids"],
+                                       pad_token_id=pad_token_id)
+        mask = seqs.response_mask
+        ref = inputs.get("ref_logprobs")
+        return cls(
+            seqs=seqs,
+            rewards=torch.tensor([float(r) for r in inputs["reward"]], dtype=torch.float32),
+            group_ids=torch.tensor([int(g) for g in row_groups], dtype=torch.int64),
+            rollout_logprobs=_padded(inputs["rollout_logprobs"], mask, "rollout_logprobs"),
+            ref_logprobs=None if ref is None else _padded(ref, mask, "ref_logprobs"),
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return self.seqs.num_response_tokens
+
+    @property
+    def num_seqs(self) -> int:
+        """Rows with at least one response token (the seq-mean modes count only those)."""
+        return int(self.seqs.response_mask.any(dim=-1).sum())
+
+
+def advantages(name: AdvantageName, batch: TrainBatch) -> Tensor:
+    """[B] (group estimators) or [B, L] (REINFORCE++) advantages of a micro-batch."""
+    r, g = batch.rewards, batch.group_ids
+    if name == "grpo":
+        return grpo_advantages(r, g)
+    if name == "dr_grpo":
+        return dr_grpo_advantages(r, g)
+    if name == "rloo":
+        return rloo_advantages(r, g)
+    return reinforce_pp_advantages(r, batch.seqs.response_mask, group_ids=g)
+
+
+def scale_gradients(engine: TrainerEngine, factor: float) -> None:
+    """Multiply the engine's accumulated gradients by ``factor``.
+
+    Uses the engine's ``scale_gradients(factor)`` when it has one, else its torch ``model``.
+    """
+    method = getattr(engine, "scale_gradients", None)
+    if callable(method):
+        method(factor)
+        return
+    model = getattr(engine, "model", None)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{type(engine).__name__} has neither scale_gradients() nor a torch model")
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
+
+@dataclass
+class _Step:
+    """What the micro-batches of the current step have accumulated (sums, see module doc)."""
+
+    step: int | None = None  # the controller's step number of these micro-batches
+    micro_batches: int = 0
+    loss: float = 0.0
+    kl: float = 0.0
+    tokens: int = 0
+    seqs: int = 0
+    rows: int = 0
+    reward: float = 0.0
+    clip: float = 0.0  # Σ clip_frac · tokens
+    approx_kl: float = 0.0  # Σ approx_kl · tokens
+    tis: float = 0.0  # Σ tis_mean · tokens
+
+
+class TrainerRole:
+    """Streams micro-batches into one `TrainerEngine`; see the module docstring."""
+
+    def __init__(
+        self, engine: TrainerEngine, settings: TrainSettings, *, pad_token_id: int,
+        version: int = 0,
+    ) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.pad_token_id = pad_token_id
+        self.version = version
+        self._step = _Step()
+        self._lock = asyncio.Lock()  # one task (or weight load) at a time on the engine
+
+    async def run(self, task: m.TaskMsg, inputs: dict[str, list[Any]]) -> RoleOutput:
+        async with self._lock:
+            return await asyncio.to_thread(self._train, task, inputs)
+
+    def _train(self, task: m.TaskMsg, inputs: dict[str, list[Any]]) -> RoleOutput:
+        batch = TrainBatch.from_inputs(inputs, task["row_groups"],
+                                       pad_token_id=self.pad_token_id)
+        params = task["params"]
+        step = params.get("step")
+        if self._step.micro_batches and step is not None and step != self._step.step:
+            # The controller ends every step with a step_end task; this means one went missing.
+            log.warning("micro-batch of another step joins the accumulated gradients",
+                        accumulating=self._step.step, task_step=step)
+        metrics = self.accumulate(batch)
+        self._step.step = step
+        if not params.get("step_end", False):
+            return RoleOutput(fields={}, metrics=metrics)
+        return self.finish_step()
+
+    def accumulate(self, batch: TrainBatch) -> dict[str, float]:
+        """Forward and backward of one micro-batch's loss *sum* into the gradients."""
+        s = self.settings
+        if batch.num_tokens == 0:
+            raise ValueError("micro-batch has no response tokens")
+        adv = advantages(s.algorithm, batch)
+
+        def loss_fn(lps: Tensor, seqs: SequenceBatch) -> tuple[Tensor, dict[str, float]]:
+            dev = lps.device
+            return compute_policy_loss(
+                lps, lps.detach(), adv.to(dev), seqs.response_mask,
+                clip_eps_low=s.clip_low, clip_eps_high=s.clip_high, loss_agg=s.loss_agg,
+                max_tokens=s.max_new_tokens, num_tokens=1.0, num_seqs=1.0,
+                rollout_logprobs=batch.rollout_logprobs.to(dev), tis_cap=s.tis_cap,
+                ref_logprobs=None if batch.ref_logprobs is None else batch.ref_logprobs.to(dev),
+                kl_coef=s.kl_coef, kl_estimator=s.kl_estimator,
+            )
+
+        if s.kl_coef and batch.ref_logprobs is None:
+            raise ValueError("kl_coef > 0 but the task carries no ref_logprobs")
+        out = self.engine.train_micro_batch(batch.seqs, loss_fn, temperature=s.temperature)
+        st, tokens = self._step, batch.num_tokens
+        st.micro_batches += 1
+        st.loss += out["loss"]
+        st.kl += out.get("kl_loss", 0.0)
+        st.tokens += tokens
+        st.seqs += batch.num_seqs
+        st.rows += len(batch.rewards)
+        st.reward += float(batch.rewards.sum())
+        st.clip += out["clip_frac"] * tokens
+        st.approx_kl += out["approx_kl"] * tokens
+        st.tis += out.get("tis_mean", 0.0) * tokens
+        return {"tokens": float(tokens), "reward_mean": float(batch.rewards.mean()),
+                "micro_batches": float(st.micro_batches)}
+
+    def finish_step(self) -> RoleOutput:
+        """Normalise the accumulated gradients, step, export version + 1, maybe checkpoint."""
+        st, s = self._step, self.settings
+        if st.micro_batches == 0:
+            raise RuntimeError("step_end without any micro-batch in this step")
+        denom = st.tokens if s.count_tokens else st.seqs
+        scale_gradients(self.engine, 1.0 / denom)
+        stats = self.engine.optimizer_step()
+        self._step = _Step()
+        self.version += 1
+        weights = self.engine.export_weights()
+        metrics = {
+            "loss": st.loss / denom,
+            "grad_norm": stats["grad_norm"],
+            "lr": stats["lr"],
+            "skipped": stats.get("skipped", 0.0),
+            "reward_mean": st.reward / st.rows,
+            "clip_frac": st.clip / st.tokens,
+            "approx_kl": st.approx_kl / st.tokens,
+            "tokens": float(st.tokens),
+            "seqs": float(st.seqs),
+            "micro_batches": float(st.micro_batches),
+        }
+        if s.kl_coef:
+            metrics["kl"] = st.kl / denom
+        if s.tis_cap is not None:
+            metrics["tis_mean"] = st.tis / st.tokens
+        if self._checkpoint_due():
+            try:
+                self.save_checkpoint()
+            except OSError as e:  # the step is taken and published: a full disk must not undo it
+                log.error("checkpoint failed", version=self.version, error=repr(e))
+                metrics["checkpoint_failed"] = 1.0
+        return RoleOutput(fields={}, version=self.version, metrics=metrics, weights=weights)
+
+    def _checkpoint_due(self) -> bool:
+        s = self.settings
+        if s.output is None or s.checkpoint_every <= 0:
+            return False
+        return self.version % s.checkpoint_every == 0 or self.version == s.steps
+
+    def save_checkpoint(self) -> Path:
+        """Write ``{output}/step_{version}``: weights, config and tokenizer (``save_pretrained``)
+        plus the optimizer state. Built aside and renamed, so a directory named ``step_N``
+        is always complete."""
+        if self.settings.output is None:
+            raise RuntimeError("no output directory configured")
+        root = self.settings.output
+        root.mkdir(parents=True, exist_ok=True)
+        final, tmp = root / f"step_{self.version}", root / f".step_{self.version}.partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.engine.save_pretrained(tmp)
+        state = self.engine.state_dict()
+        TrainerState(state.tensors, {**state.meta, "version": self.version}).save(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        log.info("checkpoint", version=self.version, path=str(final))
+        return final
+
+    async def load_version(self, version: int, weights: dict[str, Tensor]) -> None:
+        if version <= self.version:
+            return  # our own step coming back through the broadcast
+        if weights:
+            async with self._lock:
+                await asyncio.to_thread(_load_into, self.engine, weights)
+        self.version = version
+
+
+def _load_into(engine: TrainerEngine, weights: Mapping[str, Tensor]) -> None:
+    """Copy ``weights`` (names as `TrainerEngine.export_weights` gives them) into the model."""
+    model = getattr(engine, "model", None)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{type(engine).__name__} has no torch model to load weights into")
+    from workers.engines.hf_rollout import tied_groups
+
+    params = model.state_dict(keep_vars=True)
+    missing = [g[0] for g in tied_groups(model) if not any(n in weights for n in g)]
+    if missing:
+        raise KeyError(f"missing weights: {missing[:5]}")
+    for name, value in weights.items():
+        if name not in params:
+            raise KeyError(f"unknown weight name {name!r}")
+        if tuple(value.shape) != tuple(params[name].shape):
+            raise ValueError(f"{name}: shape {tuple(value.shape)} != "
+                             f"{tuple(params[name].shape)}")
+    with torch.no_grad():
+        for name, value in weights.items():
+            params[name].copy_(value)

@@ -1,0 +1,264 @@
+"""The worker runtime: one coroutine-driven worker talking to the controller.
+
+A worker registers (role, node, capacity), then runs three owned loops until stopped:
+
+- *pull*: ``capacity`` long-poll ``get_task`` calls; each task's inputs are read from the store
+  (zero-copy on the same node, through the owning node's store server otherwise), the role runs,
+  its outputs go into this node's store, and ``task_done`` reports the new fields' handles;
+- *heartbeat*: one small request per ``heartbeat_s``, so a worker that is busy computing is never
+  mistaken for a dead one (compute runs off the event loop, in the role's own thread or engine);
+- *broadcast*: listens for new policy versions and for ``stop``.
+
+A new policy version is applied at a safe point: new tasks wait while the role loads the weights,
+and loading waits for tasks in flight to finish, so no task ever sees two versions.
+
+Several workers may share one process (simulation mode hosts many); each has its own sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import structlog
+import torch
+
+from flowrl import messages as m
+from transport.errors import ClosedError, DeadlineExceeded, TransportError
+from transport.handles import Handle
+from transport.pubsub import Subscriber
+from transport.rpc import RpcClient
+
+log = structlog.get_logger("flowrl.worker")
+
+
+@dataclass
+class RoleOutput:
+    """What a role returns for one task."""
+
+    #: field name -> one value per row: a tensor (goes to the store) or a scalar (travels inline).
+    fields: dict[str, list[Any]]
+    lengths: list[int] = field(default_factory=list)
+    version: int | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    #: set when this task ends a train step: the new weights, published as version + 1.
+    weights: dict[str, torch.Tensor] | None = None
+
+
+class Role(Protocol):
+    """What a worker runs. Heavy compute must not block the event loop."""
+
+    async def run(self, task: m.TaskMsg, inputs: dict[str, list[Any]]) -> RoleOutput: ...
+
+    async def load_version(self, version: int, weights: dict[str, torch.Tensor]) -> None: ...
+
+
+class Store(Protocol):
+    """The node store as seen by a worker (see `transport.store_server.StoreClient`)."""
+
+    async def put(
+        self, fields: Mapping[str, Sequence[torch.Tensor]]
+    ) -> dict[str, list[Any]]: ...
+
+    async def get(self, handles: Sequence[Handle]) -> list[torch.Tensor]: ...
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    name: str
+    role: str
+    node: str
+    controller: str
+    broadcast: str
+    #: tasks this worker runs concurrently (each is one outstanding long poll).
+    capacity: int = 1
+    heartbeat_s: float = 1.0
+    #: how long one ``get_task`` long poll waits before asking again.
+    poll_s: float = 5.0
+    rpc_timeout_s: float = 30.0
+
+
+def _is_handle(value: Any) -> bool:
+    return isinstance(value, list | tuple) and len(value) == 5
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, role: Role, store: Store) -> None:
+        self.config = config
+        self.role = role
+        self.store = store
+        self.worker_id = ""
+        self.version = 0
+        self._rpc = RpcClient(config.controller, timeout=config.rpc_timeout_s)
+        self._sub = Subscriber(config.broadcast, [m.TOPIC_VERSION, m.TOPIC_STOP])
+        self._stopped = asyncio.Event()
+        self._idle = asyncio.Event()  # set when no task is in flight
+        self._idle.set()
+        self._gate = asyncio.Event()  # cleared while a new version is being loaded
+        self._gate.set()
+        self._in_flight = 0
+        self.tasks_done = 0
+
+    async def run(self) -> None:
+        """Register, serve tasks until ``stop`` (or the controller forgets us), then say bye."""
+        cfg = self.config
+        await self._sub.join(timeout=cfg.rpc_timeout_s)
+        reply = await self._rpc.call(
+            m.OP_REGISTER,
+            {"name": cfg.name, "role": cfg.role, "node": cfg.node, "pid": os.getpid(),
+             "capacity": cfg.capacity},
+        )
+        self.worker_id = str(reply["worker_id"])
+        if reply.get("weights"):  # join at the version everyone else serves
+            await self._switch_version(int(reply["version"]), reply["weights"])
+        elif int(reply["version"]) > 0:
+            await self.role.load_version(int(reply["version"]), {})
+            self.version = int(reply["version"])
+        log.info("worker registered", worker=self.worker_id, role=cfg.role, node=cfg.node)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._broadcasts())
+                tg.create_task(self._heartbeats())
+                for _ in range(cfg.capacity):
+                    tg.create_task(self._pull())
+                await self._stopped.wait()
+                raise _Stop
+        except* _Stop:
+            pass
+        finally:
+            with contextlib.suppress(TransportError):
+                await self._rpc.call(m.OP_BYE, {"worker_id": self.worker_id}, timeout=2.0)
+            await self.aclose()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    async def aclose(self) -> None:
+        await self._sub.aclose()
+        await self._rpc.aclose()
+
+    async def _pull(self) -> None:
+        cfg = self.config
+        while not self._stopped.is_set():
+            try:
+                task = await self._rpc.call(
+                    m.OP_GET_TASK,
+                    {"worker_id": self.worker_id, "wait_s": cfg.poll_s},
+                    timeout=cfg.poll_s + cfg.rpc_timeout_s,
+                )
+            except (ClosedError, DeadlineExceeded):
+                continue
+            if task is None:
+                continue
+            await self._execute(task)
+
+    async def _execute(self, task: m.TaskMsg) -> None:
+        await self._gate.wait()  # a version switch in progress finishes first
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            inputs = await self._read_inputs(task["inputs"])
+            out = await self.role.run(task, inputs)
+            done = await self._write_outputs(task, out)
+            await self._rpc.call(m.OP_TASK_DONE, done)
+            self.tasks_done += 1
+        except (asyncio.CancelledError, ClosedError):
+            raise
+        except Exception as exc:  # the controller requeues the rows; we keep serving
+            log.warning("task failed", worker=self.worker_id, task=task["task_id"],
+                        stage=task["stage"], error=repr(exc))
+            with contextlib.suppress(TransportError):
+                await self._rpc.call(
+                    m.OP_TASK_FAILED,
+                    {"worker_id": self.worker_id, "task_id": task["task_id"], "error": repr(exc)},
+                )
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+    async def _read_inputs(self, inputs: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        out: dict[str, list[Any]] = {}
+        for name, values in inputs.items():
+            if values and _is_handle(values[0]):
+                out[name] = await self.store.get([Handle.from_wire(v) for v in values])
+            else:
+                out[name] = list(values)
+        return out
+
+    async def _write_outputs(self, task: m.TaskMsg, out: RoleOutput) -> m.DoneMsg:
+        tensors = {k: v for k, v in out.fields.items() if v and isinstance(v[0], torch.Tensor)}
+        fields: dict[str, list[Any]] = {
+            k: list(v) for k, v in out.fields.items() if k not in tensors
+        }
+        if tensors:
+            fields.update(await self.store.put(tensors))
+        done: m.DoneMsg = {
+            "worker_id": self.worker_id,
+            "task_id": task["task_id"],
+            "fields": fields,
+            "lengths": out.lengths,
+            "version": out.version,
+            "metrics": out.metrics,
+        }
+        if out.weights is not None:
+            names = list(out.weights)
+            handles = await self.store.put({n: [out.weights[n].reshape(-1)] for n in names})
+            done["weights"] = {
+                n: [handles[n][0], list(out.weights[n].shape)] for n in names
+            }
+        return done
+
+    async def _heartbeats(self) -> None:
+        cfg = self.config
+        while not self._stopped.is_set():
+            try:
+                reply = await self._rpc.call(
+                    m.OP_HEARTBEAT,
+                    {"worker_id": self.worker_id, "version": self.version,
+                     "busy": self._in_flight},
+                    timeout=cfg.rpc_timeout_s,
+                )
+                if not reply.get("ok", False):
+                    log.warning("controller no longer knows this worker; exiting",
+                                worker=self.worker_id)
+                    self._stopped.set()
+                    return
+            except DeadlineExceeded:
+                log.warning("heartbeat unanswered", worker=self.worker_id)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(cfg.heartbeat_s):
+                    await self._stopped.wait()
+
+    async def _broadcasts(self) -> None:
+        while not self._stopped.is_set():
+            topic, payload = await self._sub.recv()
+            if topic == m.TOPIC_STOP:
+                self._stopped.set()
+                return
+            if topic == m.TOPIC_VERSION:
+                await self._switch_version(int(payload["version"]), payload["weights"])
+
+    async def _switch_version(self, version: int, weights: Mapping[str, Any]) -> None:
+        """Load ``version`` at a safe point: no task in flight, none starting meanwhile."""
+        if version <= self.version:
+            return
+        self._gate.clear()
+        try:
+            await self._idle.wait()
+            names = list(weights)
+            flat = await self.store.get([Handle.from_wire(weights[n][0]) for n in names])
+            state = {n: t.view(*weights[n][1]) for n, t in zip(names, flat, strict=True)}
+            await self.role.load_version(version, state)
+            self.version = version
+            await self._rpc.call(m.OP_SERVED, {"worker_id": self.worker_id, "version": version})
+        finally:
+            self._gate.set()
+
+
+class _Stop(Exception):
+    """Internal: unwinds the worker's task group on stop."""
