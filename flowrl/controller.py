@@ -35,6 +35,7 @@ from typing import Any
 import structlog
 
 from flowrl import messages as m
+from flowrl.events import EventBus, Span
 from flowrl.graph import StageSpec
 from flowrl.index import Index, Task
 from flowrl.pipeline import PipelineSpec
@@ -58,6 +59,7 @@ class _Assigned:
     worker: str
     params: dict[str, Any]
     ready_at: float
+    started_at: float = 0.0
 
 
 class Controller:
@@ -107,6 +109,9 @@ class Controller:
         self._free_q: asyncio.Queue[list[Any]] = asyncio.Queue()
         self._pub_q: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
         self._last_step_at = 0.0
+        self.events = EventBus()
+        #: the node store's accounting, refreshed after every batch of frees.
+        self.store_stats: dict[str, Any] = {}
         #: called with each step's metrics (the launcher prints them, the monitor streams them).
         self.on_step: list[Callable[[dict[str, Any]], None]] = []
         self._supervisor = Supervisor(self._on_child_exit)
@@ -391,6 +396,8 @@ class Controller:
         self._registered.set()
         self._wake()
         log.info("worker up", worker=info.worker_id, name=info.name, node=info.node)
+        self.events.emit("worker_up", worker=info.worker_id, role=role, node=info.node,
+                         name=info.name)
         latest = self._weights.get(self.version)
         return {"worker_id": info.worker_id, "version": self.version, "weights": latest}
 
@@ -404,9 +411,13 @@ class Controller:
             return None
         try:
             async with asyncio.timeout(float(p["wait_s"])):
-                return await q.get()
+                msg = await q.get()
         except TimeoutError:
             return None
+        a = self._assigned.get(msg["task_id"])
+        if a is not None:
+            a.started_at = time.time()
+        return msg
 
     async def _on_task_done(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
         a = self._finish(p, ok=True)
@@ -472,6 +483,9 @@ class Controller:
         self._last_step_at = now
         self.step_log.append(entry)
         log.debug("step", **entry)
+        self.events.emit("step", **entry)
+        if weights:
+            self.events.emit("version", version=new_version)
         for callback in self.on_step:
             callback(entry)
         if self.version >= self._steps_target:
@@ -497,8 +511,10 @@ class Controller:
         a = self._finish(p, ok=False)
         if a is not None:
             error = str(p.get("error", ""))
-            self.errors.append({"worker": a.worker, "stage": a.task.stage,
-                                "task": a.task.id, "version": self.version, "error": error})
+            record = {"worker": a.worker, "stage": a.task.stage, "task": a.task.id,
+                      "version": self.version, "error": error}
+            self.errors.append(record)
+            self.events.emit("error", **record)
             key = (a.task.stage, a.task.rows[0] if a.task.rows else -1)
             self._failures[key] += 1
             if self._failures[key] >= self.spec.max_task_failures:
@@ -519,6 +535,9 @@ class Controller:
         if info is not None:
             self.registry.finish(info, task_id, ok=ok)
         del self._assigned[task_id]
+        if a.started_at:
+            self.events.span(Span(a.worker, info.role if info else "", a.task.stage, task_id,
+                                  len(a.task.rows), a.started_at, time.time()))
         if ok and self._train_stage is not None and a.task.stage == self._train_stage.name:
             self._assigned_done[task_id] = a.task
         return a
@@ -581,6 +600,7 @@ class Controller:
             log.warning("worker down", worker=worker_id, name=info.name, why=why,
                         tasks=len(info.tasks))
             self.errors.append({"worker": worker_id, "error": f"worker down: {why}"})
+            self.events.emit("worker_down", worker=worker_id, role=info.role, why=why)
             self._notify()
         self._queues.pop(worker_id, None)
         lost_train: list[int] = []
@@ -600,6 +620,7 @@ class Controller:
         """Stop the run with ``error``: every waiter wakes up and raises it."""
         if self._fatal is None:
             log.error("run failed", error=str(error))
+            self.events.emit("run_failed", error=str(error))
             self._fatal = error
         self._registered.set()
         self._steps_done_evt.set()
@@ -632,6 +653,7 @@ class Controller:
             if self._store is not None and handles:
                 try:
                     await self._store.call("free", {"handles": handles}, timeout=10.0)
+                    self.store_stats = await self._store.call("stats", {}, timeout=10.0)
                 except Exception as exc:
                     log.warning("store free failed", error=repr(exc), handles=len(handles))
 
@@ -655,6 +677,7 @@ class Controller:
             "samples_trained": self._samples_trained,
             "samples_per_s": self._samples_trained / wall if wall else 0.0,
             "stale_dropped": self.stale_dropped,
+            "store": self.store_stats,
             "worker_deaths": self.worker_deaths,
             "errors": list(self.errors),
         }
