@@ -29,6 +29,7 @@ if __package__ in (None, ""):
 
 from bench.index import bench_index
 from flowrl.controller import Controller
+from flowrl.logs import configure
 from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages
 
 COST = {
@@ -101,6 +102,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true", help="fewer steps (< 60 s), same keys")
     args = p.parse_args()
+    configure(level="warning")
     try:
         import uvloop
 

@@ -30,7 +30,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -45,6 +45,12 @@ from flowrl.staleness import StalenessGate
 from transport.endpoints import ipc_endpoint, new_run_id, remove_run_dir, run_dir
 from transport.pubsub import Publisher
 from transport.rpc import RpcClient, RpcServer
+
+if TYPE_CHECKING:
+    from pydantic import SecretStr
+
+    from flowrl.monitor import LoopLag, MonitorServer
+    from flowrl.recipe import MonitorConfig
 
 log = structlog.get_logger("flowrl.controller")
 
@@ -67,7 +73,7 @@ class Controller:
 
     def __init__(
         self, spec: PipelineSpec, *, run_id: str | None = None, node: str = "node0",
-        start_timeout_s: float = 120.0,
+        start_timeout_s: float = 120.0, monitor: MonitorConfig | None = None,
     ) -> None:
         self.spec = spec
         self.graph = spec.graph()
@@ -75,7 +81,7 @@ class Controller:
         self.node = node
         self.start_timeout_s = start_timeout_s
         self.index = Index(self.graph)
-        self.registry = Registry(spec.heartbeat_timeout_s)
+        self.registry = Registry(spec.heartbeat_timeout_s, tasks_per_slot=1 + spec.prefetch)
         self.gate = StalenessGate(spec.max_staleness, spec.groups_per_step)
         self.version = 0
         self._source_stage = self._find_source_stage()
@@ -130,17 +136,36 @@ class Controller:
         self.worker_deaths = 0
         self._t0 = 0.0
         self._samples_trained = 0
+        # control (the monitor's POST endpoints call these)
+        self._paused = False
+        self._drained_sent = False
+        #: the HTTP monitor's settings; None runs no monitor.
+        self.monitor_config = monitor
+        self._monitor: MonitorServer | None = None
+        self._lag: LoopLag | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
 
     async def __aenter__(self) -> Controller:
-        await self.start()
+        try:
+            await self.start()
+        except BaseException:
+            await self.aclose()  # a half-started controller leaves no process or socket behind
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
     async def start(self) -> None:
+        from flowrl.monitor import LoopLag, MonitorServer  # aiohttp loads only when running
+
+        self._lag = LoopLag()
+        if self.monitor_config is not None:
+            # First, so a refused bind fails before any process starts.
+            self._monitor = MonitorServer(self, self.monitor_config)
+            url = await self._monitor.start()
+            log.info("monitor listening", url=url)
         run_dir(self.run_id)
         self._server = RpcServer(ipc_endpoint(self.run_id, "ctl"), self._handlers())
         endpoint = self._endpoint = await self._server.start()
@@ -149,7 +174,8 @@ class Controller:
         loop = asyncio.get_running_loop()
         self._owned = [loop.create_task(self._free_loop(), name="flowrl-free"),
                        loop.create_task(self._watchdog(), name="flowrl-watchdog"),
-                       loop.create_task(self._publish_loop(), name="flowrl-publish")]
+                       loop.create_task(self._publish_loop(), name="flowrl-publish"),
+                       loop.create_task(self._lag.run(), name="flowrl-loop-lag")]
         store = ipc_endpoint(self.run_id, f"store-{self.node}")
         await self._supervisor.spawn(
             f"node:{self.node}",
@@ -199,6 +225,8 @@ class Controller:
     async def aclose(self) -> None:
         """Stop workers, the node agent and the sockets; leaves no process or file behind."""
         self._stop.set()
+        if self._monitor is not None:
+            await self._monitor.aclose()
         if self._pub is not None:
             await self._pub.publish(m.TOPIC_STOP, {"reason": "controller closing"})
         await self._supervisor.stop_all(grace_s=5.0)
@@ -246,6 +274,63 @@ class Controller:
                 raise self._fatal
             await self._changed.wait()
 
+    # ---- control (also the monitor's POST endpoints) -----------------------------------------
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def pause(self) -> None:
+        """Admit no new group and dispatch no new task; tasks already assigned still finish.
+
+        A ``paused`` event is emitted now and a ``drained`` event once nothing is in flight.
+        """
+        if self._paused:
+            return
+        self._paused = True
+        self._drained_sent = False
+        self.events.emit("paused", version=self.version, in_flight=len(self._assigned))
+        if not self._assigned:
+            self._drained_sent = True
+            self.events.emit("drained", version=self.version)
+        self._notify()
+
+    def resume(self) -> None:
+        """Undo `pause`: the scheduler dispatches whatever became possible meanwhile."""
+        if not self._paused:
+            return
+        self._paused = False
+        self.events.emit("resumed", version=self.version)
+        self._notify()
+        self._wake()
+
+    def set_max_staleness(self, n: int) -> None:
+        """Change the staleness budget; applies to the next admission and train decisions."""
+        old = self.gate.max_staleness
+        self.gate.set_max_staleness(n)
+        if n != old:
+            self.events.emit("staleness", max_staleness=n, previous=old, version=self.version)
+            log.info("max_staleness changed", max_staleness=n, previous=old)
+            self._notify()
+            self._wake()
+
+    def stop(self) -> None:
+        """End the current `run` at the last completed step, as if it were its target."""
+        self._steps_target = self.version
+        self.events.emit("stopping", version=self.version)
+        self._steps_done_evt.set()
+        self._notify()
+
+    @property
+    def monitor_url(self) -> str | None:
+        """The dashboard's URL, once the controller started with a monitor."""
+        return None if self._monitor is None else self._monitor.url
+
+    @property
+    def monitor_token(self) -> SecretStr | None:
+        """The bearer token the monitor's control endpoints require (kept secret in reprs)."""
+        return None if self._monitor is None else self._monitor.token
+
     def _notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
@@ -264,6 +349,11 @@ class Controller:
             self._dispatch_pass()
 
     def _dispatch_pass(self) -> None:
+        if self._paused:
+            if not self._assigned and not self._drained_sent:
+                self._drained_sent = True
+                self.events.emit("drained", version=self.version)
+            return
         for stage in self.graph.order:
             if stage is self._source_stage:
                 self._dispatch_source(stage)
@@ -272,13 +362,9 @@ class Controller:
             else:
                 self._dispatch_rows(stage)
 
-    @property
-    def _max_in_flight(self) -> int:
-        return 1 + self.spec.prefetch
-
     def _dispatch_rows(self, stage: StageSpec) -> None:
         while True:
-            w = self.registry.least_loaded(stage.role, self._max_in_flight)
+            w = self.registry.least_loaded(stage.role)
             if w is None:
                 return
             task = self.index.request(stage.name, stage.micro_batch, worker=w.worker_id)
@@ -290,7 +376,7 @@ class Controller:
         s = self.gate.max_staleness
         # Groups given back by failed tasks go first; they were admitted for earlier steps.
         while True:
-            w = self.registry.least_loaded(stage.role, self._max_in_flight)
+            w = self.registry.least_loaded(stage.role)
             if w is None:
                 return
             task = self.index.request(stage.name, 1, worker=w.worker_id)
@@ -298,7 +384,7 @@ class Controller:
                 break
             need = self._group_step[task.groups[0]] - s
             if w.version < need:
-                other = self.registry.least_loaded(stage.role, self._max_in_flight, need)
+                other = self.registry.least_loaded(stage.role, need)
                 if other is None:
                     self._fail_task(task.id)
                     return
@@ -308,7 +394,7 @@ class Controller:
             return
         while self.gate.can_admit(self._admitted, self.version):
             step = self._admitted // self.spec.groups_per_step
-            w = self.registry.least_loaded(stage.role, self._max_in_flight, step - s)
+            w = self.registry.least_loaded(stage.role, step - s)
             if w is None:
                 return
             n = self.spec.group_size
@@ -323,7 +409,7 @@ class Controller:
     def _dispatch_train(self, stage: StageSpec) -> None:
         g = self.spec.groups_per_step
         while self._train_step < self._steps_target:
-            w = self.registry.least_loaded(stage.role, self._max_in_flight)
+            w = self.registry.least_loaded(stage.role)
             if w is None:
                 return
             want = min(stage.micro_batch, g - self._train_groups_in_step)

@@ -61,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     import asyncio
     import json
 
+    from flowrl.logs import configure
+
+    configure()
+
     from flowrl.run import run_recipe
 
     try:

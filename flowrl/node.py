@@ -14,6 +14,7 @@ import signal
 
 import structlog
 
+from flowrl.logs import bind, configure
 from transport.rpc import RpcClient
 from transport.store import SampleStore
 from transport.store_server import StoreServer
@@ -51,6 +52,8 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     die_with_parent()
+    configure()
+    bind(run_id=args.run_id, role="node", node=args.node)
     run_main(serve(args))
 
 

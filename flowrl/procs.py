@@ -12,11 +12,12 @@ import asyncio
 import contextlib
 import os
 import signal
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
+
+from flowrl.logs import FORMAT_ENV, relay
 
 log = structlog.get_logger("flowrl.procs")
 
@@ -47,6 +48,7 @@ class Supervisor:
     ) -> Child:
         full_env = {**os.environ, **(env or {})}
         full_env.setdefault("PYTHONUNBUFFERED", "1")
+        full_env.setdefault(FORMAT_ENV, "json")  # the relay parses children's lines
         proc = await asyncio.create_subprocess_exec(
             *argv,
             stdin=asyncio.subprocess.DEVNULL,
@@ -61,7 +63,7 @@ class Supervisor:
     async def _watch(self, name: str, proc: asyncio.subprocess.Process) -> None:
         assert proc.stdout is not None
         while line := await proc.stdout.readline():
-            sys.stderr.write(f"[{name}] {line.decode(errors='replace')}")
+            relay(name, line.decode(errors="replace"))
         code = await proc.wait()
         child = self._children.pop(proc.pid, None)
         if child is not None:

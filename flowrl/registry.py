@@ -34,10 +34,15 @@ class WorkerInfo:
 
 
 class Registry:
-    def __init__(self, heartbeat_timeout_s: float) -> None:
+    def __init__(self, heartbeat_timeout_s: float, *, tasks_per_slot: int = 2) -> None:
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        #: a worker holds at most ``capacity * tasks_per_slot`` assigned tasks (the surplus
+        #: waits in its queue so it never idles between tasks).
+        self.tasks_per_slot = tasks_per_slot
         self._workers: dict[str, WorkerInfo] = {}
         self._by_role: dict[str, dict[str, WorkerInfo]] = {}
+        # Workers that can take another task, by role: dispatch scans only these.
+        self._open: dict[str, dict[str, WorkerInfo]] = {}
         self._ids = itertools.count()
 
     def register(
@@ -49,6 +54,7 @@ class Registry:
                           deadline=now + self.heartbeat_timeout_s)
         self._workers[worker_id] = info
         self._by_role.setdefault(role, {})[worker_id] = info
+        self._open.setdefault(role, {})[worker_id] = info
         return info
 
     def get(self, worker_id: str) -> WorkerInfo | None:
@@ -64,6 +70,7 @@ class Registry:
         info = self._workers.pop(worker_id, None)
         if info is not None:
             self._by_role[info.role].pop(worker_id, None)
+            self._open[info.role].pop(worker_id, None)
         return info
 
     def of_role(self, role: str) -> list[WorkerInfo]:
@@ -81,6 +88,8 @@ class Registry:
     def assign(self, info: WorkerInfo, task_id: int, load: int) -> None:
         info.tasks[task_id] = load
         info.load += load
+        if len(info.tasks) >= info.capacity * self.tasks_per_slot:
+            self._open[info.role].pop(info.worker_id, None)
 
     def finish(self, info: WorkerInfo, task_id: int, *, ok: bool) -> None:
         info.load -= info.tasks.pop(task_id, 0)
@@ -88,19 +97,25 @@ class Registry:
             info.done += 1
         else:
             info.failed += 1
+        if info.worker_id in self._workers:
+            self._open[info.role][info.worker_id] = info
 
-    def least_loaded(
-        self, role: str, max_in_flight: int, min_version: int | None = None,
-    ) -> WorkerInfo | None:
-        """The worker of ``role`` with the least outstanding load that can take one more task."""
+    def least_loaded(self, role: str, min_version: int | None = None) -> WorkerInfo | None:
+        """The worker of ``role`` with the least outstanding load that can take one more task.
+
+        Scans only workers with a free slot, and stops at the first idle one (nothing beats
+        it), so dispatch stays cheap with hundreds of workers.
+        """
         best: WorkerInfo | None = None
-        for w in self._by_role.get(role, {}).values():
-            if w.in_flight >= w.capacity * max_in_flight:
-                continue
+        best_key = (0, 0)
+        for w in self._open.get(role, {}).values():
             if min_version is not None and w.version < min_version:
                 continue
-            if best is None or (w.load, w.in_flight) < (best.load, best.in_flight):
-                best = w
+            if not w.tasks:
+                return w
+            key = (w.load, len(w.tasks))
+            if best is None or key < best_key:
+                best, best_key = w, key
         return best
 
     def all(self) -> list[WorkerInfo]:

@@ -72,7 +72,6 @@ async def run_recipe(
             if on_step is not None:
                 ctl.on_step.append(on_step)
             summary = await ctl.run(steps or recipe.steps)
-            summary["steps_log"] = ctl.step_log
             return summary
     finally:
         if handled:

@@ -16,6 +16,7 @@ from typing import Any
 
 import structlog
 
+from flowrl.logs import bind, configure
 from workers.lifecycle import die_with_parent, run_main
 from workers.runtime import Role, Worker, WorkerConfig
 
@@ -90,6 +91,8 @@ async def serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     die_with_parent()
+    configure()
+    bind(run_id=args.run_id, role=args.role, process=args.name)
     import torch
 
     torch.set_num_threads(max(1, args.threads))

@@ -118,7 +118,7 @@ class Worker:
         elif int(reply["version"]) > 0:
             await self.role.load_version(int(reply["version"]), {})
             self.version = int(reply["version"])
-        log.info("worker registered", worker=self.worker_id, role=cfg.role, node=cfg.node)
+        log.debug("worker registered", worker=self.worker_id, role=cfg.role, node=cfg.node)
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._broadcasts())
