@@ -35,7 +35,7 @@ from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages
 COST = {
     "prompt_len": 64, "max_new_tokens": 1024, "log_mean": math.log(96), "log_sigma": 1.0,
     "rollout_base_s": 0.005, "rollout_token_s": 0.0002, "reward_token_s": 0.0,
-    "reference_token_s": 0.0, "train_token_s": 0.00003, "train_step_s": 0.01,
+    "reference_token_s": 0.0, "train_token_s": 0.00001, "train_step_s": 0.01,
     "weight_numel": 1 << 16,
 }
 

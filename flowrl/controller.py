@@ -114,6 +114,11 @@ class Controller:
         # staleness gate admitted) and broadcasts follow steps.
         self._free_q: asyncio.Queue[list[Any]] = asyncio.Queue()
         self._pub_q: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
+        # bounded by the number of worker processes (one pending restart each)
+        self._restart_q: asyncio.Queue[tuple[str, float]] = asyncio.Queue()
+        self._worker_procs: dict[str, tuple[str, int, int, int, int]] = {}
+        self._restarts: collections.Counter[str] = collections.Counter()
+        self.restarts = 0
         self._last_step_at = 0.0
         self.events = EventBus()
         #: the node store's accounting, refreshed after every batch of frees.
@@ -175,6 +180,7 @@ class Controller:
         self._owned = [loop.create_task(self._free_loop(), name="flowrl-free"),
                        loop.create_task(self._watchdog(), name="flowrl-watchdog"),
                        loop.create_task(self._publish_loop(), name="flowrl-publish"),
+                       loop.create_task(self._restart_loop(), name="flowrl-restart"),
                        loop.create_task(self._lag.run(), name="flowrl-loop-lag")]
         store = ipc_endpoint(self.run_id, f"store-{self.node}")
         await self._supervisor.spawn(
@@ -210,6 +216,7 @@ class Controller:
     async def _spawn_workers(
         self, role: str, proc_no: int, count: int, capacity: int, threads: int
     ) -> Child:
+        self._worker_procs[f"{role}.{proc_no}"] = (role, proc_no, count, capacity, threads)
         argv = [
             sys.executable, "-m", "workers.main", "--run-id", self.run_id, "--node", self.node,
             "--controller", self._endpoint, "--broadcast", self._broadcast,
@@ -229,7 +236,10 @@ class Controller:
             await self._monitor.aclose()
         if self._pub is not None:
             await self._pub.publish(m.TOPIC_STOP, {"reason": "controller closing"})
-        await self._supervisor.stop_all(grace_s=5.0)
+        # Workers leave on the stop broadcast; the node agent (which owns shared memory that
+        # workers may still be reading) is asked to go only once they are gone.
+        await self._supervisor.stop_all(grace_s=5.0, only=lambda c: not c.name.startswith("node:"))
+        await self._supervisor.stop_all(grace_s=0.0)
         for t in self._owned:
             t.cancel()
         await asyncio.gather(*self._owned, return_exceptions=True)
@@ -320,6 +330,11 @@ class Controller:
         self.events.emit("stopping", version=self.version)
         self._steps_done_evt.set()
         self._notify()
+
+    @property
+    def monitor(self) -> MonitorServer | None:
+        """The HTTP monitor, once the controller started with one."""
+        return self._monitor
 
     @property
     def monitor_url(self) -> str | None:
@@ -528,6 +543,11 @@ class Controller:
     def _commit_step(self, p: dict[str, Any]) -> None:
         """All micro-batches of a step are trained: commit them and publish the new version."""
         new_version = int(p["version"])
+        if new_version != self.version + 1:
+            self._fail_run(RunError(
+                f"trainer {p.get('worker_id')} published version {new_version} while the "
+                f"controller is at version {self.version}: the trainer lost its state"))
+            return
         rewards: list[float] = []
         staleness: list[int] = []
         samples = 0
@@ -719,6 +739,29 @@ class Controller:
             return
         for info in self.registry.by_pid(child.pid):
             self._worker_gone(info.worker_id, f"process {child.pid} exited with code {code}")
+        if self._stop.is_set() or child.expected_exit or child.name not in self._worker_procs:
+            return
+        n = self._restarts[child.name] = self._restarts[child.name] + 1
+        if n > self.spec.max_restarts:
+            self._fail_run(RunError(
+                f"worker process {child.name} died {n} times (last exit code {code}); "
+                f"max_restarts is {self.spec.max_restarts}"))
+            return
+        delay = self.spec.restart_backoff_s * 2 ** (n - 1)
+        log.warning("restarting worker process", process=child.name, attempt=n, delay_s=delay)
+        self._restart_q.put_nowait((child.name, delay))
+
+    async def _restart_loop(self) -> None:
+        """Restarts dead worker processes after a backoff (bounded by ``max_restarts``)."""
+        while True:
+            name, delay = await self._restart_q.get()
+            await asyncio.sleep(delay)  # backoff timer, not a poll
+            if self._stop.is_set():
+                continue
+            role, proc_no, count, capacity, threads = self._worker_procs[name]
+            await self._spawn_workers(role, proc_no, count, capacity, threads)
+            self.restarts += 1
+            self.events.emit("worker_restart", process=name)
 
     async def _watchdog(self) -> None:
         while True:
@@ -746,26 +789,62 @@ class Controller:
     # ---- introspection ---------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
+        """A JSON-ready snapshot of the run: exactly what the monitor's ``GET /status`` serves.
+
+        O(stages + workers + tasks in flight); holds no secret (the monitor token is not in it).
+        """
         stats = self.index.statistics()
         wall = (time.perf_counter() - self._t0) if self._t0 else 0.0
+        now = time.time()
+        running: dict[str, list[dict[str, Any]]] = {}
+        for task_id, a in self._assigned.items():
+            running.setdefault(a.worker, []).append({
+                "task": task_id, "stage": a.task.stage, "rows": len(a.task.rows),
+                "running_s": round(now - a.started_at, 4) if a.started_at else None})
+        workers = []
+        for w in self.registry.all():
+            tasks = running.get(w.worker_id, [])
+            started = any(t["running_s"] is not None for t in tasks)
+            workers.append({
+                "id": w.worker_id, "name": w.name, "role": w.role, "node": w.node, "pid": w.pid,
+                "state": "busy" if started else "queued" if tasks else "idle",
+                "version": w.version, "in_flight": w.in_flight, "tasks": tasks, "load": w.load,
+                "done": w.done, "failed": w.failed})
+        stages = {
+            st.name: {"role": self.graph.stage(st.name).role,
+                      "queue_depth": st.queue_depth, "in_flight": st.tasks_in_flight,
+                      "in_flight_rows": st.in_flight, "waiting": st.waiting, "ready": st.ready,
+                      "done": st.done, "stale": st.stale}
+            for st in stats.stages.values()}
+        last = self.step_log[-1] if self.step_log else {}
         return {
             "run_id": self.run_id,
+            "time": now,
             "version": self.version,
+            "trainer": {"version": self.version, "next_step": self._train_step,
+                        "steps_target": self._steps_target,
+                        "micro_batches_pending": len(self._step_tasks)},
+            "paused": self._paused,
             "max_staleness": self.gate.max_staleness,
+            "stages": stages,
             "index": stats.as_dict(),
-            "workers": [
-                {"id": w.worker_id, "name": w.name, "role": w.role, "node": w.node,
-                 "version": w.version, "in_flight": w.in_flight, "load": w.load,
-                 "done": w.done, "failed": w.failed}
-                for w in self.registry.all()
-            ],
+            "workers": workers,
             "staleness_histogram": {str(k): v for k, v in sorted(self.staleness_hist.items())},
             "samples_trained": self._samples_trained,
             "samples_per_s": self._samples_trained / wall if wall else 0.0,
+            "throughput": {"samples_per_s": self._samples_trained / wall if wall else 0.0,
+                           "last_step_samples_per_s": last.get("samples_per_s", 0.0),
+                           "steps": len(self.step_log)},
+            "reward_mean": last.get("reward_mean"),
             "stale_dropped": self.stale_dropped,
             "store": self.store_stats,
             "worker_deaths": self.worker_deaths,
+            "restarts": self.restarts,
             "errors": list(self.errors),
+            "loop_lag": self._lag.snapshot() if self._lag is not None else None,
+            "events": {"last_seq": self.events.recent[-1]["seq"] if self.events.recent else 0,
+                       "dropped": self.events.dropped},
+            "monitor_url": self.monitor_url,
         }
 
     def kill_worker_process(self, pid: int) -> None:

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flowrl.controller import Controller
 
 EXIT_RECIPE = 2
 EXIT_RUN = 1
@@ -27,6 +30,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="override a recipe field, e.g. --set trainer.lr=1e-4 (repeatable)")
     p.add_argument("--steps", type=int, help="optimizer steps to run (overrides `steps`)")
     p.add_argument("--output", help="directory for checkpoints (overrides `output`)")
+    p.add_argument("--monitor-port", type=int, metavar="PORT",
+                   help="HTTP monitor port (overrides `monitor.port`; default: a free port)")
+    p.add_argument("--no-monitor", action="store_true", help="run without the HTTP monitor")
     return p.parse_args(argv)
 
 
@@ -43,6 +49,17 @@ def _format_step(entry: dict[str, Any]) -> str:
     )
 
 
+def _announce_monitor(ctl: Controller) -> None:
+    """Print where the monitor listens; a generated token is shown (nobody else knows it),
+    a token from the recipe never is."""
+    mon = ctl.monitor
+    if mon is None:
+        return
+    token = mon.token.get_secret_value() if mon.token_generated else "(monitor.token of the recipe)"
+    print(f"monitor {mon.url}  control token {token}\n"
+          f"        watch: python -m flowrl.monitor {mon.url}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     from flowrl.recipe_file import RecipeError, load_recipe
@@ -52,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"steps={args.steps}")
     if args.output is not None:
         overrides.append(f"output={args.output}")
+    if args.monitor_port is not None:
+        overrides.append(f"monitor.port={args.monitor_port}")
     try:
         recipe = load_recipe(args.recipe, overrides)
     except RecipeError as exc:
@@ -68,8 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     from flowrl.run import run_recipe
 
     try:
-        summary = asyncio.run(run_recipe(recipe, on_step=lambda e: print(_format_step(e),
-                                                                         flush=True)))
+        summary = asyncio.run(run_recipe(
+            recipe, on_step=lambda e: print(_format_step(e), flush=True),
+            monitor=not args.no_monitor, on_start=_announce_monitor))
     except KeyboardInterrupt:
         print("interrupted; workers stopped", file=sys.stderr)
         return EXIT_RUN

@@ -77,15 +77,22 @@ class Supervisor:
             with contextlib.suppress(ProcessLookupError):
                 child.proc.send_signal(sig)
 
-    async def stop_all(self, grace_s: float = 5.0) -> None:
-        """Wait ``grace_s`` for children to exit on their own, then TERM, then KILL."""
-        children = list(self._children.values())
+    async def stop_all(
+        self, grace_s: float = 5.0, *, only: Callable[[Child], bool] | None = None
+    ) -> None:
+        """Wait ``grace_s`` for children to exit on their own, then TERM, then KILL.
+
+        With ``grace_s = 0`` children are sent SIGTERM at once (for those that do not listen
+        to broadcasts, like the node agent)."""
+        children = [c for c in self._children.values() if only is None or only(c)]
         for c in children:
             c.expected_exit = True
         watchers = [c.watcher for c in children]
         if not watchers:
             return
-        _, pending = await asyncio.wait(watchers, timeout=grace_s)
+        pending = set(watchers)
+        if grace_s > 0:
+            _, pending = await asyncio.wait(watchers, timeout=grace_s)
         for sig in (signal.SIGTERM, signal.SIGKILL):
             if not pending:
                 break
@@ -93,6 +100,6 @@ class Supervisor:
                 if c.watcher in pending:
                     with contextlib.suppress(ProcessLookupError):
                         c.proc.send_signal(sig)
-            _, pending = await asyncio.wait(pending, timeout=grace_s)
+            _, pending = await asyncio.wait(pending, timeout=5.0)
         for task in pending:  # unreachable unless the kernel refuses SIGKILL
             task.cancel()

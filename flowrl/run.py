@@ -57,9 +57,14 @@ def compile_recipe(recipe: Recipe) -> PipelineSpec:
 
 async def run_recipe(
     recipe: Recipe, *, on_step: Callable[[dict[str, Any]], None] | None = None,
-    steps: int | None = None,
+    steps: int | None = None, monitor: bool = True,
+    on_start: Callable[[Controller], None] | None = None,
 ) -> dict[str, Any]:
-    """Train ``steps`` (default: the recipe's) optimizer steps; SIGTERM stops cleanly."""
+    """Train ``steps`` (default: the recipe's) optimizer steps; SIGTERM stops cleanly.
+
+    ``monitor`` starts the recipe's HTTP monitor; ``on_start`` is called once the controller
+    and its workers are up (the launcher prints the monitor's URL there).
+    """
     spec = await asyncio.to_thread(compile_recipe, recipe)
     me = asyncio.current_task()
     loop = asyncio.get_running_loop()
@@ -68,7 +73,9 @@ async def run_recipe(
         loop.add_signal_handler(signal.SIGTERM, me.cancel)
         handled = True
     try:
-        async with Controller(spec) as ctl:
+        async with Controller(spec, monitor=recipe.monitor if monitor else None) as ctl:
+            if on_start is not None:
+                on_start(ctl)
             if on_step is not None:
                 ctl.on_step.append(on_step)
             summary = await ctl.run(steps or recipe.steps)

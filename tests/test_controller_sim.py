@@ -65,3 +65,16 @@ async def test_a_killed_rollout_process_loses_nothing() -> None:
     assert out["version"] == 6
     assert out["rows_trained_twice"] == 0
     assert out["samples"] == 6 * 16
+
+
+@pytest.mark.timeout(90)
+async def test_a_killed_trainer_is_restarted_and_its_step_redone() -> None:
+    async with Controller(spec(1)) as ctl:
+        run = asyncio.ensure_future(ctl.run(steps=5, timeout_s=60))
+        await ctl.wait_for(lambda: ctl.version >= 2)
+        ctl.kill_worker_process(ctl.worker_pids("train")[0])
+        out = await run
+        assert ctl.restarts == 1
+    assert out["version"] == 5
+    assert out["rows_trained_twice"] == 0
+    assert out["samples"] == 5 * 16

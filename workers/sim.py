@@ -140,7 +140,8 @@ class SimTrainer:
         return out
 
     async def load_version(self, version: int, weights: dict[str, torch.Tensor]) -> None:
-        return None
+        # A restarted trainer resumes at the published version (its last weights).
+        self.version = max(self.version, version)
 
 
 SIM_ROLES: dict[str, Callable[[SimCost, int], Role]] = {

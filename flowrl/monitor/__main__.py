@@ -1,0 +1,142 @@
+"""``python -m flowrl.monitor URL [--once] [--interval S]`` — a live terminal view of a run.
+
+Reads the monitor's ``/status`` once per interval (default 1 s) and redraws a compact view:
+trainer version and throughput, stages with queue depths, workers with their state, the
+staleness histogram, store usage and recent errors. ``--once`` prints one snapshot and exits.
+Ctrl-C exits cleanly (status 0). A monitor bound off loopback needs its token: pass it in the
+``FLOWRL_MONITOR_TOKEN`` environment variable (a command-line argument would show in ``ps``).
+Exit status: 0, or 1 when the monitor cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import urllib.request
+from typing import Any
+
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+TOKEN_ENV = "FLOWRL_MONITOR_TOKEN"
+_STATE_STYLE = {"busy": "green", "queued": "yellow", "idle": "dim"}
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m flowrl.monitor",
+                                description="Live terminal view of a flowrl controller.")
+    p.add_argument("url", help="the monitor's URL, as the launcher prints it")
+    p.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between reads")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
+    return p.parse_args(argv)
+
+
+def status_url(url: str) -> str:
+    base = url.split("#", 1)[0].rstrip("/")
+    return base if base.endswith("/status") else base + "/status"
+
+
+def fetch(url: str, *, token: str | None, timeout: float) -> dict[str, Any]:
+    request = urllib.request.Request(status_url(url), headers={"Accept": "application/json"})
+    if token:
+        request.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(request, timeout=timeout) as reply:
+        data: dict[str, Any] = json.loads(reply.read())
+    return data
+
+
+def _bytes(n: Any) -> str:
+    value = float(n or 0)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
+
+
+def render(st: dict[str, Any]) -> RenderableType:
+    reward = st.get("reward_mean")
+    lag = st.get("loop_lag") or {}
+    store = st.get("store") or {}
+    head = Text.assemble(
+        ("flowrl ", "bold"), (f"run {st.get('run_id', '?')}  ", ""),
+        (f"version {st.get('version', 0)}  ", "bold cyan"),
+        ("PAUSED  " if st.get("paused") else "running  ", "bold red" if st.get("paused")
+         else "green"),
+        f"max_staleness {st.get('max_staleness', 0)}  ",
+        f"samples/s {float(st.get('throughput', {}).get('last_step_samples_per_s') or 0):.1f}  ",
+        f"reward {'-' if reward is None else f'{reward:.3f}'}  ",
+        f"loop lag {float(lag.get('last_ms') or 0):.1f} ms",
+    )
+    if store:
+        head.append(f"  store {_bytes(store.get('used_bytes'))} / "
+                    f"{_bytes(store.get('capacity_bytes'))}")
+
+    stages = Table(title="stages", title_justify="left", expand=False)
+    for col in ("stage", "role", "queue", "tasks", "ready", "waiting", "in flight", "done",
+                "stale"):
+        stages.add_column(col, justify="left" if col in ("stage", "role") else "right")
+    for name, s in (st.get("stages") or {}).items():
+        stages.add_row(name, str(s.get("role", "")), *(str(s.get(k, 0)) for k in (
+            "queue_depth", "in_flight", "ready", "waiting", "in_flight_rows", "done", "stale")))
+
+    workers = Table(title="workers", title_justify="left")
+    for col in ("worker", "role", "node", "state", "version", "in flight", "done", "failed",
+                "running"):
+        workers.add_column(col, justify="right" if col in (
+            "version", "in flight", "done", "failed") else "left")
+    for w in st.get("workers") or []:
+        state = str(w.get("state", ""))
+        running = ", ".join(f"{t['stage']}#{t['task']}" for t in w.get("tasks", [])
+                            if t.get("running_s") is not None)
+        workers.add_row(str(w["id"]), str(w["role"]), str(w["node"]),
+                        Text(state, style=_STATE_STYLE.get(state, "")), str(w["version"]),
+                        str(w["in_flight"]), str(w["done"]), str(w["failed"]), running or "-")
+
+    hist = st.get("staleness_histogram") or {}
+    total = sum(hist.values()) or 1
+    staleness = Text("staleness  ")
+    for k, v in hist.items():
+        staleness.append(f"{k}: {v} ({100 * v / total:.0f}%)  ")
+    if not hist:
+        staleness.append("no sample trained yet", style="dim")
+    parts: list[RenderableType] = [head, stages, workers, staleness]
+    for e in list(st.get("errors") or [])[-3:]:
+        parts.append(Text(f"error {e.get('worker', '')}: {e.get('error', '')}"[:200],
+                          style="red"))
+    return Group(*parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    token = os.environ.get(TOKEN_ENV)
+    console = Console()
+    if args.once:
+        try:
+            console.print(render(fetch(args.url, token=token, timeout=args.timeout)))
+        except (OSError, ValueError) as exc:
+            print(f"error: cannot read {status_url(args.url)}: {exc}", file=sys.stderr)
+            return 1
+        return 0
+    try:
+        with Live(Text("connecting…"), console=console, auto_refresh=False) as live:
+            while True:
+                try:
+                    view = render(fetch(args.url, token=token, timeout=args.timeout))
+                except (OSError, ValueError) as exc:
+                    view = Text(f"cannot read {status_url(args.url)}: {exc}", style="red")
+                live.update(view, refresh=True)
+                # A plain CLI reading a remote endpoint: the interval is the point, not a wait.
+                time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

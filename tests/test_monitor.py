@@ -1,0 +1,469 @@
+"""The HTTP monitor against a real controller with simulated workers and a run in progress.
+
+One controller (real node agent and worker processes) serves the whole module; its run goes
+on in the background while each test reads or drives it over real HTTP on a real port. Since
+that run writes shared memory while every test runs, the leak check (processes and /dev/shm
+segments) is done once for the module rather than around each test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from conftest import _live_children, _made_by, _shm_entries
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import SecretStr
+
+from flowrl.controller import Controller
+from flowrl.monitor import MonitorServer
+from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages
+from flowrl.recipe import MonitorConfig
+from transport.errors import BindRefused
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+TOKEN = "monitor-test-token-0123456789"
+# Small modelled costs: a step takes a few tens of milliseconds, so steps keep coming.
+FAST = {
+    "prompt_len": 8, "max_new_tokens": 64, "log_mean": 2.5, "log_sigma": 0.8,
+    "rollout_base_s": 0.002, "rollout_token_s": 0.0002, "reward_token_s": 0.0,
+    "reference_token_s": 0.0, "train_token_s": 0.00002, "train_step_s": 0.005,
+    "weight_numel": 1024,
+}
+WORKERS = {"rollout": 2, "reward": 1, "train": 1}
+
+
+def spec(max_staleness: int = 1) -> PipelineSpec:
+    return PipelineSpec(
+        stages=grpo_stages(group_size=4, train_micro_groups=2),
+        pools=(PoolSpec("rollout", count=2, per_process=2), PoolSpec("reward", count=1),
+               PoolSpec("train", count=1)),
+        group_size=4, groups_per_step=4, max_staleness=max_staleness,
+        engine="sim", engine_config=FAST, store_capacity_bytes=64 << 20,
+        heartbeat_s=0.5, heartbeat_timeout_s=10.0,
+    )
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks() -> None:
+    """Replaces the per-test check of conftest: see `_no_leaks_in_module`."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_leaks_in_module() -> Iterator[None]:
+    """No process and no /dev/shm segment of this module's runs outlives the module."""
+    shm_before = _shm_entries()
+    children_before = set(_live_children())
+    yield
+    children = _live_children()
+    pids = {os.getpid(), *children_before, *children}
+    leaked = sorted(n for n in _shm_entries() - shm_before if _made_by(n, pids))
+    alive = [pid for pid in children if pid not in children_before]
+    for pid in alive:
+        children[pid].kill()
+    for name in leaked:
+        os.unlink(os.path.join("/dev/shm", name))
+    assert not leaked, f"shared-memory segments left behind: {leaked}"
+    assert not alive, f"processes left running: {alive}"
+
+
+@dataclass
+class Live:
+    ctl: Controller
+    url: str
+    http: aiohttp.ClientSession
+    run: asyncio.Future[dict[str, Any]]
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def live() -> AsyncIterator[Live]:
+    config = MonitorConfig(token=SecretStr(TOKEN))
+    async with Controller(spec(), monitor=config) as ctl, aiohttp.ClientSession() as http:
+        assert ctl.monitor_url is not None
+        run = asyncio.ensure_future(ctl.run(steps=10**6))
+        await ctl.wait_for(lambda: ctl.version >= 2)
+        yield Live(ctl, ctl.monitor_url, http, run)
+        ctl.resume()
+        ctl.stop()
+        out = await asyncio.wait_for(run, 30)
+        assert out["rows_trained_twice"] == 0
+
+
+async def get_json(live: Live, path: str, **kw: Any) -> Any:
+    async with live.http.get(live.url + path, **kw) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
+async def sse(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+    """Parse a Server-Sent Events stream; checks that ``id`` and ``event`` match the data."""
+    while True:
+        async with asyncio.timeout(20):
+            block = (await resp.content.readuntil(b"\n\n")).decode()
+        fields: dict[str, str] = {}
+        for line in block.strip("\n").split("\n"):
+            if line.startswith(":"):
+                continue
+            key, _, value = line.partition(": ")
+            fields[key] = value
+        if "data" not in fields:
+            continue
+        event: dict[str, Any] = json.loads(fields["data"])
+        assert int(fields["id"]) == event["seq"]
+        assert fields["event"] == event["kind"]
+        yield event
+
+
+async def next_kind(events: AsyncIterator[dict[str, Any]], kind: str,
+                    seen: list[dict[str, Any]]) -> dict[str, Any]:
+    async for e in events:
+        seen.append(e)
+        if e["kind"] == kind:
+            return e
+    raise AssertionError("the stream ended")
+
+
+# ---- read endpoints ---------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+async def test_status_serves_the_controller_status(live: Live) -> None:
+    body = await get_json(live, "status")
+    assert set(body) == set(live.ctl.status())
+    assert body["run_id"] == live.ctl.run_id
+    assert body["monitor_url"] == live.url
+    assert list(body["stages"]) == ["rollout", "reward", "train"]
+    for stage in body["stages"].values():
+        assert {"role", "queue_depth", "in_flight", "in_flight_rows"} <= set(stage)
+    roles = sorted(w["role"] for w in body["workers"])
+    assert roles == sorted(r for r, n in WORKERS.items() for _ in range(n))
+    for w in body["workers"]:
+        assert w["state"] in ("busy", "queued", "idle")
+        assert {"node", "version", "in_flight", "tasks"} <= set(w)
+    assert body["trainer"]["version"] >= 2
+    assert sum(body["staleness_histogram"].values()) > 0
+    assert body["throughput"]["samples_per_s"] > 0
+    assert body["store"]["capacity_bytes"] == 64 << 20
+    assert body["loop_lag"]["max_ms"] >= 0
+    assert TOKEN not in json.dumps(body)
+
+
+@pytest.mark.timeout(30)
+async def test_metrics_parse_and_are_labelled_by_stage_and_worker(live: Live) -> None:
+    async with live.http.get(live.url + "metrics") as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"].startswith("text/plain")
+        text = await r.text()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["flowrl_version"].samples[0].value >= 2
+    assert families["flowrl_samples_trained"].type == "counter"
+    depth = {s.labels["stage"] for s in families["flowrl_stage_queue_depth"].samples}
+    assert depth == {"rollout", "reward", "train"}
+    workers = {s.labels["worker"] for s in families["flowrl_worker_tasks"].samples}
+    assert len(workers) == sum(WORKERS.values())
+    durations = families["flowrl_task_duration_seconds"]
+    assert durations.type == "histogram"
+    counts = {s.labels["stage"]: s.value for s in durations.samples
+              if s.name.endswith("_count")}
+    assert set(counts) == {"rollout", "reward", "train"}
+    assert min(counts.values()) > 0
+    staleness = [s for s in families["flowrl_sample_staleness"].samples
+                 if s.name.endswith("_bucket")]
+    values = [s.value for s in staleness]
+    assert values == sorted(values)
+    assert values[-1] > 0
+    # A second scrape only adds the spans finished since the first.
+    async with live.http.get(live.url + "metrics") as r:
+        again = {f.name: f for f in text_string_to_metric_families(await r.text())}
+    for s in again["flowrl_task_duration_seconds"].samples:
+        if s.name.endswith("_count"):
+            assert s.value >= counts[s.labels["stage"]]
+            assert s.value <= len(live.ctl.events.spans) + sum(counts.values())
+    assert TOKEN not in text
+
+
+@pytest.mark.timeout(30)
+async def test_trace_is_valid_chrome_trace_json(live: Live) -> None:
+    trace_version = live.ctl.version
+    trace = await get_json(live, "trace")
+    events = trace["traceEvents"]
+    assert events
+    for e in events:
+        assert {"name", "ph", "ts", "dur", "pid", "tid"} <= set(e), e
+        assert e["ph"] in ("X", "M")
+        assert e["dur"] >= 0
+    complete = [e for e in events if e["ph"] == "X"]
+    assert {e["name"] for e in complete} == {"rollout", "reward", "train"}
+    roles = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert sorted(roles.values()) == sorted(WORKERS)
+    for e in complete:
+        assert roles[e["pid"]] == e["cat"]  # one process track per role
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e["name"] == "thread_name"}
+    assert len(threads) == sum(WORKERS.values())  # one thread track per worker
+    assert {(e["pid"], e["tid"]) for e in complete} <= set(threads)
+    assert all(threads[(e["pid"], e["tid"])] == e["args"]["worker"] for e in complete)
+    # ?window=S keeps exactly the spans that ended in the last S seconds.
+    ends = sorted(e["ts"] + e["dur"] for e in complete)
+    window = (trace["otherData"]["now_us"] - ends[len(ends) // 2]) / 1e6
+    recent = await get_json(live, f"trace?window={window}")
+    cutoff = recent["otherData"]["now_us"] - window * 1e6
+    kept = {e["args"]["task"] for e in recent["traceEvents"] if e["ph"] == "X"}
+    assert kept, "the newest spans are kept"
+    for e in complete:
+        # ts and dur are rounded to 0.1 us
+        assert (e["args"]["task"] in kept) == (e["ts"] + e["dur"] >= cutoff - 0.2), e
+    assert len(kept) < len(complete)
+    # ?after=US (a previous answer's now) brings only what ended since: a poller's increment.
+    after = recent["otherData"]["now_us"]
+    await live.ctl.wait_for(lambda: live.ctl.version > trace_version + 1)
+    newer = await get_json(live, f"trace?after={after}")
+    fresh = [e for e in newer["traceEvents"] if e["ph"] == "X"]
+    assert fresh, "steps went on, so tasks ended"
+    assert all(e["ts"] + e["dur"] >= after - 0.2 for e in fresh)
+    assert not {e["args"]["task"] for e in fresh} & kept
+    async with live.http.get(live.url + "trace?window=soon") as r:
+        assert r.status == 400
+
+
+@pytest.mark.timeout(30)
+async def test_events_stream_every_step_in_order_and_resume_after_an_id(live: Live) -> None:
+    steps: list[int] = []
+    seqs: list[int] = []
+    async with live.http.get(live.url + "events") as resp:
+        assert resp.headers["Content-Type"] == "text/event-stream"
+        async for e in sse(resp):
+            seqs.append(e["seq"])
+            if e["kind"] == "step":
+                steps.append(e["step"])
+                assert {"reward_mean", "samples_per_s", "staleness_max"} <= set(e)
+            if len(steps) == 5:
+                break
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # increasing, nothing lost
+    assert steps == list(range(steps[0], steps[0] + 5))  # one event for each step
+    # Reconnecting with Last-Event-ID replays what came after that id first.
+    resume_from = seqs[-1]
+    async with live.http.get(live.url + "events",
+                             headers={"Last-Event-ID": str(resume_from)}) as resp:
+        first = [e async for e in _take(sse(resp), 3)]
+    assert [e["seq"] for e in first] == [resume_from + 1, resume_from + 2, resume_from + 3]
+
+
+async def _take(it: AsyncIterator[dict[str, Any]], n: int) -> AsyncIterator[dict[str, Any]]:
+    async for e in it:
+        yield e
+        n -= 1
+        if n == 0:
+            return
+
+
+# ---- control ----------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("path", ["pause", "resume", "stop", "staleness"])
+@pytest.mark.parametrize("auth", [None, "Bearer wrong-token-wrong-token", f"Basic {TOKEN}"])
+async def test_control_without_the_token_is_refused(live: Live, path: str,
+                                                    auth: str | None) -> None:
+    headers = {} if auth is None else {"Authorization": auth}
+    async with live.http.post(live.url + path, json={"max_staleness": 0},
+                              headers=headers) as r:
+        assert r.status == 401
+        assert r.headers["WWW-Authenticate"].startswith("Bearer")
+    assert not live.ctl.paused
+    assert live.ctl.gate.max_staleness == 1
+    assert not live.run.done()
+
+
+@pytest.mark.timeout(40)
+async def test_pause_stops_dispatch_until_resume(live: Live, capfd: pytest.CaptureFixture[str],
+                                                 ) -> None:
+    seen: list[dict[str, Any]] = []
+    async with live.http.get(live.url + "events") as resp:
+        events = sse(resp)
+        async with live.http.post(live.url + "pause", headers=live.auth) as r:
+            assert r.status == 200
+            assert (await r.json())["paused"] is True
+        await next_kind(events, "paused", seen)
+        drained = await next_kind(events, "drained", seen)
+        status = await get_json(live, "status")
+        assert status["paused"]
+        assert all(w["in_flight"] == 0 for w in status["workers"])
+        # Every finished task and this wake-up run a dispatch pass; none may dispatch.
+        async with live.http.post(live.url + "staleness", json={"max_staleness": 2},
+                                  headers=live.auth) as r:
+            assert r.status == 200
+        await next_kind(events, "staleness", seen)
+        for _ in range(5):
+            status = await get_json(live, "status")
+            assert all(w["in_flight"] == 0 for w in status["workers"])
+            # Only train micro-batches of the unfinished step, done but uncommitted, remain.
+            pending = status["trainer"]["micro_batches_pending"]
+            assert status["index"]["tasks_in_flight"] == pending
+            assert status["version"] == drained["version"]
+        async with live.http.post(live.url + "resume", headers=live.auth) as r:
+            assert r.status == 200
+            assert (await r.json())["paused"] is False
+        resumed = await next_kind(events, "resumed", seen)
+        step = await next_kind(events, "step", seen)
+    between = [e["kind"] for e in seen if drained["seq"] < e["seq"] < resumed["seq"]]
+    assert "step" not in between
+    assert "version" not in between
+    assert step["step"] == drained["version"] + 1  # the run goes on where it stopped
+    live.ctl.set_max_staleness(1)
+    out, err = capfd.readouterr()
+    assert "monitor control" in out + err  # control actions are logged ...
+    assert TOKEN not in out + err  # ... and the token never is
+
+
+@pytest.mark.timeout(40)
+async def test_staleness_change_applies_to_the_next_steps(live: Live) -> None:
+    async with live.http.get(live.url + "events") as resp:
+        events = sse(resp)
+        async with live.http.post(live.url + "staleness", json={"max_staleness": 0},
+                                  headers=live.auth) as r:
+            assert r.status == 200
+            assert (await r.json())["max_staleness"] == 0
+        changed = await next_kind(events, "staleness", [])
+        # Micro-batches already dispatched for the current step may still be one version
+        # old; from the step after, every trained sample is on-policy.
+        seen: list[dict[str, Any]] = []
+        while len([e for e in seen if e["kind"] == "step"]) < 4:
+            await next_kind(events, "step", seen)
+    steps = [e for e in seen if e["kind"] == "step"]
+    assert all(e["staleness_max"] == 0 for e in steps if e["step"] > changed["version"] + 1)
+    assert (await get_json(live, "status"))["max_staleness"] == 0
+    async with live.http.post(live.url + "staleness", json={"max_staleness": 1},
+                              headers=live.auth) as r:
+        assert r.status == 200
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("body", [{}, {"max_staleness": -1}, {"max_staleness": 65},
+                                  {"max_staleness": "1"}, {"max_staleness": True}, [1]])
+async def test_bad_staleness_bodies_are_rejected(live: Live, body: Any) -> None:
+    async with live.http.post(live.url + "staleness", json=body, headers=live.auth) as r:
+        assert r.status == 400
+    async with live.http.post(live.url + "staleness", data=b"{not json",
+                              headers=live.auth) as r:
+        assert r.status == 400
+    assert live.ctl.gate.max_staleness == 1
+
+
+# ---- binding and access -----------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+async def test_loopback_monitor_answers_loopback_host_names_only(live: Live) -> None:
+    async with live.http.get(live.url + "status", headers={"Host": "rebound.example"}) as r:
+        assert r.status == 421
+    port = live.url.rsplit(":", 1)[1].rstrip("/")
+    async with live.http.get(live.url + "status", headers={"Host": f"localhost:{port}"}) as r:
+        assert r.status == 200
+
+
+@pytest.mark.timeout(30)
+async def test_off_loopback_every_data_endpoint_needs_the_token(live: Live) -> None:
+    config = MonitorConfig(host="0.0.0.0", token=SecretStr(TOKEN))
+    async with MonitorServer(live.ctl, config) as mon:
+        local = mon.url.replace("0.0.0.0", "127.0.0.1")
+        for path in ("status", "metrics", "trace", "events"):
+            async with live.http.get(local + path) as r:
+                assert r.status == 401, path
+        async with live.http.get(local + "status", headers=live.auth) as r:
+            assert r.status == 200
+        async with live.http.get(local) as r:  # the page itself holds no data
+            assert r.status == 200
+            assert "dashboard.js" in await r.text()
+
+
+async def test_non_loopback_without_a_token_refuses_to_start() -> None:
+    unsafe = MonitorConfig.model_construct(host="0.0.0.0", port=None, token=None)
+    ctl = Controller(spec(), monitor=unsafe)
+    with pytest.raises(BindRefused, match="not loopback"):
+        async with ctl:
+            pass
+    assert ctl.worker_pids() == []  # refused before any process started
+
+
+@pytest.mark.timeout(30)
+async def test_dashboard_and_its_files_are_served(live: Live) -> None:
+    async with live.http.get(live.url) as r:
+        assert r.status == 200
+        assert r.content_type == "text/html"
+        page = await r.text()
+    assert "static/dashboard.js" in page
+    assert "http" not in page.split("<body>")[1]
+    for name, ctype in (("dashboard.js", "text/javascript"), ("dashboard.css", "text/css")):
+        async with live.http.get(live.url + "static/" + name) as r:
+            assert r.status == 200
+            assert r.content_type == ctype
+            assert "://" not in (await r.text()).replace("http://www.w3.org/2000/svg", "")
+    async with live.http.get(live.url + "static/..%2Fserver.py") as r:
+        assert r.status == 404
+
+
+# ---- the terminal view ------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+async def test_terminal_view_prints_one_snapshot(live: Live) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "flowrl.monitor", live.url, "--once",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "COLUMNS": "160"})
+    out, err = await asyncio.wait_for(proc.communicate(), 20)
+    assert proc.returncode == 0, err.decode()
+    text = out.decode()
+    assert f"run {live.ctl.run_id}" in text
+    assert "version" in text
+    workers = [w["id"] for w in live.ctl.status()["workers"]]
+    for name in ("rollout", "reward", "train", "staleness", *workers):
+        assert name in text
+
+
+@pytest.mark.timeout(30)
+async def test_terminal_view_redraws_until_ctrl_c_then_exits_cleanly(live: Live) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "flowrl.monitor", live.url, "--interval", "0.2",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        # draw as on a terminal
+        env={**os.environ, "TTY_COMPATIBLE": "1", "TERM": "xterm", "COLUMNS": "160"})
+    assert proc.stdout is not None
+    try:
+        seen = b""
+        async with asyncio.timeout(20):
+            while seen.count(live.ctl.run_id.encode()) < 2:  # two redraws
+                seen += await proc.stdout.read(4096)
+        proc.send_signal(signal.SIGINT)
+        _, err = await asyncio.wait_for(proc.communicate(), 20)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, err.decode()
+    assert b"Traceback" not in err
+
+
+@pytest.mark.timeout(30)
+async def test_terminal_view_reports_an_unreachable_monitor() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "flowrl.monitor", "http://127.0.0.1:9/", "--once",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    _, err = await asyncio.wait_for(proc.communicate(), 20)
+    assert proc.returncode == 1
+    assert b"cannot read http://127.0.0.1:9/status" in err
