@@ -7,7 +7,7 @@ BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup test lint types layers pytest demo bench clean
+.PHONY: setup chromium test lint types layers pytest demo bench clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -18,6 +18,11 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# The dashboard's browser test drives Debian's Chromium (Playwright cannot download its own here).
+chromium:
+	@command -v chromium >/dev/null 2>&1 || \
+		(apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
+
 lint: $(STAMP)
 	$(BIN)/ruff check flowrl workers transport tests bench recipes
 
@@ -25,9 +30,9 @@ types: $(STAMP)
 	$(BIN)/mypy
 
 layers: $(STAMP)
-	$(BIN)/lint-imports
+	$(BIN)/lint-imports --no-cache
 
-pytest: $(STAMP)
+pytest: $(STAMP) chromium
 	$(BIN)/pytest -q
 
 test: lint types layers pytest
