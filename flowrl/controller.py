@@ -97,7 +97,8 @@ class Controller:
         self._step_tasks: list[int] = []  # train tasks done but not yet committed
         self._assigned_done: dict[int, Task] = {}
         self._weights: dict[int, dict[str, Any]] = {}
-        self._kick = asyncio.Event()
+        self._running = False  # a run() is in progress
+        self._dispatching = False  # a dispatch pass is on the stack (no re-entry)
         self._changed = asyncio.Event()
         self._failures: collections.Counter[tuple[str, int]] = collections.Counter()
         self._kick_at = 0.0
@@ -259,14 +260,13 @@ class Controller:
         self._steps_done_evt.clear()
         self._t0 = self._last_step_at = time.perf_counter()
         samples0 = self._samples_trained
-        scheduler = asyncio.get_running_loop().create_task(self._schedule(), name="flowrl-sched")
-        self._kick.set()
+        self._running = True
+        self._wake()
         try:
             async with asyncio.timeout(timeout_s):
                 await self._steps_done_evt.wait()
         finally:
-            scheduler.cancel()
-            await asyncio.gather(scheduler, return_exceptions=True)
+            self._running = False
         if self._fatal is not None:
             raise self._fatal
         wall = time.perf_counter() - self._t0
@@ -351,17 +351,24 @@ class Controller:
         self._changed = asyncio.Event()
 
     def _wake(self) -> None:
-        if not self._kick.is_set():
-            self._kick_at = time.perf_counter()
-            self._kick.set()
+        """Something changed: dispatch whatever became possible, at once and inline.
 
-    async def _schedule(self) -> None:
-        while True:
-            await self._kick.wait()
-            self._kick.clear()
-            if self._stop.is_set() or self._fatal is not None:
-                return
+        Every caller is an event (a report, a death, a new version), so the scheduler never
+        polls; a pass costs O(stages + tasks dispatched + open workers), cheap enough to run in
+        the handler itself, which keeps dispatch latency free of event-loop queueing.
+        """
+        if (not self._running or self._dispatching or self._stop.is_set()
+                or self._fatal is not None):
+            return
+        self._dispatching = True
+        self._kick_at = time.perf_counter()
+        try:
             self._dispatch_pass()
+        except Exception as exc:  # a scheduler bug must stop the run loudly, not a worker's call
+            log.exception("dispatch failed")
+            self._fail_run(RunError(f"dispatch failed: {exc!r}"))
+        finally:
+            self._dispatching = False
 
     def _dispatch_pass(self) -> None:
         if self._paused:
