@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 EXIT_RECIPE = 2
 EXIT_RUN = 1
+EXIT_INTERRUPTED = 130
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -92,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
             monitor=not args.no_monitor, on_start=_announce_monitor))
     except KeyboardInterrupt:
         print("interrupted; workers stopped", file=sys.stderr)
-        return EXIT_RUN
+        return EXIT_INTERRUPTED
+    except asyncio.CancelledError:  # SIGTERM: run_recipe cancelled itself and shut down
+        print("terminated; workers stopped", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except Exception as exc:  # the run's own error, already logged with its context
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_RUN
