@@ -6,7 +6,8 @@ micro-batches and each is the best round (the machine is shared: the best round 
 least disturbed), all in this run, so ratios between them are meaningful:
 
 - ``memcpy_gbps``: copying each field of a micro-batch into a new tensor (the one copy
-  `get_padded` must make), private memory to private memory, sources larger than the caches.
+  `get_padded` must make), private memory to private memory, sources larger than the caches,
+  in the reader process, in rounds interleaved with its local reads (below).
 - ``put_gbps``: `SampleStore.put` in the store's process, steady state (each round's segments
   are freed before the next, so the pool is warm); ``put_fresh_gbps``: the pool off (fresh
   shared memory every put); ``client_put_gbps``: `StoreClient.put` from a worker process
@@ -15,14 +16,24 @@ least disturbed), all in this run, so ratios between them are meaningful:
   round trip before every put.
 - ``local_get_gbps``: `StoreClient.get_padded` of every field from another process on the
   node, steady state (the writer puts a round, the reader reads it, the round is freed);
-  ``local_get_cold_gbps``: the first round (segments this reader never mapped before).
+  ``local_get_cold_gbps``: the first round (segments this reader never mapped before);
+  ``local_get_many_gbps``: `StoreClient.get_padded_many` of each micro-batch's fields in one
+  call. The reader decodes the handles it receives with `rows_from_wire` (into `Rows`, whose
+  layout is checked once) before timing; ``local_get_lists_gbps``: `get_padded` of handles
+  decoded row by row with `Handle.from_wire` (plain lists, checked on every read). These
+  three and `memcpy_gbps` take turns round by round. ``decode_rows_us`` /
+  ``decode_each_us``: what the two decodings cost per field of 64 rows.
+  ``local_get_*_vs_memcpy``: each against `memcpy_gbps`.
 - ``remote_get_gbps``: the same from a process configured as another node, through the store
   server over loopback TCP, 2 micro-batches in flight; ``zmq_tcp_gbps``: raw ZeroMQ frames of
   the same sizes over loopback TCP with as many requests in flight (the transport's ceiling).
 - ``rpc_rtt_us_p50`` / ``rpc_rtt_us_p99``: `RpcClient.call` round trips to an `RpcServer` in
   another process over ipc, uvloop on both sides.
 - with ``--vs-transferqueue`` and `transfer_queue` importable: ``tq_put_gbps``,
-  ``tq_get_gbps`` and the ratios of ours to theirs.
+  ``tq_get_gbps`` (TransferQueue's client `put`, and `get_meta` + `get_data`, of the same
+  micro-batches, after ours, in this process) and the ratios of ours to theirs
+  (``ratio_put_vs_tq``: `put_gbps`; ``ratio_client_put_vs_tq``: `client_put_gbps`;
+  ``ratio_get_vs_tq``: `local_get_gbps`).
 
     python bench/store.py [--quick] [--vs-transferqueue]
 """
@@ -34,11 +45,13 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import sys
+import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -49,6 +62,7 @@ import zmq
 import zmq.asyncio
 
 from transport.endpoints import ipc_endpoint, new_run_id, remove_run_dir, tcp_endpoint
+from transport.handles import rows_from_wire
 from transport.rpc import RpcClient, RpcServer
 from transport.store import Handle, SampleStore
 from transport.store_server import StoreClient, StoreServer
@@ -91,17 +105,6 @@ def gbps(nbytes: int, seconds: float) -> float:
 # In the store's process
 
 
-def bench_memcpy(batches: list[Batch], rounds: int) -> float:
-    best = 0.0
-    for r in range(rounds):
-        start = time.perf_counter()
-        for i in range(ROUND):
-            for values, _ in batches[(r * ROUND + i) % len(batches)].values():
-                torch.empty_like(values).copy_(values)
-        best = max(best, gbps(ROUND * BATCH_BYTES, time.perf_counter() - start))
-    return best
-
-
 async def bench_put(store: SampleStore, batches: list[Batch], rounds: int) -> float:
     """Steady state: put a round, free it, put the next (the first round only warms up)."""
     best = 0.0
@@ -131,8 +134,8 @@ async def echo(payload: Any, peer: bytes) -> Any:
 
 
 async def timed_reads(
-    batches: list[dict[str, list[Handle]]],
-    read: Callable[[list[Handle]], Awaitable[tuple[torch.Tensor, torch.Tensor]]],
+    batches: list[dict[str, Sequence[Handle]]],
+    read: Callable[[Sequence[Handle]], Awaitable[tuple[torch.Tensor, torch.Tensor]]],
     in_flight: int,
 ) -> float:
     """Seconds to read every field of every micro-batch into batch tensors, `in_flight`
@@ -145,11 +148,21 @@ async def timed_reads(
     else:
         sem = asyncio.Semaphore(in_flight)  # bounds reads in flight, like a trainer's prefetch
 
-        async def one(handles: dict[str, list[Handle]]) -> None:
+        async def one(handles: dict[str, Sequence[Handle]]) -> None:
             async with sem:
                 await asyncio.gather(*(read(hs) for hs in handles.values()))
 
         await asyncio.gather(*(one(b) for b in batches))
+    return time.perf_counter() - start
+
+
+async def timed_reads_many(
+    batches: list[dict[str, Sequence[Handle]]], client: StoreClient
+) -> float:
+    """Seconds to read every micro-batch with one `get_padded_many` call each."""
+    start = time.perf_counter()
+    for handles in batches:
+        await client.get_padded_many(handles)
     return time.perf_counter() - start
 
 
@@ -205,6 +218,19 @@ async def timed_rtt(endpoint: str, calls: int) -> tuple[float, float]:
     return round(samples[len(samples) // 2], 1), round(samples[int(len(samples) * 0.99)], 1)
 
 
+def timed_memcpy(batches: list[Batch], r: int) -> float:
+    """Seconds to copy every field of ROUND micro-batches into new tensors (round `r`)."""
+    start = time.perf_counter()
+    for i in range(ROUND):
+        for values, _ in batches[(r * ROUND + i) % len(batches)].values():
+            torch.empty_like(values).copy_(values)
+    return time.perf_counter() - start
+
+
+def decode_each(wire: list[Any]) -> Sequence[Handle]:
+    return [Handle.from_wire(h) for h in wire]
+
+
 async def reader(config: dict[str, Any]) -> None:
     """Serve the parent's commands, one JSON line each, answering one JSON line each."""
     run_id = config["run_id"]
@@ -213,17 +239,23 @@ async def reader(config: dict[str, Any]) -> None:
     loop = asyncio.get_running_loop()
     stdin = asyncio.StreamReader(limit=1 << 26)  # a command carries a window of handles
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdin), sys.stdin)
+    copies: list[Batch] = []  # memcpy sources, made on first use: 64 MiB, beyond the caches
     async with local, remote:
         while line := await stdin.readline():
             cmd = json.loads(line)
             op = cmd["op"]
-            if op == "get":
-                batches = [
-                    {k: [Handle.from_wire(h) for h in hs] for k, hs in b.items()}
-                    for b in cmd["batches"]
-                ]
+            reply: Any
+            if op == "memcpy":
+                copies = copies or make_batches(64, seed=2)
+                reply = timed_memcpy(copies, cmd["round"])
+            elif op == "get":
+                decode = rows_from_wire if cmd["rows"] else decode_each
+                batches = [{k: decode(hs) for k, hs in b.items()} for b in cmd["batches"]]
                 client = local if cmd["node"] == "node0" else remote
-                reply: Any = await timed_reads(batches, client.get_padded, cmd["in_flight"])
+                if cmd["many"]:
+                    reply = await timed_reads_many(batches, client)
+                else:
+                    reply = await timed_reads(batches, client.get_padded, cmd["in_flight"])
             elif op == "client_put":
                 sources = make_batches(16, seed=1)
                 if cmd["spare"]:
@@ -260,37 +292,76 @@ class Reader:
         return json.loads(line)
 
 
+class ReadMode(NamedTuple):
+    memcpy: bool = False  # the baseline instead: copy as many bytes, private memory to private
+    many: bool = False  # one get_padded_many per micro-batch, else one get_padded per field
+    rows: bool = True  # handles decoded with rows_from_wire, else Handle.from_wire row by row
+
+
 async def steady_reads(
-    store: SampleStore, reader: Reader, sources: list[Batch], node: str, rounds: int
-) -> tuple[float, float]:
-    """(first round, best later round) GB/s: each round puts ROUND micro-batches, the reader
-    reads every field once, then they are freed, so later rounds reuse pooled segments as a
-    running pipeline does."""
-    first = best = 0.0
-    for r in range(rounds):
+    store: SampleStore,
+    reader: Reader,
+    sources: list[Batch],
+    node: str,
+    rounds: int,
+    modes: Sequence[ReadMode] = (ReadMode(),),
+) -> tuple[float, list[float]]:
+    """(first round, best later round per mode) GB/s: each round puts ROUND micro-batches, the
+    reader reads every field once, then they are freed, so later rounds reuse pooled segments
+    as a running pipeline does. `modes` take turns, round by round, so that each sees the same
+    conditions (the machine is shared: a baseline measured at another time is not one)."""
+    first = 0.0
+    best = [0.0] * len(modes)
+    for r in range(rounds * len(modes) + 1):
         written = [await store.put(sources[(r * ROUND + i) % len(sources)]) for i in range(ROUND)]
         wire = [{k: [list(h) for h in hs] for k, hs in b.items()} for b in written]
         in_flight = 1 if node == "node0" else IN_FLIGHT
-        seconds = await reader.ask(
-            {"op": "get", "node": node, "batches": wire, "in_flight": in_flight}
-        )
+        mode = (r - 1) % len(modes) if r else 0
+        if modes[mode].memcpy:
+            seconds = await reader.ask({"op": "memcpy", "round": r})
+        else:
+            seconds = await reader.ask(
+                {
+                    "op": "get",
+                    "node": node,
+                    "batches": wire,
+                    "in_flight": in_flight,
+                    **modes[mode]._asdict(),
+                }
+            )
         if r == 0:
             first = gbps(ROUND * BATCH_BYTES, seconds)
         else:
-            best = max(best, gbps(ROUND * BATCH_BYTES, seconds))
+            best[mode] = max(best[mode], gbps(ROUND * BATCH_BYTES, seconds))
         for handles in written:
             store.free([h for hs in handles.values() for h in hs])
     return first, best
+
+
+def bench_decode(store_handles: dict[str, list[Handle]], repeat: int) -> tuple[float, float]:
+    """µs to decode one field's handles (64 rows, as received in a JSON or msgpack message):
+    `rows_from_wire`, and `Handle.from_wire` row by row."""
+    wire = [json.loads(json.dumps(hs)) for hs in store_handles.values()]
+    best_rows = best_each = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        for hs in wire:
+            rows_from_wire(hs)
+        best_rows = min(best_rows, (time.perf_counter() - start) / len(wire))
+        start = time.perf_counter()
+        for hs in wire:
+            [Handle.from_wire(h) for h in hs]
+        best_each = min(best_each, (time.perf_counter() - start) / len(wire))
+    return round(best_rows * 1e6, 1), round(best_each * 1e6, 1)
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     quick = args.quick
     rounds = 8 if quick else 30
     run_id = new_run_id()
-    result: dict[str, Any] = {}
+    result: dict[str, Any] = {"memcpy_gbps": 0.0}  # measured with the local reads, below
 
     sources = make_batches(64)  # 64 MiB: larger than the caches
-    result["memcpy_gbps"] = bench_memcpy(sources, rounds)
 
     capacity = 1 << 30
     with SampleStore(run_id, "node0", capacity_bytes=capacity, pool_bytes=0) as fresh:
@@ -300,6 +371,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     raw = ctx.socket(zmq.ROUTER)
     try:
         result["put_gbps"] = await bench_put(store, sources, rounds)
+        one = await store.put(sources[0])
+        result["decode_rows_us"], result["decode_each_us"] = bench_decode(one, 200)
+        store.free([h for hs in one.values() for h in hs])
         raw.bind(tcp_endpoint())
         raw_endpoint = raw.getsockopt_string(zmq.LAST_ENDPOINT)
         raw_frames = {
@@ -330,10 +404,20 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             )
             try:
                 reader_proc = Reader(proc)
-                result["local_get_cold_gbps"], result["local_get_gbps"] = await steady_reads(
-                    store, reader_proc, sources, "node0", rounds
+                modes = [
+                    ReadMode(),
+                    ReadMode(memcpy=True),
+                    ReadMode(many=True),
+                    ReadMode(rows=False),
+                ]
+                cold, (single, memcpy, many, lists) = await steady_reads(
+                    store, reader_proc, sources, "node0", rounds, modes
                 )
-                _, result["remote_get_gbps"] = await steady_reads(
+                result["memcpy_gbps"] = memcpy
+                result["local_get_cold_gbps"] = cold
+                result["local_get_gbps"], result["local_get_many_gbps"] = single, many
+                result["local_get_lists_gbps"] = lists
+                _, (result["remote_get_gbps"],) = await steady_reads(
                     store, reader_proc, sources, "node1", rounds
                 )
                 result["zmq_tcp_gbps"] = await reader_proc.ask({"op": "zmq", "rounds": rounds})
@@ -357,74 +441,76 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         store.close()
         remove_run_dir(run_id)
 
-    result["local_get_vs_memcpy"] = round(result["local_get_gbps"] / result["memcpy_gbps"], 3)
+    memcpy = result["memcpy_gbps"]
+    result["local_get_vs_memcpy"] = round(result["local_get_gbps"] / memcpy, 3)
+    result["local_get_many_vs_memcpy"] = round(result["local_get_many_gbps"] / memcpy, 3)
+    result["local_get_lists_vs_memcpy"] = round(result["local_get_lists_gbps"] / memcpy, 3)
     result["remote_get_vs_zmq"] = round(result["remote_get_gbps"] / result["zmq_tcp_gbps"], 3)
-    if args.vs_transferqueue:
-        result.update(bench_transferqueue(sources[:ROUND], 2 if quick else 5))
-        if "tq_put_gbps" in result:
-            result["ratio_put_vs_tq"] = round(result["put_gbps"] / result["tq_put_gbps"], 3)
-            result["ratio_get_vs_tq"] = round(result["local_get_gbps"] / result["tq_get_gbps"], 3)
-    result["quick"] = quick
-    result["machine"] = f"{platform.machine()} {os.cpu_count()} cpus, {platform.system()}"
     return result
 
 
 def bench_transferqueue(batches: list[Batch], rounds: int) -> dict[str, Any]:
-    """TransferQueue on the same workload, in this process (its put and get each move the
-    micro-batch through its storage actors). Skipped unless `transfer_queue` imports; any
-    failure is reported in the JSON instead of the figures. Uses the KV API where the installed
-    version has it, else put / get_meta / get_data."""
+    """TransferQueue on the same workload through its client, in this process: per round, `put`
+    every micro-batch into a fresh partition, then `get_meta` + `get_data` each back (64 rows,
+    every field), then `clear_partition`. Its data goes through its storage actors (other
+    processes) both ways. Skipped unless `transfer_queue` imports; any failure is reported in
+    the JSON instead of the figures. Starts Ray here and shuts it down (with every process it
+    started) before returning, and removes the directory Ray wrote its sessions to."""
     try:
-        import ray  # type: ignore[import-not-found]
-        import transfer_queue as tq  # type: ignore[import-not-found]
-        from tensordict import TensorDict  # type: ignore[import-not-found]
+        import ray  # type: ignore[import-not-found, unused-ignore]
+        import transfer_queue as tq  # type: ignore[import-not-found, unused-ignore]
+        from tensordict import TensorDict  # type: ignore[import-not-found, unused-ignore]
     except ImportError:
         return {"tq_skipped": "transfer_queue is not importable (see bench/README.md)"}
+    started = not ray.is_initialized()
+    ray_dir = tempfile.mkdtemp(prefix="ray-tq-bench-")  # Ray's sessions and logs, removed after
     try:
-        if not ray.is_initialized():
-            ray.init(num_cpus=2, include_dashboard=False)
-        # polling_mode: asking for more than is ready returns at once instead of sleeping 5 s
+        if started:
+            # The controller and its two storage units ask for one CPU each.
+            ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=ray_dir)
+        # polling_mode: get_meta answers at once when too few rows are ready (default: sleeps).
         tq.init({"controller": {"polling_mode": True}})
         try:
-            return _tq_rounds(tq, TensorDict, batches, rounds)
+            return _tq_rounds(tq.get_client(), TensorDict, batches, rounds)
         finally:
             tq.close()
     except Exception as exc:  # an optional peer: report, do not fail the whole benchmark
         return {"tq_error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        if started and ray.is_initialized():
+            ray.shutdown()
+        shutil.rmtree(ray_dir, ignore_errors=True)
 
 
-def _tq_rounds(tq: Any, tensordict: Any, batches: list[Batch], rounds: int) -> dict[str, Any]:
+def _tq_rounds(client: Any, tensordict: Any, batches: list[Batch], rounds: int) -> dict[str, Any]:
     fields = list(FIELDS)
     best_put = best_get = 0.0
     for r in range(rounds + 1):
         data = [tensordict({k: v for k, (v, _) in b.items()}, batch_size=ROWS) for b in batches]
         part = f"round{r}"
-        keys = [[f"b{i}r{j}" for j in range(ROWS)] for i in range(len(data))]
         start = time.perf_counter()
-        if hasattr(tq, "kv_batch_put"):
-            for i, td in enumerate(data):
-                tq.kv_batch_put(keys=keys[i], partition_id=part, fields=td)
-        else:
-            for td in data:
-                tq.put(data=td, partition_id=part)
+        for td in data:
+            client.put(data=td, partition_id=part)
         put_s = time.perf_counter() - start
+        got = []
         start = time.perf_counter()
-        if hasattr(tq, "kv_batch_get"):
-            for i in range(len(data)):
-                tq.kv_batch_get(keys=keys[i], partition_id=part)
-        else:
-            for _ in data:
-                meta = tq.get_meta(
-                    data_fields=fields, batch_size=ROWS, partition_id=part, task_name="bench"
-                )
-                tq.get_data(meta)
+        for _ in data:
+            meta = client.get_meta(
+                data_fields=fields, batch_size=ROWS, partition_id=part, task_name="bench"
+            )
+            if meta.size != ROWS:
+                raise RuntimeError(f"get_meta returned {meta.size} rows, {ROWS} were put")
+            got.append(client.get_data(meta))
         get_s = time.perf_counter() - start
-        if hasattr(tq, "kv_clear"):
-            for i in range(len(data)):
-                tq.kv_clear(keys=keys[i], partition_id=part)
-        else:
-            tq.clear_partition(partition_id=part)
-        if r:  # the first round warms up
+        if r == 0:  # the first round warms up, and checks what comes back
+            for td, batch in zip(got, batches, strict=True):
+                for name, (values, _) in batch.items():
+                    field = td[name]
+                    rows = torch.stack(field.unbind()) if field.is_nested else field
+                    if not torch.equal(rows, values):
+                        raise RuntimeError(f"TransferQueue returned other {name} than was put")
+        client.clear_partition(part)
+        if r:
             nbytes = len(data) * BATCH_BYTES
             best_put = max(best_put, gbps(nbytes, put_s))
             best_get = max(best_get, gbps(nbytes, get_s))
@@ -441,7 +527,17 @@ def main() -> None:
     if args.reader:
         uvloop.run(reader(json.loads(args.reader)))
         return
-    print(json.dumps(uvloop.run(main_async(args))))
+    result = uvloop.run(main_async(args))
+    if args.vs_transferqueue:  # after ours, outside any event loop: its client runs its own
+        result.update(bench_transferqueue(make_batches(ROUND), 2 if args.quick else 5))
+        if "tq_put_gbps" in result:
+            tq_put = result["tq_put_gbps"]
+            result["ratio_put_vs_tq"] = round(result["put_gbps"] / tq_put, 1)
+            result["ratio_client_put_vs_tq"] = round(result["client_put_gbps"] / tq_put, 1)
+            result["ratio_get_vs_tq"] = round(result["local_get_gbps"] / result["tq_get_gbps"], 1)
+    result["quick"] = args.quick
+    result["machine"] = f"{platform.machine()} {os.cpu_count()} cpus, {platform.system()}"
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -11,14 +11,18 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import msgpack
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from transport import handles as handles_mod
 from transport import packing, shm
 from transport.errors import ClosedError, MalformedMessage, UnknownSegment
+from transport.handles import Rows, Run, rows_from_wire, single_run
 from transport.reading import MappingCache, cached_padded
 from transport.store import DTYPES, Handle, SampleStore, local_get, local_get_padded
 
@@ -463,3 +467,242 @@ async def test_mapping_cache_bounds_what_it_pins(store: SampleStore) -> None:
     assert cache.mapped_bytes == views[-1].numel()
     assert all(torch.equal(v[:40].view(torch.float32), torch.ones(10)) for v in views)
     store.free([h for hs in puts for h in hs])
+
+
+# -- Rows: handles whose layout is checked once --------------------------------------------------
+
+_SEG = "flowrl-run1-10-20-10-3"
+
+
+def _field_wire(count: int, width: int, dtype: str = "int64", start: int = 64) -> list[list[Any]]:
+    """The wire form of one put's field of `count` rows of `width` elements."""
+    step = width * handles_mod.ITEMSIZE[dtype]
+    return [["n", _SEG, start + i * step, dtype, [width]] for i in range(count)]
+
+
+def test_rows_from_wire_checks_one_field_once() -> None:
+    wire = json.loads(json.dumps(_field_wire(6, 4)))
+    rows = rows_from_wire(wire)
+    assert isinstance(rows, Rows)
+    assert rows == tuple(Handle.from_wire(w) for w in wire)
+    assert all(type(h) is Handle and type(h.shape) is tuple for h in rows)
+    assert rows.run == Run(0, 6, "n", _SEG, 64, 6 * 32)
+    assert rows.lens == (4,) * 6
+    assert single_run(rows) == (rows.run, rows.lens)
+    # Rows read back in another order or mixed are still rows, checked row by row.
+    assert rows_from_wire(list(reversed(wire))).run is None
+    # Values equal to valid ones are taken as those values, in their exact types.
+    wire[3][2], wire[4][4] = float(wire[3][2]), [4.0]
+    assert rows_from_wire(wire) == rows
+    assert all(type(h.offset) is int and type(h.shape[0]) is int for h in rows_from_wire(wire))
+    varying = [["n", _SEG, 0, "int32", [3]], ["n", _SEG, 12, "int32", [5]]]
+    assert rows_from_wire(varying).run == Run(0, 2, "n", _SEG, 0, 32)
+    assert rows_from_wire(varying).lens == (3, 5)
+    assert rows_from_wire([]).run is None
+    assert rows_from_wire(rows) is rows
+
+
+def test_rows_cannot_change_and_their_slices_are_checked_again() -> None:
+    rows = rows_from_wire(_field_wire(4, 2))
+    with pytest.raises(AttributeError):
+        rows.run = None  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        del rows.lens
+    assert type(rows[::-1]) is tuple
+    assert type(rows + rows) is tuple
+    assert single_run(rows[::-1]) is None
+    assert single_run(rows[1:3]) == (Run(0, 2, "n", _SEG, 80, 32), (2, 2))
+    assert Rows(list(rows)).run == rows.run  # made from handles: checked once, then and there
+    assert msgpack.unpackb(msgpack.packb(rows)) == _field_wire(4, 2)  # travels as a list
+
+
+def test_rows_from_wire_rejects_what_from_wire_rejects() -> None:
+    good = _field_wire(4, 2)
+    cases: list[tuple[int, Any]] = [
+        (2, None),
+        (2, "abcde"),
+        (2, good[2][:4]),
+        (2, [*good[2], 0]),
+        (1, ["n", _SEG, 64 + 16, "complex64", [2]]),
+        (3, ["n", f"{_SEG}.tmp", 64 + 48, "int64", [2]]),
+        (3, ["n", _SEG, 64 + 48, "int64", [-2]]),
+        (3, ["n", _SEG, 64 + 47, "int64", [2]]),
+        (0, [1, _SEG, 64, "int64", [2]]),
+    ]
+    for row, bad in cases:
+        wire: list[Any] = [list(w) for w in good]
+        wire[row] = bad
+        with pytest.raises(MalformedMessage):
+            rows_from_wire(wire)
+    with pytest.raises(MalformedMessage):
+        rows_from_wire({"not": "a list"})
+
+
+_MUTATIONS = st.sampled_from(
+    ["none", "swap", "node", "segment", "dtype", "shape", "offset", "misalign", "short", "drop"]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    count=st.integers(1, 6),
+    width=st.integers(0, 4),
+    dtype=st.sampled_from(["uint8", "int32", "float64"]),
+    mutation=_MUTATIONS,
+    where=st.integers(0, 5),
+)
+def test_rows_from_wire_agrees_with_handles_decoded_one_by_one(
+    count: int, width: int, dtype: str, mutation: str, where: int
+) -> None:
+    wire = _field_wire(count, width, dtype)
+    k, itemsize = where % count, handles_mod.ITEMSIZE[dtype]
+    row = wire[k]
+    if mutation == "swap":
+        wire[0], wire[k] = wire[k], wire[0]
+    elif mutation == "node":
+        row[0] = "m"
+    elif mutation == "segment":
+        row[1] = "flowrl-run1-10-20-10-4"
+    elif mutation == "dtype":
+        row[3] = "int16"
+    elif mutation == "shape":
+        row[4] = [width + 1] if where % 2 else [width, 1]
+    elif mutation == "offset":
+        row[2] += itemsize
+    elif mutation == "misalign":
+        row[2] += 1
+    elif mutation == "short":
+        del row[4]
+    elif mutation == "drop":
+        del wire[k]
+    wire = json.loads(json.dumps(wire))
+    try:
+        each: tuple[Handle, ...] | None = tuple(Handle.from_wire(w) for w in wire)
+    except MalformedMessage:
+        each = None
+    if each is None:
+        with pytest.raises(MalformedMessage):
+            rows_from_wire(wire)
+        return
+    rows = rows_from_wire(wire)
+    assert rows == each
+    found = single_run(list(each)) if each else None
+    assert (rows.run, rows.lens) == ((None, ()) if found is None else (found[0], tuple(found[1])))
+
+
+async def test_reading_freed_rows_fails_even_when_their_memory_is_reused(run_id: str) -> None:
+    cache = MappingCache()
+    with SampleStore(run_id, NODE, capacity_bytes=8 << 20) as store:
+        first = (await store.put({"x": torch.full((4, 100), 1.0)}))["x"]
+        rows = rows_from_wire(json.loads(json.dumps(first)))
+        batch, _ = cached_padded(rows, cache) or (None, None)
+        assert batch is not None
+        assert torch.equal(batch, torch.full((4, 100), 1.0))
+        store.free(first)
+        second = (await store.put({"x": torch.full((4, 100), 2.0)}))["x"]
+        assert second[0].offset == first[0].offset  # the same file, the same place
+        with pytest.raises(UnknownSegment):
+            cached_padded(rows, cache)
+        with pytest.raises(UnknownSegment):
+            local_get_padded(rows, cache=cache)
+        with pytest.raises(UnknownSegment):
+            local_get_padded(rows)
+        with pytest.raises(UnknownSegment):
+            store.get_padded(rows)
+        batch, _ = local_get_padded(rows_from_wire(second), cache=cache)
+        assert torch.equal(batch, torch.full((4, 100), 2.0))
+        store.free(second)
+
+
+async def test_get_padded_many_reads_every_field_as_get_padded_does(store: SampleStore) -> None:
+    ids = [_sample(torch.int64, (n,), seed=n) for n in (3, 0, 5)]
+    handles = await store.put(
+        {"ids": ids, "logp": torch.randn(3, 7), "mask": torch.ones(3, 7, dtype=torch.bool)}
+    )
+    other = (await store.put({"x": torch.arange(6).view(3, 2)}))["x"]
+    fields = {
+        "mask": rows_from_wire(json.loads(json.dumps(handles["mask"]))),
+        "ids": handles["ids"],
+        "logp": handles["logp"],
+        "mixed": other[::-1],
+    }
+    got = store.get_padded_many(fields, pad=-1)
+    assert list(got) == list(fields)
+    for name, hs in fields.items():
+        want = store.get_padded(hs, pad=-1)
+        assert torch.equal(got[name][0], want[0])
+        assert torch.equal(got[name][1], want[1])
+    assert store.get_padded_many({}) == {}
+    store.free(_all(handles) + other)
+    with pytest.raises(UnknownSegment):
+        store.get_padded_many({"ids": handles["ids"]})
+
+
+async def test_rows_of_one_shape_get_the_handles_the_general_layout_gives(
+    store: SampleStore,
+) -> None:
+    fields: dict[str, packing.FieldData] = {
+        "batch": torch.arange(12).view(3, 2, 2),
+        "no_rows": torch.empty(0, 4),
+        "rows": [torch.ones(5)] * 3,
+        "full_pairs": (torch.ones(4, 3), torch.full((4,), 3)),
+        "short_pairs": (torch.ones(2, 3), torch.tensor([3, 1])),
+        "empty_rows": torch.empty(3, 0),
+    }
+    plans, _ = packing.plan_fields(fields)
+    assert [p.uniform for p in plans] == [(2, 2), (4,), (5,), (3,), None, (0,)]
+    shortcut = packing.make_handles("n", _SEG, plans)
+    for plan in plans:
+        plan.uniform = None
+    assert packing.make_handles("n", _SEG, plans) == shortcut
+    handles = await store.put(fields)
+    assert torch.equal(store.get_padded(handles["batch"])[0], torch.arange(12).view(3, 2, 2))
+    assert store.get_padded(handles["no_rows"])[0].numel() == 0
+    assert torch.equal(store.get_padded(handles["full_pairs"])[0], torch.ones(4, 3))
+    batch, lengths = store.get_padded(handles["short_pairs"], pad=-1)
+    assert batch.tolist() == [[1, 1, 1], [1, -1, -1]]
+    assert lengths.tolist() == [3, 1]
+    store.free(_all(handles))
+
+
+async def test_padded_reads_are_the_callers_own_and_stay_inside_the_segment(run_id: str) -> None:
+    cache = MappingCache()
+    with SampleStore(run_id, NODE, capacity_bytes=8 << 20) as store:
+        handles = (await store.put({"x": torch.full((4, 100), 3.0)}))["x"]
+        rows = rows_from_wire(json.loads(json.dumps(handles)))
+        for _ in range(2):  # the second read reuses what the first one set up
+            batch, lengths = local_get_padded(rows, cache=cache)
+            assert torch.equal(batch, torch.full((4, 100), 3.0))
+            assert lengths.tolist() == [100] * 4
+            batch.fill_(0)
+            lengths.fill_(0)
+        size = shm.size_of(handles[0].segment)
+        beyond = [h._replace(offset=size - 400 + 400 * i) for i, h in enumerate(handles)]
+        for crafted in (beyond, rows_from_wire([list(h) for h in beyond])):
+            with pytest.raises(ValueError, match="outside"):
+                local_get_padded(crafted, cache=cache)
+        assert torch.equal(store.get(handles)[0], torch.full((100,), 3.0))
+        store.free(handles)
+
+
+async def test_whole_batches_are_copied_as_bytes_and_others_as_tensors(store: SampleStore) -> None:
+    base = torch.arange(24, dtype=torch.int32).view(4, 6)
+    fields: dict[str, packing.FieldData] = {
+        "whole": base,
+        "transposed": base.t(),  # not contiguous: copied by torch
+        "half": base.to(torch.bfloat16),
+        "bools": base % 2 == 0,
+    }
+    handles = await store.put(fields)
+    for name, want in fields.items():
+        assert isinstance(want, torch.Tensor)
+        assert torch.equal(store.get_padded(handles[name])[0], want), name
+    store.free(_all(handles))
+    segment = torch.zeros(16, dtype=torch.uint8)
+    packing._copy_bytes(segment, 8, torch.full((2,), -1, dtype=torch.int32), 8)
+    assert segment.tolist() == [0] * 8 + [255] * 8
+    for offset, src in [(9, torch.zeros(2, dtype=torch.int32)), (-1, torch.zeros(1))]:
+        with pytest.raises(ValueError, match="do not fit"):
+            packing._copy_bytes(segment, offset, src, src.numel() * src.element_size())
+    with pytest.raises(ValueError, match="do not fit"):
+        packing._copy_bytes(segment, 0, torch.zeros(2, dtype=torch.int32), 4)

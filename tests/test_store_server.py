@@ -7,7 +7,7 @@ import json
 import signal
 import sys
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -16,7 +16,8 @@ import torch
 
 from transport import shm
 from transport.endpoints import ipc_endpoint, remove_run_dir, tcp_endpoint
-from transport.errors import RemoteError
+from transport.errors import RemoteError, UnknownSegment
+from transport.handles import rows_from_wire
 from transport.rpc import RpcClient
 from transport.store import Handle, SampleStore
 from transport.store_server import StoreClient, StoreServer
@@ -412,3 +413,41 @@ async def test_concurrent_remote_reads_share_a_request_but_not_its_failure(run_i
         assert isinstance(failed, RemoteError)
         assert failed.kind == "UnknownSegment"
         store.free(good + more)
+
+
+async def test_get_padded_many_reads_a_micro_batch_in_one_call(run_id: str) -> None:
+    async with served(run_id, tcp_endpoint()) as (store, server):
+        ids = [torch.arange(n) * 3 for n in (4, 0, 2)]
+        handles = await store.put(
+            {"ids": ids, "logp": torch.randn(3, 5), "mask": torch.ones(3, 5, dtype=torch.bool)}
+        )
+        other = (await store.put({"x": torch.arange(6).view(3, 2)}))["x"]
+        fields: dict[str, Sequence[Handle]] = {
+            k: rows_from_wire(v) for k, v in _wire({**handles, "x": other}).items()
+        }
+        fields["mixed"] = list(fields["x"][::-1])
+        want = {k: store.get_padded(hs, pad=-1) for k, hs in fields.items()}
+        local = StoreClient(run_id, "node0", server.endpoint)
+        remote = StoreClient(run_id, "node1", "ipc:///unused", peers={"node0": server.endpoint})
+        async with local, remote:
+            got_local = await local.get_padded_many(fields, pad=-1)
+            before = server.statistics().requests
+            got_remote = await remote.get_padded_many(fields, pad=-1)
+            assert server.statistics().requests == before + 1  # every field in one request
+            for got in (got_local, got_remote):
+                assert list(got) == list(fields)
+                for name, (batch, lengths) in got.items():
+                    assert torch.equal(batch, want[name][0]), name
+                    assert torch.equal(lengths, want[name][1]), name
+            assert await local.get_padded_many({}) == {}
+            store.free(_all(handles))
+            # A freed handle fails, here and there, however its field is read.
+            for name in ("mask", "ids"):
+                with pytest.raises(UnknownSegment):
+                    await local.get_padded_many({"x": fields["x"], name: fields[name]})
+                with pytest.raises(RemoteError) as failed:
+                    await remote.get_padded_many({"x": fields["x"], name: fields[name]})
+                assert failed.value.kind == "UnknownSegment"
+            (batch, _) = (await local.get_padded_many({"x": fields["x"]}))["x"]
+            assert torch.equal(batch, torch.arange(6).view(3, 2))
+        store.free(other)

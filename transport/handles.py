@@ -4,13 +4,21 @@ A `Handle` is a plain tuple ``(node, segment, offset, dtype, shape)`` that trave
 list and is validated on arrival (`Handle.from_wire`). Rows of one field of one put are packed
 back to back, so the handles of a micro-batch read back in order form one contiguous byte
 range: `contiguous_runs` finds such runs, so a read costs one operation per run, not per row.
+
+Finding that out costs a few C-level passes over the rows on every read. `Rows` is an immutable
+sequence of handles that carries the answer, found once: `rows_from_wire` decodes a message's
+handles into `Rows` (checking the rows of one field of one put column by column rather than
+row by row, which also makes decoding cheaper), and reads of a `Rows` skip the check. A `Rows`
+cannot change after the check, so the answer stays true; slices and concatenations of it are
+plain tuples, checked again when read.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from itertools import repeat
 from typing import Any, NamedTuple
 
 import torch
@@ -22,9 +30,11 @@ __all__ = [
     "DTYPES",
     "ITEMSIZE",
     "Handle",
+    "Rows",
     "Run",
     "contiguous_runs",
     "dtype_name",
+    "rows_from_wire",
     "single_run",
 ]
 
@@ -119,9 +129,16 @@ class Run(NamedTuple):
     nbytes: int
 
 
-def single_run(handles: Sequence[Handle]) -> tuple[Run, list[int]] | None:
+def single_run(handles: Sequence[Handle]) -> tuple[Run, Sequence[int]] | None:
     """(run, row lengths) when `handles` are non-empty 1-D rows of one field of one put, in
-    order (the common case), checked with a few C-level passes; otherwise None."""
+    order (the common case); otherwise None. Free for `Rows`; a few C-level passes otherwise."""
+    if isinstance(handles, Rows):
+        run = handles.run
+        return None if run is None else (run, handles.lens)
+    return _find_single_run(handles)
+
+
+def _find_single_run(handles: Sequence[Handle]) -> tuple[Run, Sequence[int]] | None:
     nodes, segments, offsets, dtypes, shapes = zip(*handles, strict=False)
     count = len(offsets)
     if (
@@ -133,21 +150,129 @@ def single_run(handles: Sequence[Handle]) -> tuple[Run, list[int]] | None:
         return None
     itemsize = ITEMSIZE[dtypes[0]]
     start = offsets[0]
+    lens: Sequence[int]
     if len(shapes[0]) == 1 and shapes.count(shapes[0]) == count:  # equal lengths
-        lens = [shapes[0][0]] * count
-        step = lens[0] * itemsize
-        end = start + count * step
-        if not step or offsets != tuple(range(start, end, step)):
+        width = shapes[0][0]
+        step = width * itemsize
+        if not step or offsets != _progression(start, step, count):
             return None
+        lens = (width,) * count
+        end = start + count * step
     else:
         if set(map(len, shapes)) != {1}:
             return None
-        lens = list(itertools.chain.from_iterable(shapes))
+        lens = tuple(itertools.chain.from_iterable(shapes))
         ends = list(itertools.accumulate([n * itemsize for n in lens], initial=start))
         if ends[:-1] != list(offsets) or 0 in lens:
             return None
         end = ends[-1]
     return Run(0, count, nodes[0], segments[0], start, end - start), lens
+
+
+# Offsets of equal rows, by (start, step, count): a micro-batch layout repeats with every put,
+# so comparing against a kept tuple spares building one per read.
+_PROGRESSIONS: dict[tuple[int, int, int], tuple[int, ...]] = {}
+_PROGRESSIONS_MAX = 1024
+
+
+def _progression(start: int, step: int, count: int) -> tuple[int, ...]:
+    key = (start, step, count)
+    found = _PROGRESSIONS.get(key)
+    if found is None:
+        if len(_PROGRESSIONS) >= _PROGRESSIONS_MAX:
+            _PROGRESSIONS.clear()
+        found = _PROGRESSIONS[key] = tuple(range(start, start + step * count, step))
+    return found
+
+
+class Rows(tuple[Handle, ...]):
+    """An immutable sequence of handles whose layout was checked once, when it was made.
+
+    ``run`` and ``lens``: what `single_run` finds for these handles (1-D rows of one field of
+    one put, in order), else None and ``()``. Reads take them as they are; since neither the
+    tuple nor its handles can change, they stay true. Travels on the wire as a list of handles.
+    """
+
+    run: Run | None
+    lens: tuple[int, ...]
+
+    def __new__(cls, handles: Iterable[Handle] = ()) -> Rows:
+        self = super().__new__(cls, handles)
+        found = _find_single_run(self) if self else None
+        if found is None:
+            return _settled(self, None, ())
+        return _settled(self, found[0], tuple(found[1]))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("Rows are immutable")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError("Rows are immutable")
+
+
+def _settled(rows: Rows, run: Run | None, lens: tuple[int, ...]) -> Rows:
+    object.__setattr__(rows, "run", run)
+    object.__setattr__(rows, "lens", lens)
+    return rows
+
+
+_SEQUENCES = {list, tuple, Handle}
+
+
+def rows_from_wire(value: Any) -> Rows:
+    """Validate a decoded list of handles, as `Handle.from_wire` does each, into `Rows`.
+
+    Equal-length 1-D rows of one field of one put, in order — what a put returns and a reader
+    asks for — are checked column by column (a few C-level passes) and rebuilt from the first
+    row's validated values (so a number equal to a valid one is taken as that value: an offset
+    of 64.0 as 64); anything else is validated row by row. MalformedMessage if bad.
+    """
+    if type(value) not in (list, tuple, Rows):
+        raise MalformedMessage(f"handles travel as a list, got {type(value).__name__}")
+    if isinstance(value, Rows):
+        return value
+    fast = _uniform_from_wire(value) if len(value) > 1 else None
+    if fast is not None:
+        return fast
+    return Rows(map(Handle.from_wire, value))
+
+
+def _uniform_from_wire(value: list[Any] | tuple[Any, ...]) -> Rows | None:
+    if not set(map(type, value)) <= _SEQUENCES:
+        return None
+    try:
+        columns = tuple(zip(*value, strict=True))
+    except ValueError:  # rows of different sizes: the slow path says which is bad
+        return None
+    if len(columns) != 5:
+        return None
+    nodes, segments, offsets, dtypes, shapes = columns
+    node, segment, start, dtype, shape = Handle.from_wire(value[0])
+    count = len(value)
+    if len(shape) != 1 or not segment:
+        return None
+    width = shape[0]
+    step = width * ITEMSIZE[dtype]
+    if (
+        not step
+        or nodes.count(node) != count
+        or segments.count(segment) != count
+        or dtypes.count(dtype) != count
+        or shapes.count(shapes[0]) != count
+        or offsets != _progression(start, step, count)
+    ):
+        return None
+    # Every row equals the one validated above but for its offset, which is where it
+    # belongs: build the handles from validated values (ints, strs, a tuple shape).
+    columns_out = zip(
+        repeat(node),
+        repeat(segment),
+        range(start, start + step * count, step),
+        repeat(dtype),
+        repeat(shape),
+    )
+    rows = tuple.__new__(Rows, map(tuple.__new__, repeat(Handle), columns_out))
+    return _settled(rows, Run(0, count, node, segment, start, step * count), (width,) * count)
 
 
 def contiguous_runs(handles: Sequence[Handle]) -> list[Run]:

@@ -3,11 +3,13 @@
 Any process on a node can read any published segment of that node by name, without asking
 the store: `local_get` returns views over a fresh copy-on-write mapping (no copy; a caller that
 writes into its views changes only its own pages), `local_get_padded` copies each contiguous
-run into one padded batch tensor (one copy).
+run into one padded batch tensor (one copy). Reads of `transport.handles.Rows` skip the check
+that the rows form one run: it was made when the `Rows` was.
 
 `MappingCache` keeps a process's mappings by inode. The store recycles freed segments (the same
 file under a new name), so in steady state a reader finds the file already mapped and its page
-tables populated: a read costs one `stat` instead of a mapping and a page fault per 4 KiB.
+tables populated: a read costs one `stat` (an `access`, for a name it saw before) instead of a
+mapping and a page fault per 4 KiB.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from transport.errors import UnknownSegment
 from transport.handles import DTYPES, ITEMSIZE, Handle, Run, contiguous_runs, single_run
 
 __all__ = [
+    "Mapped",
     "MappingCache",
     "cached_padded",
     "local_get",
@@ -44,13 +47,20 @@ class MappingCache:
     only ever reads through them (padded copies, remote sends); views handed to callers come
     from fresh mappings, so a caller writing into its view can never leave a stale private page
     in the cache. A cached inode cannot be reused by another file: the mapping holds the file.
+
+    It also remembers which inode each name it looked up had. Segment names are never reused
+    (a freed segment is renamed away; recycled, it is published under a new name), so while
+    a known name exists it is the file looked at before: looking it up again costs an `access`
+    of the name (which is what makes a freed handle fail), not a `stat` and a search.
     """
 
     def __init__(self, max_bytes: int = 256 << 20, *, writable: bool = False) -> None:
         self.max_bytes = max_bytes
         self.writable = writable
-        self._entries: OrderedDict[tuple[int, int], _Mapped] = OrderedDict()
+        self._entries: OrderedDict[tuple[int, int], Mapped] = OrderedDict()
         self._bytes = 0
+        # name -> (path, inode key), oldest first; bounded by _NAMES_MAX
+        self._names: dict[str, tuple[str, tuple[int, int]]] = {}
 
     @property
     def mapped_bytes(self) -> int:
@@ -59,39 +69,52 @@ class MappingCache:
 
     def data(self, name: str) -> torch.Tensor:
         """A uint8 view of the whole segment `name`; UnknownSegment if it does not exist."""
-        return self._lookup(name).data
+        return self.lookup(name).data
 
     def typed(self, name: str, dtype: torch.dtype) -> torch.Tensor:
         """A `dtype` view of the whole segment `name` (cached, like the mapping)."""
-        entry = self._lookup(name)
-        view = entry.typed.get(dtype)
-        if view is None:
-            view = entry.typed[dtype] = entry.data.view(dtype)
-        return view
+        return self.lookup(name).view(dtype)
 
-    def _lookup(self, name: str) -> _Mapped:
+    def lookup(self, name: str) -> Mapped:
+        """The mapping of segment `name`, found by its inode; UnknownSegment if the name does
+        not exist (any more: a freed segment is renamed away)."""
+        known = self._names.get(name)
+        if known is not None:
+            path, key = known
+            hit = self._entries.get(key)
+            if hit is not None:  # still mapped: the inode cannot have changed hands
+                if not os.access(path, os.F_OK):
+                    del self._names[name]
+                    raise UnknownSegment(f"segment {name!r} does not exist (freed?)")
+                self._entries.move_to_end(key)
+                return hit
+        path = shm.path_of(name)
         try:
-            st = os.stat(shm.path_of(name))
+            st = os.stat(path)
         except FileNotFoundError:
             raise UnknownSegment(f"segment {name!r} does not exist (freed?)") from None
         key = (st.st_dev, st.st_ino)
         hit = self._entries.get(key)
         if hit is not None and hit.data.numel() == st.st_size:
             self._entries.move_to_end(key)
-            return hit
-        try:  # names are never reused: if it opens, it is the file just looked at
-            mapping = shm.map_shared(name) if self.writable else shm.map_private(name)
-        except FileNotFoundError:
-            raise UnknownSegment(f"segment {name!r} does not exist (freed?)") from None
-        return self._add(key, mapping)
+        else:
+            try:  # names are never reused: if it opens, it is the file just looked at
+                mapping = shm.map_shared(name) if self.writable else shm.map_private(name)
+            except FileNotFoundError:
+                raise UnknownSegment(f"segment {name!r} does not exist (freed?)") from None
+            hit = self._add(key, mapping)
+        if len(self._names) >= _NAMES_MAX:
+            del self._names[next(iter(self._names))]
+        self._names[name] = (path, key)
+        return hit
 
     def insert(self, name: str, mapping: mmap.mmap) -> torch.Tensor:
         """Cache `mapping` (of segment `name`, just created); return its uint8 view."""
         st = os.stat(shm.path_of(name))
         return self._add((st.st_dev, st.st_ino), mapping).data
 
-    def _add(self, key: tuple[int, int], mapping: mmap.mmap) -> _Mapped:
-        entry = _Mapped(torch.frombuffer(mapping, dtype=torch.uint8), {})
+    def _add(self, key: tuple[int, int], mapping: mmap.mmap) -> Mapped:
+        entry = Mapped(torch.frombuffer(mapping, dtype=torch.uint8), {}, {})
         old = self._entries.pop(key, None)
         if old is not None:
             self._bytes -= old.data.numel()
@@ -104,19 +127,56 @@ class MappingCache:
 
     def clear(self) -> None:
         self._entries.clear()
+        self._names.clear()
         self._bytes = 0
 
 
-class _Mapped(NamedTuple):
+_NAMES_MAX = 4096  # names a cache remembers: a few puts' worth of names per mapping
+
+
+class Mapped(NamedTuple):
+    """One segment as this process maps it."""
+
     data: torch.Tensor  # uint8 over the whole mapping
     typed: dict[torch.dtype, torch.Tensor]  # views of `data` by dtype, made on first use
+    # [count, width] views by (dtype, first element, count, width), made on first use: a
+    # recycled segment is rewritten with the same layout, put after put
+    blocks: dict[tuple[torch.dtype, int, int, int], torch.Tensor]
+
+    def view(self, dtype: torch.dtype) -> torch.Tensor:
+        """A `dtype` view of the whole segment (made once)."""
+        found = self.typed.get(dtype)
+        if found is None:
+            found = self.typed[dtype] = self.data.view(dtype)
+        return found
+
+    def block(self, dtype: torch.dtype, start: int, count: int, width: int) -> torch.Tensor:
+        """A ``[count, width]`` view of the `dtype` elements from element `start` on (made
+        once per layout); ValueError if they do not lie inside the segment."""
+        key = (dtype, start, count, width)
+        found = self.blocks.get(key)
+        if found is None:
+            typed = self.view(dtype)
+            if start < 0 or start + count * width > typed.numel():
+                raise ValueError(f"rows {start}+{count}x{width} outside the segment")
+            if len(self.blocks) >= _BLOCKS_MAX:
+                self.blocks.clear()
+            found = torch.as_strided(typed, (count, width), (width, 1), start)
+            self.blocks[key] = found
+        return found
+
+
+_BLOCKS_MAX = 64  # layouts remembered per mapping (a few per put, the same put after put)
 
 
 def cached_padded(
-    handles: Sequence[Handle], cache: MappingCache
+    handles: Sequence[Handle], cache: MappingCache, seen: dict[str, Mapped] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The padded batch of one put's equal-length 1-D rows, read in order through `cache` —
-    the common case, in as few operations as Python allows; None for any other case."""
+    the common case, in as few operations as Python allows; None for any other case.
+
+    `seen`: segments this call already looked up, by name (a read of several fields of one
+    put looks its segment up once; the lookup is what makes a freed handle fail)."""
     single = single_run(handles) if handles else None
     if single is None:
         return None
@@ -124,13 +184,30 @@ def cached_padded(
     count, width = len(lens), lens[0]
     if lens.count(width) != count:
         return None
-    dtype = DTYPES[handles[0].dtype]
-    typed = cache.typed(run.segment, dtype)
-    start = run.offset // ITEMSIZE[handles[0].dtype]
-    if start + count * width > typed.numel():
-        raise ValueError(f"rows outside segment {run.segment!r}")
-    batch = torch.as_strided(typed, (count, width), (width, 1), start).clone()
-    return batch, torch.full((count,), width, dtype=torch.int64)
+    dtype_name = handles[0].dtype
+    dtype = DTYPES[dtype_name]
+    entry = seen.get(run.segment) if seen is not None else None
+    if entry is None:
+        entry = cache.lookup(run.segment)
+        if seen is not None:
+            seen[run.segment] = entry
+    batch = entry.block(dtype, run.offset // ITEMSIZE[dtype_name], count, width).clone()
+    return batch, _lengths(count, width)
+
+
+# Lengths tensors by (count, width), copied for each caller (cheaper than making one afresh).
+_LENGTHS: dict[tuple[int, int], torch.Tensor] = {}
+_LENGTHS_MAX = 256
+
+
+def _lengths(count: int, width: int) -> torch.Tensor:
+    """A new int64 tensor of `count` times `width`."""
+    template = _LENGTHS.get((count, width))
+    if template is None:
+        if len(_LENGTHS) >= _LENGTHS_MAX:
+            _LENGTHS.clear()
+        template = _LENGTHS[count, width] = torch.full((count,), width, dtype=torch.int64)
+    return template.clone()
 
 
 def map_runs(runs: Sequence[Run], cache: MappingCache | None = None) -> list[torch.Tensor]:
@@ -192,7 +269,7 @@ def padded_from_runs(
     runs: Sequence[Run],
     buffers: Sequence[torch.Tensor],
     pad: float | int | bool = 0,
-    lens: list[int] | None = None,
+    lens: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One ``[B, max_len, ...]`` batch padded with `pad`, and the lengths ``[B]`` (int64).
 

@@ -5,12 +5,13 @@ micro-batch — one or more fields, each a list of per-row tensors, a (padded, l
 batch tensor — into one shared-memory segment, each field as one packed buffer, and returns one
 `Handle` per row and field. Handles are plain msgpack-able tuples; any process on the node turns
 them back into tensors without a copy (`get`) or into one padded batch with one copy
-(`get_padded`). `transport.store_server` serves the same store to worker processes (which write
-into shared memory themselves) and to readers on other nodes.
+(`get_padded`; `get_padded_many` for several fields at once). `transport.store_server` serves
+the same store to worker processes (which write into shared memory themselves) and to readers
+on other nodes.
 
-Files: `shm` (segment names, mapping, cleanup), `handles` (the handle, contiguous runs),
-`packing` (writing a micro-batch), `reading` (views, padded batches, mapping caches), this
-module (capacity, reference counts, the pool), `store_server` (the store over RPC).
+Files: `shm` (segment names, mapping, cleanup), `handles` (the handle, contiguous runs,
+`Rows`), `packing` (writing a micro-batch), `reading` (views, padded batches, mapping caches),
+this module (capacity, reference counts, the pool), `store_server` (the store over RPC).
 
 Guarantees:
 - A handle exists only after its buffer is complete (segments are written under a temporary
@@ -508,6 +509,13 @@ class SampleStore:
             self._runs(handles)  # raises: another node's handles
         buffers = self.read_ranges([(r.segment, r.offset, r.nbytes) for r in runs])
         return padded_from_runs(handles, runs, buffers, pad, single[1] if single else None)
+
+    def get_padded_many(
+        self, fields: Mapping[str, Sequence[Handle]], pad: float | int | bool = 0
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """`get_padded` of several fields at once (typically every field of one micro-batch),
+        by field name."""
+        return {name: self.get_padded(handles, pad) for name, handles in fields.items()}
 
     # -- lifetime ------------------------------------------------------------------------------
 

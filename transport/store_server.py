@@ -14,7 +14,9 @@ segment of capacity per client sits reserved but unused.
 Reads on the node map segments directly (`transport.store.local_get`), without the server.
 Readers on other nodes send byte ranges to that node's server, which answers with views over
 its mappings; the bytes go out as ZeroMQ frames without a copy in user space, and the reader
-builds its tensors over the received frames. Frees go to the node that holds the handles.
+builds its tensors over the received frames. `get_padded_many` reads several fields (those of
+a micro-batch) in one call: on the node, the fields of one put look their segment up once;
+from another node, they travel in one request. Frees go to the node that holds the handles.
 
 Guarantees: everything `SampleStore` guarantees, plus: a client that exits or dies never leaks
 capacity — `aclose` gives its grants back, and the server reclaims the grants and unpublished
@@ -27,7 +29,7 @@ import asyncio
 import os
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import zmq
@@ -45,6 +47,7 @@ from transport.packing import (
     size_class,
 )
 from transport.reading import (
+    Mapped,
     MappingCache,
     cached_padded,
     map_runs,
@@ -423,6 +426,33 @@ class StoreClient:
         runs = contiguous_runs(handles)
         return padded_from_runs(handles, runs, await self._buffers(runs, self._reads), pad)
 
+    async def get_padded_many(
+        self, fields: Mapping[str, Sequence[Handle]], pad: float | int | bool = 0
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """`get_padded` of several fields at once (typically every field of one micro-batch),
+        by field name. Fields of one put on this node look their segment up once (a freed
+        handle still fails); the other fields are read concurrently, and those on another node
+        travel in one request."""
+        seen: dict[str, Mapped] = {}
+        out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        rest: list[str] = []
+        for name, handles in fields.items():
+            fast = None
+            if handles and handles[0].node == self.node:
+                fast = cached_padded(handles, self._reads, seen)
+            if fast is None:
+                rest.append(name)
+            else:
+                out[name] = fast
+        if not rest:
+            return out
+        if len(rest) == 1:
+            out[rest[0]] = await self.get_padded(fields[rest[0]], pad)
+        else:
+            read = await _gather([self.get_padded(fields[name], pad) for name in rest])
+            out.update(zip(rest, read, strict=True))
+        return {name: out[name] for name in fields}
+
     async def free(self, handles: Sequence[Handle]) -> None:
         """Free handles at the nodes that hold them."""
         by_node: dict[str, list[Handle]] = {}
@@ -468,21 +498,30 @@ class StoreClient:
         await self.aclose()
 
 
+_T = TypeVar("_T")
+
+
 async def _all_or_first_error(calls: Iterable[Awaitable[Any]]) -> None:
     """Run `calls` concurrently; if one fails, cancel the rest and raise its error as is."""
+    await _gather(calls)
+
+
+async def _gather(calls: Iterable[Awaitable[_T]]) -> list[_T]:
+    """The results of `calls`, run concurrently; if one fails, the rest are cancelled and its
+    error is raised as is."""
     try:
         async with asyncio.TaskGroup() as tg:
-            for call in calls:
-                tg.create_task(_wrap(call))
+            tasks = [tg.create_task(_wrap(call)) for call in calls]
     except BaseExceptionGroup as group:
         first: BaseException = group
         while isinstance(first, BaseExceptionGroup):
             first = first.exceptions[0]
         raise first from None
+    return [t.result() for t in tasks]
 
 
-async def _wrap(call: Awaitable[Any]) -> None:
-    await call
+async def _wrap(call: Awaitable[_T]) -> _T:
+    return await call
 
 
 class _ReadBatcher:
