@@ -1,0 +1,73 @@
+"""Scheduler decisions of the worker registry, driven by plain calls and a fake clock."""
+
+from __future__ import annotations
+
+from flowrl.registry import Registry
+
+
+def make(n: int, *, capacity: int = 1, tasks_per_slot: int = 2) -> tuple[Registry, list[str]]:
+    reg = Registry(heartbeat_timeout_s=10.0, tasks_per_slot=tasks_per_slot)
+    ids = [reg.register(name=f"w{i}", role="reward", node="n0", pid=100 + i,
+                        capacity=capacity, version=0, now=0.0).worker_id for i in range(n)]
+    return reg, ids
+
+
+def test_dispatch_goes_to_the_least_loaded_worker_by_tokens() -> None:
+    reg, (a, b, c) = make(3)
+    wa, wb, wc = (reg.get(x) for x in (a, b, c))
+    assert wa
+    assert wb
+    assert wc
+    reg.assign(wa, 1, load=500)
+    reg.assign(wb, 2, load=100)
+    reg.assign(wc, 3, load=300)
+    assert reg.least_loaded("reward") is wb
+    reg.finish(wa, 1, ok=True)  # a is idle again: nothing beats an idle worker
+    assert reg.least_loaded("reward") is wa
+
+
+def test_a_worker_holds_at_most_capacity_times_tasks_per_slot() -> None:
+    reg, (a,) = make(1, capacity=2, tasks_per_slot=2)
+    w = reg.get(a)
+    assert w is not None
+    for task in range(4):
+        assert reg.least_loaded("reward") is w
+        reg.assign(w, task, load=1)
+    assert reg.least_loaded("reward") is None  # full: the next task waits in the index
+    reg.finish(w, 0, ok=False)
+    assert reg.least_loaded("reward") is w
+    assert (w.done, w.failed) == (0, 1)
+
+
+def test_version_bound_excludes_workers_serving_old_weights() -> None:
+    reg, (a, b) = make(2)
+    wa, wb = reg.get(a), reg.get(b)
+    assert wa
+    assert wb
+    wb.version = 3
+    assert reg.least_loaded("reward", min_version=2) is wb
+    assert reg.least_loaded("reward", min_version=4) is None
+
+
+def test_missed_heartbeats_expire_on_the_fake_clock() -> None:
+    reg, (a, b) = make(2)
+    assert reg.next_deadline() == 10.0
+    reg.heartbeat(a, now=8.0)
+    assert [w.worker_id for w in reg.expired(now=10.5)] == [b]
+    assert reg.expired(now=17.9) != []
+    assert reg.get(a) is not None
+    reg.remove(b)
+    assert reg.least_loaded("reward") is reg.get(a)
+    assert reg.expired(now=17.9) == []
+    assert [w.worker_id for w in reg.expired(now=18.1)] == [a]
+
+
+def test_a_removed_worker_is_never_chosen_again() -> None:
+    reg, (a,) = make(1)
+    w = reg.get(a)
+    assert w is not None
+    reg.assign(w, 1, load=5)
+    reg.remove(a)
+    reg.finish(w, 1, ok=False)  # a late report after removal must not resurrect it
+    assert reg.least_loaded("reward") is None
+    assert len(reg) == 0
