@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -63,8 +62,9 @@ async def one_round(steps: int, watched: bool) -> dict[str, Any]:
         viewer = None
         if watched:
             assert ctl.monitor_url is not None
-            viewer = subprocess.Popen([sys.executable, "-c", DASHBOARD, ctl.monitor_url],
-                                      stdout=subprocess.PIPE, text=True)
+            viewer = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", DASHBOARD, ctl.monitor_url,
+                stdout=asyncio.subprocess.DEVNULL)
         try:
             out = await ctl.run(steps=steps, timeout_s=600)
             if watched:
@@ -72,7 +72,7 @@ async def one_round(steps: int, watched: bool) -> dict[str, Any]:
         finally:
             if viewer is not None:
                 viewer.terminate()
-                viewer.wait(timeout=10)
+                await viewer.wait()
         return out
 
 
