@@ -171,7 +171,7 @@ class Controller:
             # First, so a refused bind fails before any process starts.
             self._monitor = MonitorServer(self, self.monitor_config)
             url = await self._monitor.start()
-            log.info("monitor listening", url=url)
+            self._log().info("monitor listening", url=url)
         run_dir(self.run_id)
         self._server = RpcServer(ipc_endpoint(self.run_id, "ctl"), self._handlers())
         endpoint = self._endpoint = await self._server.start()
@@ -212,7 +212,7 @@ class Controller:
                        if have[p.role] < p.count}
             raise RunError(f"workers did not register within {self.start_timeout_s}s: "
                            f"missing {missing}") from None
-        log.info("controller ready", run_id=self.run_id, workers=len(self.registry))
+        self._log().info("controller ready", workers=len(self.registry))
 
     async def _spawn_workers(
         self, role: str, proc_no: int, count: int, capacity: int, threads: int
@@ -320,7 +320,7 @@ class Controller:
         self.gate.set_max_staleness(n)
         if n != old:
             self.events.emit("staleness", max_staleness=n, previous=old, version=self.version)
-            log.info("max_staleness changed", max_staleness=n, previous=old)
+            self._log().info("max_staleness changed", max_staleness=n, previous=old)
             self._notify()
             self._wake()
 
@@ -346,6 +346,10 @@ class Controller:
         """The bearer token the monitor's control endpoints require (kept secret in reprs)."""
         return None if self._monitor is None else self._monitor.token
 
+    def _log(self) -> Any:
+        """The controller's logger with the context every line carries."""
+        return log.bind(run_id=self.run_id, role="controller", version=self.version)
+
     def _notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
@@ -365,7 +369,7 @@ class Controller:
         try:
             self._dispatch_pass()
         except Exception as exc:  # a scheduler bug must stop the run loudly, not a worker's call
-            log.exception("dispatch failed")
+            self._log().exception("dispatch failed")
             self._fail_run(RunError(f"dispatch failed: {exc!r}"))
         finally:
             self._dispatching = False
@@ -503,7 +507,7 @@ class Controller:
         self._queues[info.worker_id] = asyncio.Queue()
         self._registered.set()
         self._wake()
-        log.info("worker up", worker=info.worker_id, name=info.name, node=info.node)
+        self._log().info("worker up", worker=info.worker_id, name=info.name, node=info.node)
         self.events.emit("worker_up", worker=info.worker_id, role=role, node=info.node,
                          name=info.name)
         latest = self._weights.get(self.version)
@@ -595,7 +599,7 @@ class Controller:
         }
         self._last_step_at = now
         self.step_log.append(entry)
-        log.debug("step", **entry)
+        self._log().debug("step", **entry)
         self.events.emit("step", **entry)
         if weights:
             self.events.emit("version", version=new_version)
@@ -710,7 +714,7 @@ class Controller:
             return
         if not self._stop.is_set():
             self.worker_deaths += 1
-            log.warning("worker down", worker=worker_id, name=info.name, why=why,
+            self._log().warning("worker down", worker=worker_id, name=info.name, why=why,
                         tasks=len(info.tasks))
             self.errors.append({"worker": worker_id, "error": f"worker down: {why}"})
             self.events.emit("worker_down", worker=worker_id, role=info.role, why=why)
@@ -732,7 +736,7 @@ class Controller:
     def _fail_run(self, error: RunError) -> None:
         """Stop the run with ``error``: every waiter wakes up and raises it."""
         if self._fatal is None:
-            log.error("run failed", error=str(error))
+            self._log().error("run failed", error=str(error))
             self.events.emit("run_failed", error=str(error))
             self._fatal = error
         self._registered.set()
@@ -755,7 +759,8 @@ class Controller:
                 f"max_restarts is {self.spec.max_restarts}"))
             return
         delay = self.spec.restart_backoff_s * 2 ** (n - 1)
-        log.warning("restarting worker process", process=child.name, attempt=n, delay_s=delay)
+        self._log().warning("restarting worker process", process=child.name, attempt=n,
+                            delay_s=delay)
         self._restart_q.put_nowait((child.name, delay))
 
     async def _restart_loop(self) -> None:
@@ -791,7 +796,8 @@ class Controller:
                     await self._store.call("free", {"handles": handles}, timeout=10.0)
                     self.store_stats = await self._store.call("stats", {}, timeout=10.0)
                 except Exception as exc:
-                    log.warning("store free failed", error=repr(exc), handles=len(handles))
+                    self._log().warning("store free failed", error=repr(exc),
+                                        handles=len(handles))
 
     # ---- introspection ---------------------------------------------------------------------
 
