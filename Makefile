@@ -38,7 +38,7 @@ pytest: $(STAMP) chromium
 test: lint types layers pytest
 
 demo: $(STAMP)
-	$(BIN)/python bench/store.py --quick
+	$(BIN)/python -m flowrl.launch recipes/tiny_cpu.py
 
 clean:
 	$(BIN)/python -m flowrl.cleanup --all || true

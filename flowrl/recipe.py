@@ -135,6 +135,9 @@ class TinyModelConfig(_Section):
     """Language-modelling steps on the synthetic corpus before RL; 0 keeps random weights."""
     seed: int = Field(default=0, ge=0)
     """Seed of the corpus, tokenizer and weights (the build is deterministic)."""
+    corpus: Literal["mixed", "arithmetic"] = "mixed"
+    """Synthetic corpus of the tokenizer and the warm-up: ``mixed`` (arithmetic lines, words
+    and pseudo-words) or ``arithmetic`` (only ``a<op>b=c`` lines with single-digit operands)."""
 
     @model_validator(mode="after")
     def _shapes(self) -> TinyModelConfig:

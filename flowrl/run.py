@@ -41,7 +41,7 @@ def prepare_model(recipe: Recipe) -> Path | None:
         out, vocab_size=settings["vocab_size"], hidden=settings["hidden"],
         layers=settings["layers"], heads=settings["heads"], kv_heads=settings["kv_heads"],
         max_positions=settings["max_positions"], pretrain_steps=settings["pretrain_steps"],
-        seed=settings["seed"],
+        seed=settings["seed"], corpus_kind=settings["corpus"],
     )
 
 

@@ -29,7 +29,7 @@ import torch
 
 from flowrl import messages as m
 from transport.errors import ClosedError, DeadlineExceeded, TransportError
-from transport.handles import Handle
+from transport.handles import Handle, rows_from_wire
 from transport.pubsub import Subscriber
 from transport.rpc import RpcClient
 
@@ -82,6 +82,33 @@ class WorkerConfig:
     rpc_timeout_s: float = 30.0
 
 
+async def publish_weights(
+    store: Store, weights: Mapping[str, torch.Tensor]
+) -> dict[str, list[Any]]:
+    """Write ``weights`` into the store; name → ``[handle, shape]`` (what the controller keeps
+    and broadcasts).
+
+    One put with one field per dtype and one row per tensor: the tensors are packed into one
+    segment with one copy, and the handles of a field form one contiguous run, so the reader
+    maps it once. (A field per tensor would cost a plan, a copy call and a run per tensor.)
+    """
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name, w in weights.items():
+        by_dtype.setdefault(w.dtype, []).append(name)
+    groups = {f"weights.{i}": names for i, names in enumerate(by_dtype.values())}
+    handles = await store.put(
+        {key: [weights[n].reshape(-1) for n in names] for key, names in groups.items()})
+    return {n: [h, list(weights[n].shape)]
+            for key, names in groups.items() for n, h in zip(names, handles[key], strict=True)}
+
+
+async def fetch_weights(store: Store, wire: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The tensors `publish_weights` wrote, as views of the store's memory (no copy here)."""
+    names = list(wire)
+    flat = await store.get([Handle.from_wire(wire[n][0]) for n in names])
+    return {n: t.view(*wire[n][1]) for n, t in zip(names, flat, strict=True)}
+
+
 def _is_handle(value: Any) -> bool:
     return isinstance(value, list | tuple) and len(value) == 5
 
@@ -118,7 +145,7 @@ class Worker:
         elif int(reply["version"]) > 0:
             await self.role.load_version(int(reply["version"]), {})
             self.version = int(reply["version"])
-        log.debug("worker registered", worker=self.worker_id, role=cfg.role, node=cfg.node)
+        self._log().debug("worker registered", worker=self.worker_id, role=cfg.role, node=cfg.node)
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._broadcasts())
@@ -133,6 +160,10 @@ class Worker:
             with contextlib.suppress(TransportError):
                 await self._rpc.call(m.OP_BYE, {"worker_id": self.worker_id}, timeout=2.0)
             await self.aclose()
+
+    def _log(self) -> Any:
+        """This worker's logger with the context every line carries."""
+        return log.bind(worker=self.worker_id, role=self.config.role, version=self.version)
 
     def stop(self) -> None:
         self._stopped.set()
@@ -169,7 +200,7 @@ class Worker:
         except (asyncio.CancelledError, ClosedError):
             raise
         except Exception as exc:  # the controller requeues the rows; we keep serving
-            log.warning("task failed", worker=self.worker_id, task=task["task_id"],
+            self._log().warning("task failed", worker=self.worker_id, task=task["task_id"],
                         stage=task["stage"], error=repr(exc))
             with contextlib.suppress(TransportError):
                 await self._rpc.call(
@@ -185,7 +216,7 @@ class Worker:
         out: dict[str, list[Any]] = {}
         for name, values in inputs.items():
             if values and _is_handle(values[0]):
-                out[name] = await self.store.get([Handle.from_wire(v) for v in values])
+                out[name] = await self.store.get(rows_from_wire(values))
             else:
                 out[name] = list(values)
         return out
@@ -206,11 +237,7 @@ class Worker:
             "metrics": out.metrics,
         }
         if out.weights is not None:
-            names = list(out.weights)
-            handles = await self.store.put({n: [out.weights[n].reshape(-1)] for n in names})
-            done["weights"] = {
-                n: [handles[n][0], list(out.weights[n].shape)] for n in names
-            }
+            done["weights"] = await publish_weights(self.store, out.weights)
         return done
 
     async def _heartbeats(self) -> None:
@@ -224,12 +251,12 @@ class Worker:
                     timeout=cfg.rpc_timeout_s,
                 )
                 if not reply.get("ok", False):
-                    log.warning("controller no longer knows this worker; exiting",
+                    self._log().warning("controller no longer knows this worker; exiting",
                                 worker=self.worker_id)
                     self._stopped.set()
                     return
             except DeadlineExceeded:
-                log.warning("heartbeat unanswered", worker=self.worker_id)
+                self._log().warning("heartbeat unanswered", worker=self.worker_id)
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(cfg.heartbeat_s):
                     await self._stopped.wait()
@@ -250,9 +277,7 @@ class Worker:
         self._gate.clear()
         try:
             await self._idle.wait()
-            names = list(weights)
-            flat = await self.store.get([Handle.from_wire(weights[n][0]) for n in names])
-            state = {n: t.view(*weights[n][1]) for n, t in zip(names, flat, strict=True)}
+            state = await fetch_weights(self.store, weights)
             await self.role.load_version(version, state)
             self.version = version
             await self._rpc.call(m.OP_SERVED, {"worker_id": self.worker_id, "version": version})

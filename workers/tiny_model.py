@@ -15,7 +15,11 @@ Guarantees:
   matches is reused as is. A fresh directory is built aside and renamed into place, so a
   concurrent builder never sees a half-written model.
 
-CLI: ``python -m workers.tiny_model OUT_DIR [--seed N] [--pretrain-steps N]``.
+Corpora (`CORPORA`): ``mixed`` (the default) as above; ``arithmetic`` holds only
+``a<op>b=c`` lines with single-digit operands, so a short warm-up on it teaches the answer format
+of small arithmetic prompts quickly (short lines) while leaving most answers unknown.
+
+CLI: ``python -m workers.tiny_model OUT_DIR [--seed N] [--pretrain-steps N] [--corpus KIND]``.
 """
 
 from __future__ import annotations
@@ -32,11 +36,14 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 MANIFEST = "flowrl-tiny.json"
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
+CorpusKind = Literal["mixed", "arithmetic"]
+CORPORA: tuple[CorpusKind, ...] = ("mixed", "arithmetic")
+"""The built-in corpora `synthetic_corpus` generates (see the module docstring)."""
 # Bump when the build procedure changes so cached directories are rebuilt.
 _FORMAT = 1
 
@@ -95,15 +102,21 @@ def arithmetic_line(rng: random.Random, max_operand: int = 99) -> str:
     return f"{a}{op}{b}={result}"
 
 
-def synthetic_corpus(seed: int = 0, *, lines: int = 6000) -> list[str]:
-    """Arithmetic lines, sentences of common words and syllable pseudo-words (for merges)."""
+def synthetic_corpus(
+    seed: int = 0, *, lines: int = 6000, kind: CorpusKind = "mixed"
+) -> list[str]:
+    """``mixed``: arithmetic lines, sentences of common words and syllable pseudo-words (for
+    merges). ``arithmetic``: only `arithmetic_line` lines with operands ``0..9``."""
+    if kind not in CORPORA:
+        raise ValueError(f"unknown corpus {kind!r}; have {list(CORPORA)}")
     rng = random.Random(seed)
+    if kind == "arithmetic":
+        return [arithmetic_line(rng, max_operand=9) for _ in range(lines)]
     out: list[str] = []
     for i in range(lines):
-        kind = i % 3
-        if kind == 0:
+        if i % 3 == 0:
             out.append(arithmetic_line(rng))
-        elif kind == 1:
+        elif i % 3 == 1:
             out.append(" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 10))))
         else:
             words = [
@@ -230,17 +243,19 @@ def build_tiny_model(
     seed: int = 0,
     corpus: Iterable[str] | None = None,
     pretrain_steps: int = 0,
+    corpus_kind: CorpusKind = "mixed",
 ) -> Path:
     """Build (or reuse) a tiny Qwen2 model and tokenizer in ``out_dir``; return its path.
 
-    ``corpus`` defaults to `synthetic_corpus(seed)`. ``pretrain_steps`` > 0 runs that many
-    language-modelling steps (batch 32) on the corpus before saving; 0 keeps random weights.
+    ``corpus`` defaults to `synthetic_corpus(seed, kind=corpus_kind)`. ``pretrain_steps`` > 0
+    runs that many language-modelling steps (batch 32) on the corpus before saving; 0 keeps
+    random weights.
     The tokenizer's vocabulary is at most ``vocab_size`` (fewer if the corpus has too few
     merges); the model's vocabulary equals the tokenizer's.
     """
     if hidden % heads or heads % kv_heads:
         raise ValueError("hidden must divide by heads and heads by kv_heads")
-    lines = list(corpus) if corpus is not None else synthetic_corpus(seed)
+    lines = list(corpus) if corpus is not None else synthetic_corpus(seed, kind=corpus_kind)
     if not lines:
         raise ValueError("corpus is empty")
     spec = TinySpec(
@@ -286,6 +301,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--pretrain-steps", type=int, default=0)
+    parser.add_argument("--corpus", choices=CORPORA, default="mixed")
     args = parser.parse_args(argv)
     path = build_tiny_model(
         args.out_dir,
@@ -294,6 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         hidden=args.hidden,
         layers=args.layers,
         pretrain_steps=args.pretrain_steps,
+        corpus_kind=args.corpus,
     )
     print(path)
     return 0

@@ -188,6 +188,10 @@ class HFRolloutEngine:
         self._max_positions = getattr(self.model.config, "max_position_embeddings", None)
         self._gen = torch.Generator(device=self.device).manual_seed(seed)
         self._groups = tied_groups(self.model)
+        # The model's own tensors, looked up once: walking the module tree for a state dict
+        # costs more than copying a small model's weights, and load_weights runs every step.
+        self._targets = self.model.state_dict(keep_vars=True)
+        self._known = {name for group in self._groups for name in group}
         self._version = version
 
     @property
@@ -197,9 +201,8 @@ class HFRolloutEngine:
     # -- weights ---------------------------------------------------------------------------
 
     def load_weights(self, state: Mapping[str, Tensor], version: int) -> None:
-        params = self.model.state_dict(keep_vars=True)
-        known = {name for group in self._groups for name in group}
-        unknown = set(state) - known
+        params = self._targets
+        unknown = set(state) - self._known
         if unknown:
             raise KeyError(f"unknown weight names: {sorted(unknown)[:5]}")
         plan: list[tuple[Tensor, Tensor]] = []
