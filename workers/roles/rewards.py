@@ -1,7 +1,8 @@
 """Built-in reward functions for the synthetic tasks (`workers.roles.reward` runs them).
 
-Each is a per-sample function ``fn(prompt, response, *, answer, **meta) -> float`` that a recipe
-names as ``"workers.roles.rewards:<name>"``. Pure standard library; deterministic.
+A recipe names one as ``"workers.roles.rewards:<name>"``: per-sample functions are called
+``fn(prompt, response, *, answer, **meta) -> float``, batched ones (``RewardConfig(batched=True)``)
+``fn(prompts, responses, metas) -> list[float]``. Pure standard library; deterministic.
 
 - `numeric_partial_credit`: the exact answer scores 1.0 (the same check as
   `workers.roles.reward.exact_match`); a response that starts with another integer scores by its
