@@ -43,6 +43,7 @@ from flowrl.procs import Child, Supervisor
 from flowrl.registry import Registry, WorkerInfo
 from flowrl.staleness import StalenessGate
 from transport.endpoints import ipc_endpoint, new_run_id, remove_run_dir, run_dir
+from transport.handles import looks_like_handle
 from transport.pubsub import Publisher
 from transport.rpc import RpcClient, RpcServer
 
@@ -135,7 +136,6 @@ class Controller:
         self.trained_rows: set[int] = set()
         self.rows_trained_twice = 0
         self.stale_dropped = 0
-        self.staleness_hist: collections.Counter[int] = collections.Counter()
         self.dispatch_us: collections.deque[float] = collections.deque(maxlen=100_000)
         self.errors: collections.deque[dict[str, Any]] = collections.deque(maxlen=50)
         self.step_log: list[dict[str, Any]] = []
@@ -275,7 +275,7 @@ class Controller:
                 "samples_per_s": samples / wall if wall > 0 else 0.0,
                 "version": self.version, "stale_dropped": self.stale_dropped,
                 "rows_trained_twice": self.rows_trained_twice,
-                "staleness": dict(self.staleness_hist)}
+                "staleness": self.gate.histogram()}
 
     async def wait_for(self, predicate: Callable[[], bool]) -> None:
         """Wait until ``predicate()`` holds; re-checked after every step and worker event."""
@@ -569,13 +569,13 @@ class Controller:
                     self.rows_trained_twice += 1
                 self.trained_rows.add(row)
                 staleness.append(self.version - (v or 0))
+            self.gate.record_trained(task.versions, self.version)
             rewards.extend(float(r) for r in task.handles.get("reward", ()))
             samples += len(task.rows)
             retired = self.index.complete(task_id)
             if retired:
                 self._free_q.put_nowait(retired)
         self._step_tasks.clear()
-        self.staleness_hist.update(staleness)
         self._samples_trained += samples
         self.version = new_version
         weights = p.get("weights")
@@ -790,7 +790,7 @@ class Controller:
             while not self._free_q.empty():  # batch what piled up
                 handles.extend(self._free_q.get_nowait())
             # Inline field values (prompt positions, rewards) hold no memory; handles are lists.
-            handles = [h for h in handles if isinstance(h, list | tuple) and len(h) == 5]
+            handles = [h for h in handles if looks_like_handle(h)]
             if self._store is not None and handles:
                 try:
                     await self._store.call("free", {"handles": handles}, timeout=10.0)
@@ -842,7 +842,7 @@ class Controller:
             "stages": stages,
             "index": stats.as_dict(),
             "workers": workers,
-            "staleness_histogram": {str(k): v for k, v in sorted(self.staleness_hist.items())},
+            "staleness_histogram": {str(k): v for k, v in self.gate.histogram().items()},
             "samples_trained": self._samples_trained,
             "samples_per_s": self._samples_trained / wall if wall else 0.0,
             "throughput": {"samples_per_s": self._samples_trained / wall if wall else 0.0,

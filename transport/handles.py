@@ -118,6 +118,12 @@ _PUBLISHED: set[str] = set()
 _PUBLISHED_MAX = 4096
 
 
+def looks_like_handle(value: Any) -> bool:
+    """Whether a decoded field value is a store handle (a 5-element list) rather than an inline
+    scalar such as a prompt position or a reward. Shape only: `Handle.from_wire` validates."""
+    return isinstance(value, list | tuple) and len(value) == len(Handle._fields)
+
+
 class Run(NamedTuple):
     """Rows ``[start, stop)`` of a handle list whose bytes are one contiguous range."""
 

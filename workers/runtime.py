@@ -29,7 +29,7 @@ import torch
 
 from flowrl import messages as m
 from transport.errors import ClosedError, DeadlineExceeded, TransportError
-from transport.handles import Handle, rows_from_wire
+from transport.handles import Handle, looks_like_handle, rows_from_wire
 from transport.pubsub import Subscriber
 from transport.rpc import RpcClient
 
@@ -107,10 +107,6 @@ async def fetch_weights(store: Store, wire: Mapping[str, Any]) -> dict[str, torc
     names = list(wire)
     flat = await store.get([Handle.from_wire(wire[n][0]) for n in names])
     return {n: t.view(*wire[n][1]) for n, t in zip(names, flat, strict=True)}
-
-
-def _is_handle(value: Any) -> bool:
-    return isinstance(value, list | tuple) and len(value) == 5
 
 
 class Worker:
@@ -215,7 +211,7 @@ class Worker:
     async def _read_inputs(self, inputs: dict[str, list[Any]]) -> dict[str, list[Any]]:
         out: dict[str, list[Any]] = {}
         for name, values in inputs.items():
-            if values and _is_handle(values[0]):
+            if values and looks_like_handle(values[0]):
                 out[name] = await self.store.get(rows_from_wire(values))
             else:
                 out[name] = list(values)
