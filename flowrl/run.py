@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import signal
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,8 @@ async def run_recipe(
     me = asyncio.current_task()
     loop = asyncio.get_running_loop()
     handled = False
-    if me is not None and threading_main():
+    # Signal handlers can only be installed from the main thread (not in a notebook's helper).
+    if me is not None and threading.current_thread() is threading.main_thread():
         loop.add_signal_handler(signal.SIGTERM, me.cancel)
         handled = True
     try:
@@ -84,8 +86,3 @@ async def run_recipe(
         if handled:
             loop.remove_signal_handler(signal.SIGTERM)
 
-
-def threading_main() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
