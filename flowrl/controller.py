@@ -30,7 +30,8 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import structlog
 
@@ -38,9 +39,11 @@ from flowrl import messages as m
 from flowrl.events import EventBus, Span
 from flowrl.graph import StageSpec
 from flowrl.index import Index, Task
+from flowrl.node import ClusterConfig, NodeHub, StoreRouter
 from flowrl.pipeline import PipelineSpec
 from flowrl.procs import Child, Supervisor
 from flowrl.registry import Registry, WorkerInfo
+from flowrl.resume import RunState, TrainedPositions, write_state
 from flowrl.staleness import StalenessGate
 from transport.endpoints import ipc_endpoint, new_run_id, remove_run_dir, run_dir
 from transport.handles import looks_like_handle
@@ -61,6 +64,15 @@ class RunError(RuntimeError):
 
 
 @dataclass
+class _RemoteExit:
+    """What `Controller._on_child_exit` reads of a child, for a process on another node."""
+
+    name: str
+    pid: int = -1
+    expected_exit: bool = False
+
+
+@dataclass
 class _Assigned:
     task: Task
     worker: str
@@ -75,6 +87,7 @@ class Controller:
     def __init__(
         self, spec: PipelineSpec, *, run_id: str | None = None, node: str = "node0",
         start_timeout_s: float = 120.0, monitor: MonitorConfig | None = None,
+        cluster: ClusterConfig | None = None, resume: RunState | None = None,
     ) -> None:
         self.spec = spec
         self.graph = spec.graph()
@@ -91,8 +104,13 @@ class Controller:
         self._assigned: dict[int, _Assigned] = {}
         self._queues: dict[str, asyncio.Queue[m.TaskMsg]] = {}
         self._group_step: dict[int, int] = {}
+        self._group_pos: dict[int, int] = {}  # group id -> its dataset position
+        self._trained_pos = TrainedPositions()
+        # Positions to admit before new ones: given back by stale drops, or in flight when the
+        # checkpoint being resumed was taken.
+        self._redo: collections.deque[int] = collections.deque()
         self._admitted = 0
-        self._data_pos = 0
+        self._data_pos = 0  # the next new dataset position
         self._train_step = 0  # step the next train micro-batch belongs to
         self._train_groups_in_step = 0
         self._step_tasks: list[int] = []  # train tasks done but not yet committed
@@ -132,12 +150,20 @@ class Controller:
         self._server: RpcServer | None = None
         self._pub: Publisher | None = None
         self._store: RpcClient | None = None
+        # Nodes other than this one (pools placed there): their agents meet us at `nodes`.
+        remote = {n for p in spec.pools for n in p.nodes} - {node}
+        self._hub = None if not remote else NodeHub(
+            self.run_id, remote, cluster or ClusterConfig(),
+            capacity=spec.store_capacity_bytes, on_lost=self._on_node_lost,
+            on_exit=self._on_remote_exit)
         # accounting
         self.trained_rows: set[int] = set()
         self.rows_trained_twice = 0
         self.stale_dropped = 0
         self.dispatch_us: collections.deque[float] = collections.deque(maxlen=100_000)
         self.errors: collections.deque[dict[str, Any]] = collections.deque(maxlen=50)
+        #: the last error a worker process reported before dying, by process name.
+        self._last_error: dict[str, str] = {}
         self.step_log: list[dict[str, Any]] = []
         self.worker_deaths = 0
         self._t0 = 0.0
@@ -149,6 +175,19 @@ class Controller:
         self.monitor_config = monitor
         self._monitor: MonitorServer | None = None
         self._lag: LoopLag | None = None
+        if resume is not None:
+            self._resume_from(resume)
+
+    def _resume_from(self, state: RunState) -> None:
+        """Continue after `state`'s version: its trained positions are never admitted again,
+        the ones it had in flight are admitted first. Workers are started at that version
+        from its checkpoint (see `flowrl.run.compile_recipe`)."""
+        self.version = self._train_step = state.version
+        self._admitted = state.version * self.spec.groups_per_step
+        self._trained_pos = TrainedPositions(state.trained_below, state.trained_above)
+        self._trained_pos.count = state.groups_trained
+        self._redo.extend(state.redo())
+        self._data_pos = state.admitted_to
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -175,7 +214,9 @@ class Controller:
         run_dir(self.run_id)
         self._server = RpcServer(ipc_endpoint(self.run_id, "ctl"), self._handlers())
         endpoint = self._endpoint = await self._server.start()
-        self._pub = Publisher(ipc_endpoint(self.run_id, "pub"))
+        hub = self._hub
+        self._pub = (Publisher(ipc_endpoint(self.run_id, "pub")) if hub is None
+                     else hub.publisher(ipc_endpoint(self.run_id, "pub")))
         self._broadcast = await self._pub.start()
         loop = asyncio.get_running_loop()
         self._owned = [loop.create_task(self._free_loop(), name="flowrl-free"),
@@ -183,16 +224,32 @@ class Controller:
                        loop.create_task(self._publish_loop(), name="flowrl-publish"),
                        loop.create_task(self._restart_loop(), name="flowrl-restart"),
                        loop.create_task(self._lag.run(), name="flowrl-loop-lag")]
+        peer_store: list[str] = []
+        if hub is not None:
+            # Other nodes' agents and workers reach this controller over tcp+curve.
+            await hub.start(self._handlers())
+            self._owned.append(loop.create_task(hub.run(), name="flowrl-nodes"))
+            peer_store = ["--peer-store", hub.store_bind()]
+            self._log().info("listening for node agents", endpoint=hub.endpoint,
+                             nodes=hub.nodes)
         store = ipc_endpoint(self.run_id, f"store-{self.node}")
         await self._supervisor.spawn(
             f"node:{self.node}",
             [sys.executable, "-m", "flowrl.node", "--run-id", self.run_id, "--node", self.node,
              "--controller", endpoint, "--store", store,
-             "--capacity", str(self.spec.store_capacity_bytes)],
+             "--capacity", str(self.spec.store_capacity_bytes), *peer_store],
+            env=None if hub is None else hub.keys.to_env(),
         )
         async with asyncio.timeout(self.start_timeout_s):
             await self._node_up.wait()
-        self._store = RpcClient(self._store_endpoint)
+        if hub is None:
+            self._store = RpcClient(self._store_endpoint)
+        else:
+            try:
+                await hub.wait_ready()
+            except RuntimeError as exc:
+                raise RunError(str(exc)) from None
+            self._store = StoreRouter(self._store_endpoint, self.node, hub.peers, hub.keys)
         for pool in self.spec.pools:
             procs = math.ceil(pool.count / pool.per_process)
             for p in range(procs):
@@ -216,8 +273,20 @@ class Controller:
 
     async def _spawn_workers(
         self, role: str, proc_no: int, count: int, capacity: int, threads: int
-    ) -> Child:
+    ) -> Child | None:
+        """Start worker process ``proc_no`` of `role` on its node: here as a child, on another
+        node through that node's agent (None is returned then)."""
         self._worker_procs[f"{role}.{proc_no}"] = (role, proc_no, count, capacity, threads)
+        pool = self.spec.pool(role)
+        node = pool.nodes[proc_no % len(pool.nodes)] if pool and pool.nodes else self.node
+        if node != self.node:
+            assert self._hub is not None  # made whenever a pool names another node
+            self._hub.spawn(node, {
+                "name": f"{role}.{proc_no}", "role": role, "count": count,
+                "capacity": capacity, "threads": threads, "engine": self.spec.engine,
+                "engine_config": self.spec.engine_config,
+                "seed": self.spec.seed * 1000 + proc_no, "heartbeat": self.spec.heartbeat_s})
+            return None
         argv = [
             sys.executable, "-m", "workers.main", "--run-id", self.run_id, "--node", self.node,
             "--controller", self._endpoint, "--broadcast", self._broadcast,
@@ -227,8 +296,13 @@ class Controller:
             "--engine-config", json.dumps(self.spec.engine_config),
             "--seed", str(self.spec.seed * 1000 + proc_no),
             "--heartbeat", str(self.spec.heartbeat_s), "--name", f"{role}.{proc_no}",
+            "--weight-sync-timeout", str(self.spec.weight_sync_timeout_s),
         ]
-        return await self._supervisor.spawn(f"{role}.{proc_no}", argv)
+        if self._hub is None:
+            return await self._supervisor.spawn(f"{role}.{proc_no}", argv)
+        argv += ["--peers", json.dumps(self._hub.peers_for(self.node))]
+        return await self._supervisor.spawn(f"{role}.{proc_no}", argv,
+                                            env=self._hub.keys.to_env())
 
     async def aclose(self) -> None:
         """Stop workers, the node agent and the sockets; leaves no process or file behind."""
@@ -399,16 +473,22 @@ class Controller:
             self._assign(w, task, {})
 
     def _dispatch_source(self, stage: StageSpec) -> None:
+        """Admit prompt groups and hand them to rollout, ``stage.micro_batch`` groups a task.
+
+        Several groups per task let an engine sample them in one batched call; a task's groups
+        are admitted together, so each must be one the chosen worker's version may generate.
+        """
         s = self.gate.max_staleness
+        k = stage.micro_batch
         # Groups given back by failed tasks go first; they were admitted for earlier steps.
         while True:
             w = self.registry.least_loaded(stage.role)
             if w is None:
                 return
-            task = self.index.request(stage.name, 1, worker=w.worker_id)
+            task = self.index.request(stage.name, k, worker=w.worker_id)
             if task is None:
                 break
-            need = self._group_step[task.groups[0]] - s
+            need = max(self._group_step[g] for g in task.groups) - s
             if w.version < need:
                 other = self.registry.least_loaded(stage.role, need)
                 if other is None:
@@ -418,19 +498,29 @@ class Controller:
             self._assign(w, task, {})
         if self._steps_target and self.version >= self._steps_target:
             return
+        n = self.spec.group_size
         while self.gate.can_admit(self._admitted, self.version):
             step = self._admitted // self.spec.groups_per_step
             w = self.registry.least_loaded(stage.role, step - s)
             if w is None:
                 return
-            n = self.spec.group_size
-            gid = self.index.add_group(n, fields={"prompt": [self._data_pos] * n})
-            self._data_pos += 1
-            self._group_step[gid] = step
-            self._admitted += 1
-            task = self.index.request(stage.name, 1, worker=w.worker_id)
+            positions: list[int] = []
+            for _ in range(k):
+                step = self._admitted // self.spec.groups_per_step
+                if not self.gate.can_admit(self._admitted, self.version) or w.version < step - s:
+                    break
+                if self._redo:
+                    pos = self._redo.popleft()
+                else:
+                    pos, self._data_pos = self._data_pos, self._data_pos + 1
+                gid = self.index.add_group(n, fields={"prompt": [pos] * n})
+                self._group_step[gid] = step
+                self._group_pos[gid] = pos
+                self._admitted += 1
+                positions.append(pos)
+            task = self.index.request(stage.name, len(positions), worker=w.worker_id)
             assert task is not None
-            self._assign(w, task, {"data_pos": self._data_pos - 1})
+            self._assign(w, task, {"data_pos": positions})
 
     def _dispatch_train(self, stage: StageSpec) -> None:
         g = self.spec.groups_per_step
@@ -456,6 +546,7 @@ class Controller:
         for gid in self.index.take_stale():
             handles = self.index.drop_group(gid)
             self._group_step.pop(gid, None)
+            self._redo.appendleft(self._group_pos.pop(gid))  # its prompt is sampled again
             self.stale_dropped += 1
             self._admitted -= 1  # its slot is admitted again
             if handles:
@@ -486,6 +577,7 @@ class Controller:
             m.OP_TASK_FAILED: self._on_task_failed,
             m.OP_SERVED: self._on_served,
             m.OP_BYE: self._on_bye,
+            m.OP_SYNC_FAILED: self._on_sync_failed,
             "node_up": self._on_node_up,
         }
 
@@ -493,24 +585,51 @@ class Controller:
         return asyncio.get_running_loop().time()
 
     async def _on_node_up(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
-        self._store_endpoint = str(p["store"])
+        if self._node_up.is_set():  # the agent reports once: a replay must not move the store
+            return {"ok": False}
+        self._store_endpoint = _str(p, "store")
+        if self._hub is not None and p.get("peer_store"):
+            self._hub.add_peer(self.node, _str(p, "peer_store"))
         self._node_up.set()
         return {"ok": True}
 
+    # ---- other nodes ----------------------------------------------------------------------
+
+    @property
+    def nodes(self) -> NodeHub | None:
+        """Where agents of the other nodes meet this controller (None on one node)."""
+        return self._hub
+
+    def _on_node_lost(self, node: str) -> None:
+        if not self._stop.is_set():
+            self._fail_run(RunError(f"node agent {node!r} stopped answering"))
+
+    def _on_remote_exit(self, node: str, name: str, pid: int, code: int) -> None:
+        """A worker process on another node exited: as `_on_child_exit` for a child here."""
+        for info in self.registry.all():
+            if info.node == node and info.pid == pid:
+                self._worker_gone(info.worker_id, f"process {pid} on {node} exited with {code}")
+        # pid -1 matches no worker here (pids of different nodes may coincide).
+        self._on_child_exit(cast(Child, _RemoteExit(name)), code)
+
     async def _on_register(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
-        role = str(p["role"])
+        role = _str(p, "role")
         if self.spec.pool(role) is None:
             raise ValueError(f"no pool for role {role!r} in this pipeline")
+        latest = self._weights.get(self.version)
         info = self.registry.register(
-            name=str(p["name"]), role=role, node=str(p["node"]), pid=int(p["pid"]),
-            capacity=int(p["capacity"]), version=0, now=self._now())
+            name=_str(p, "name"), role=role, node=_str(p, "node"),
+            pid=_int(p, "pid", 1, 2**31), capacity=_int(p, "capacity", 1, _MAX_CAPACITY),
+            # Without published weights of the current version (the run's start, or a resume
+            # before its first step) the model every worker loads *is* that version; otherwise
+            # the worker serves it once it has loaded the weights and said so (`served`).
+            version=self.version if latest is None else 0, now=self._now())
         self._queues[info.worker_id] = asyncio.Queue()
         self._registered.set()
         self._wake()
         self._log().info("worker up", worker=info.worker_id, name=info.name, node=info.node)
         self.events.emit("worker_up", worker=info.worker_id, role=role, node=info.node,
                          name=info.name)
-        latest = self._weights.get(self.version)
         return {"worker_id": info.worker_id, "version": self.version, "weights": latest}
 
     async def _on_heartbeat(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
@@ -522,7 +641,7 @@ class Controller:
         if q is None:
             return None
         try:
-            async with asyncio.timeout(float(p["wait_s"])):
+            async with asyncio.timeout(_seconds(p, "wait_s")):
                 msg = await q.get()
         except TimeoutError:
             return None
@@ -532,6 +651,14 @@ class Controller:
         return msg
 
     async def _on_task_done(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
+        # Checked before the task is finished: a report refused later would lose its rows.
+        given = p.get("fields") if isinstance(p, dict) else None
+        if not (isinstance(given, dict)
+                and all(type(k) is str and type(v) is list for k, v in given.items())):
+            raise ValueError("'fields' must map field names to lists")
+        lengths_in = p.get("lengths") or []
+        if not (type(lengths_in) is list and all(type(n) is int for n in lengths_in)):
+            raise ValueError("'lengths' must be a list of ints")
         a = self._finish(p, ok=True)
         if a is None:
             return {"ok": False}
@@ -570,6 +697,9 @@ class Controller:
                 self.trained_rows.add(row)
                 staleness.append(self.version - (v or 0))
             self.gate.record_trained(task.versions, self.version)
+            for gid in task.groups:
+                self._group_step.pop(gid, None)
+                self._trained_pos.add(self._group_pos.pop(gid))
             rewards.extend(float(r) for r in task.handles.get("reward", ()))
             samples += len(task.rows)
             retired = self.index.complete(task_id)
@@ -598,6 +728,7 @@ class Controller:
             **{f"train_{k}": v for k, v in (p.get("metrics") or {}).items()},
         }
         self._last_step_at = now
+        self._save_run_state()
         self.step_log.append(entry)
         self._log().debug("step", **entry)
         self.events.emit("step", **entry)
@@ -608,6 +739,25 @@ class Controller:
         if self.version >= self._steps_target:
             self._steps_done_evt.set()
         self._notify()
+
+    def run_state(self) -> RunState:
+        """What `--resume` needs to continue from this version (see `flowrl.resume`)."""
+        t = self._trained_pos
+        return RunState(version=self.version, trained_below=t.below,
+                        trained_above=sorted(t.above), admitted_to=self._data_pos,
+                        groups_trained=t.count)
+
+    def _save_run_state(self) -> None:
+        """Complete the trainer's checkpoint of this version, when it wrote one."""
+        if self.spec.output is None:
+            return
+        step_dir = Path(self.spec.output) / f"step_{self.version}"
+        if not step_dir.is_dir():
+            return
+        try:
+            write_state(step_dir, self.run_state())
+        except OSError as exc:  # the step is committed; only resuming from here is lost
+            self._log().error("run state not saved", path=str(step_dir), error=repr(exc))
 
     async def _publish_loop(self) -> None:
         """Broadcasts leave in order from one owned task, never from fire-and-forget tasks."""
@@ -702,6 +852,23 @@ class Controller:
             self._wake()
         return {"ok": True}
 
+    async def _on_sync_failed(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
+        """A worker missed its weight-sync deadline: say who and which version; it exits next,
+        and its process is restarted like any dead worker (bounded by ``max_restarts``)."""
+        info = self.registry.get(_str(p, "worker_id"))
+        if info is None:
+            return {"ok": False}
+        error = _str(p, "error")[:500]
+        record: dict[str, Any] = {
+                  "worker": info.worker_id, "name": info.name, "node": info.node,
+                  "stage": "weight_sync", "version": _int(p, "version", 0, 2**62),
+                  "served": info.version, "error": error}
+        self.errors.append(record)
+        self.events.emit("error", **record)
+        self._log().error("weight sync failed", **record)
+        self._last_error[info.name.rsplit(".", 1)[0]] = error
+        return {"ok": True}
+
     async def _on_bye(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
         self._worker_gone(str(p["worker_id"]), "said bye")
         return {"ok": True}
@@ -754,9 +921,10 @@ class Controller:
             return
         n = self._restarts[child.name] = self._restarts[child.name] + 1
         if n > self.spec.max_restarts:
+            last = self._last_error.get(child.name)
             self._fail_run(RunError(
-                f"worker process {child.name} died {n} times (last exit code {code}); "
-                f"max_restarts is {self.spec.max_restarts}"))
+                f"worker process {child.name} died {n} times (last exit code {code}"
+                f"{': ' + last if last else ''}); max_restarts is {self.spec.max_restarts}"))
             return
         delay = self.spec.restart_backoff_s * 2 ** (n - 1)
         self._log().warning("restarting worker process", process=child.name, attempt=n,
@@ -875,3 +1043,32 @@ class Controller:
                 f"exactly one stage must read only the data source's fields {sorted(src)}; "
                 f"found {[s.name for s in firsts]}")
         return firsts[0]
+
+
+# ---- request validation (a malformed request is answered with an error and changes nothing) --
+
+#: the most tasks one worker may run at once (a bound on what one registration can claim).
+_MAX_CAPACITY = 1024
+#: the longest long poll a worker may ask for.
+_MAX_WAIT_S = 600.0
+
+
+def _str(p: Any, key: str) -> str:
+    value = p.get(key) if isinstance(p, dict) else None
+    if type(value) is not str:
+        raise ValueError(f"{key!r} must be a string")
+    return value
+
+
+def _int(p: Any, key: str, lo: int, hi: int) -> int:
+    value = p.get(key) if isinstance(p, dict) else None
+    if type(value) is not int or not lo <= value <= hi:  # bool is not an int here
+        raise ValueError(f"{key!r} must be an integer in [{lo}, {hi}]")
+    return value
+
+
+def _seconds(p: Any, key: str) -> float:
+    value: Any = p.get(key) if isinstance(p, dict) else None
+    if not (type(value) in (int, float) and 0.0 <= value <= _MAX_WAIT_S):  # NaN fails too
+        raise ValueError(f"{key!r} must be a number of seconds in [0, {_MAX_WAIT_S}]")
+    return float(value)

@@ -5,8 +5,13 @@ dataset *positions*; a worker turns a position into a prompt and its reference a
 past the end wrap around (epochs), reshuffled per epoch with the dataset's seed, so every worker
 maps a position to the same example without any coordination.
 
-A malformed row (not an object, or missing the prompt or answer key) is skipped and counted, not
-fatal; `skipped` tells how many.
+A malformed row is skipped and counted, not fatal (`Dataset.skipped` tells how many): a line that
+is not valid UTF-8 JSON, a value that is not an object, a missing prompt or answer key, a prompt
+that is not a non-blank string, or an answer that is neither a string nor a number. A file with
+no usable row raises ValueError.
+
+A prompt template (``"Question: {prompt}\nAnswer:"``) wraps each prompt; ``{prompt}`` is replaced
+literally, so other braces in the template (``\\boxed{}``) need no escaping.
 """
 
 from __future__ import annotations
@@ -58,20 +63,49 @@ def arithmetic(count: int = 1000, *, max_operand: int = 20, seed: int = 0) -> Da
     return Dataset(examples, seed=seed)
 
 
+PROMPT_PLACEHOLDER = "{prompt}"
+
+
+def check_template(template: str) -> str:
+    """``template`` when it contains ``{prompt}``; ValueError otherwise."""
+    if PROMPT_PLACEHOLDER not in template:
+        raise ValueError(f"the prompt template must contain {PROMPT_PLACEHOLDER}")
+    return template
+
+
 def jsonl(path: str | Path, *, prompt_key: str = "prompt", answer_key: str = "answer",
-          seed: int = 0) -> Dataset:
+          template: str = PROMPT_PLACEHOLDER, seed: int = 0) -> Dataset:
+    """The rows of a JSON-lines file; malformed rows are skipped and counted (module doc)."""
+    check_template(template)
     examples: list[Example] = []
     skipped = 0
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
+    with open(path, "rb") as f:
+        for raw in f:
+            if not raw.strip():
                 continue
             try:
-                row = json.loads(line)
-                examples.append(Example(str(row[prompt_key]), str(row[answer_key])))
-            except (ValueError, KeyError, TypeError):
+                row = json.loads(raw.decode("utf-8"))
+            except ValueError:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
                 skipped += 1
+                continue
+            example = _example(row, prompt_key, answer_key, template)
+            if example is None:
+                skipped += 1
+            else:
+                examples.append(example)
     return Dataset(examples, seed=seed, skipped=skipped)
+
+
+def _example(row: object, prompt_key: str, answer_key: str, template: str) -> Example | None:
+    if not isinstance(row, dict):
+        return None
+    prompt, answer = row.get(prompt_key), row.get(answer_key)
+    if not isinstance(prompt, str) or not prompt.strip():
+        return None
+    # bool is an int subclass, but True is no answer anyone means.
+    if isinstance(answer, bool) or not isinstance(answer, str | int | float):
+        return None
+    return Example(template.replace(PROMPT_PLACEHOLDER, prompt), str(answer))
 
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")

@@ -63,6 +63,8 @@ STATES: Final = ("waiting", "ready", "in_flight", "done", "stale")
 _UNSET: Final[Any] = object()
 # Compact a queue only past this many dead entries, so small queues are never rebuilt.
 _COMPACT_MIN = 64
+# Rebuild the row table only past this many rows, so small indexes never pay for it.
+_SHRINK_MIN = 4096
 
 
 class UnknownTask(LookupError):
@@ -234,6 +236,7 @@ class Index:
 
         self._rows: dict[int, _Row] = {}
         self._groups: dict[int, _Group] = {}
+        self._rows_peak = 0  # most rows held since `_rows` was last rebuilt (see _shrink)
         self._tasks: dict[int, tuple[Task, _Stage]] = {}
         self._by_worker: dict[str, dict[int, None]] = {}
         self._stale: dict[int, None] = {}  # ordered set of group ids with stale rows
@@ -277,6 +280,7 @@ class Index:
         for rid in range(first, first + size):
             rows[rid] = _Row(gid, nf)
         self._groups[gid] = _Group(first, size, meta, self._ngroup_stages)
+        self._rows_peak = max(self._rows_peak, len(rows))
         self._live += size
         self._added += size
         rids = range(first, first + size)
@@ -629,7 +633,18 @@ class Index:
                 s.done_rows -= retired
             self._live -= retired
             self._retired += retired
+            self._shrink()
         return free
+
+    def _shrink(self) -> None:
+        # A dict never gives back its table when entries are deleted. Once the rows have fallen
+        # to a quarter of their peak, rebuild the row and group tables at their live size, so
+        # memory follows the rows held (a burst does not pin its peak); O(1) amortized.
+        n = len(self._rows)
+        if self._rows_peak > _SHRINK_MIN and 4 * n < self._rows_peak:
+            self._rows = dict(self._rows)
+            self._groups = dict(self._groups)
+            self._rows_peak = n
 
     def _put_version(self, rids: Sequence[int], version: int) -> None:
         for rid in rids:
@@ -770,6 +785,7 @@ class Index:
                 self._maybe_compact(st)
         self._live -= n
         self._dropped += n
+        self._shrink()
         return free
 
     def _maybe_compact(self, st: _Stage) -> None:

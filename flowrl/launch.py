@@ -1,4 +1,4 @@
-"""``python -m flowrl.launch RECIPE.py [--set key=value ...] [--steps N] [--output DIR]``
+"""``python -m flowrl.launch RECIPE.py [--set K=V ...] [--steps N] [--output DIR] [--resume DIR]``
 
 Validates the recipe before anything starts (a wrong field fails naming the field and the
 file), builds the tiny model if the recipe asks for one, starts the controller with its node
@@ -29,11 +29,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("recipe", help="a recipe file (defines `recipe = Recipe(...)`)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe field, e.g. --set trainer.lr=1e-4 (repeatable)")
-    p.add_argument("--steps", type=int, help="optimizer steps to run (overrides `steps`)")
+    p.add_argument("--steps", type=int,
+                   help="optimizer steps of the run (overrides `steps`)")
     p.add_argument("--output", help="directory for checkpoints (overrides `output`)")
     p.add_argument("--monitor-port", type=int, metavar="PORT",
                    help="HTTP monitor port (overrides `monitor.port`; default: a free port)")
     p.add_argument("--no-monitor", action="store_true", help="run without the HTTP monitor")
+    p.add_argument("--resume", metavar="DIR",
+                   help="continue a run from the newest complete checkpoint in DIR (its "
+                        "output directory); --steps stays the run's total")
     return p.parse_args(argv)
 
 
@@ -72,11 +76,24 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"output={args.output}")
     if args.monitor_port is not None:
         overrides.append(f"monitor.port={args.monitor_port}")
+    if args.resume is not None and args.output is None:
+        overrides.append(f"output={args.resume}")  # later checkpoints go on beside it
     try:
         recipe = load_recipe(args.recipe, overrides)
     except RecipeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_RECIPE
+    resume = None
+    if args.resume is not None:
+        from flowrl.resume import latest_checkpoint
+
+        try:
+            resume, state = latest_checkpoint(args.resume)
+        except (OSError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_RECIPE
+        print(f"resuming from {resume} (step {state.version}; {len(state.redo())} prompt "
+              f"groups in flight are redone)", flush=True)
 
     import asyncio
     import json
@@ -90,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = asyncio.run(run_recipe(
             recipe, on_step=lambda e: print(_format_step(e), flush=True),
-            monitor=not args.no_monitor, on_start=_announce_monitor))
+            monitor=not args.no_monitor, on_start=_announce_monitor, resume=resume))
     except KeyboardInterrupt:
         print("interrupted; workers stopped", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -14,6 +14,8 @@ Requests (worker -> controller, over the controller's ROUTER socket):
 - ``task_done``  ``{worker_id, task_id, fields, lengths, version, metrics}`` -> ``{ok}``
 - ``task_failed`` ``{worker_id, task_id, error}`` -> ``{ok}``
 - ``served``     ``{worker_id, version}`` -> ``{ok}``: the worker now serves that policy version.
+- ``sync_failed`` ``{worker_id, version, error}`` -> ``{ok}``: the worker could not load that
+  version within its deadline; it exits next (and is restarted, joining at the current version).
 - ``bye``        ``{worker_id}`` -> ``{ok}``: clean exit.
 
 Broadcasts (controller -> everyone, PUB/SUB topics):
@@ -34,6 +36,7 @@ OP_TASK_DONE: Final = "task_done"
 OP_TASK_FAILED: Final = "task_failed"
 OP_SERVED: Final = "served"
 OP_BYE: Final = "bye"
+OP_SYNC_FAILED: Final = "sync_failed"
 
 TOPIC_VERSION: Final = "version"
 TOPIC_STOP: Final = "stop"

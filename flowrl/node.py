@@ -1,60 +1,577 @@
-"""The node agent: ``python -m flowrl.node --run-id R --node N --controller EP --store EP``.
+"""Node agents, and the controller's side of the nodes that are not its own.
 
-One per node. It owns the node's shared-memory sample store (its capacity bound and segment
-reference counts), serves reads from other nodes and frees from the controller, and removes
-every segment of the run when it exits. It tells the controller it is up with ``node_up``, and
-it exits on SIGTERM/SIGINT or when its parent dies (Linux parent-death signal).
+One agent per node owns that node's shared-memory sample store (its capacity bound and segment
+reference counts; segment names carry the agent's pid and start time, so two agents on one
+machine never share a segment), serves reads from other nodes and frees from the controller,
+and removes every segment it holds when it exits.
+
+Two ways to run one:
+
+- beside the controller (the controller starts it)::
+
+      python -m flowrl.node --run-id R --node N --controller EP --store EP --capacity BYTES
+                            [--peer-store tcp://HOST:0]
+
+  It says ``node_up``; the controller starts that node's workers itself. With ``--peer-store``
+  it also serves the store over tcp+curve (keys from ``FLOWRL_CURVE_KEYS``) to other nodes.
+
+- on another node::
+
+      python -m flowrl.node --controller tcp://HOST:PORT --node NAME [--keys FILE] [--host ADDR]
+
+  It joins the run (``node_join`` gives the run id, the store capacity and the broadcast
+  endpoint), serves its store on ipc to its own workers and on ``tcp://ADDR`` (curve) to other
+  nodes (``node_ready``), then long-polls ``node_poll`` for worker processes to start and reports
+  their exits (``node_exit``). Cross-node data never goes through the controller: workers read
+  other nodes' handles from those nodes' store servers.
+
+Lifetime guarantees: an agent exits on SIGTERM/SIGINT, when the controller broadcasts ``stop``
+or answers a poll with stop, when its parent dies (beside the controller: Linux parent-death
+signal), and — orphaned — when the controller has not answered for ``--orphan-s`` seconds (it
+exits within ``orphan_s`` plus one call timeout). On exit it stops its workers (polite, then
+TERM, then KILL) before it removes its segments, since workers may still be reading them.
+
+Controller side: `NodeHub` (the tcp+curve endpoint, the registry of remote agents, their spawn
+queues, loss detection), `FanOutPublisher` (broadcasts to local and remote subscribers) and
+`StoreRouter` (frees go to the node that holds the handles).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
+import os
 import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
 
 import structlog
 
+from flowrl import messages as m
 from flowrl.logs import bind, configure
-from transport.rpc import RpcClient
+from transport.curve import CurveKeys, for_endpoint
+from transport.endpoints import ipc_endpoint, tcp_endpoint
+from transport.errors import DeadlineExceeded, TransportError
+from transport.handles import looks_like_handle
+from transport.pubsub import Publisher, Subscriber
+from transport.rpc import Handler, RpcClient, RpcServer
 from transport.store import SampleStore
 from transport.store_server import StoreServer
 from workers.lifecycle import die_with_parent, run_main
 
+__all__ = ["ClusterConfig", "FanOutPublisher", "NodeHub", "StoreRouter", "main"]
+
 log = structlog.get_logger("flowrl.node")
+
+OP_JOIN: Final = "node_join"
+OP_READY: Final = "node_ready"
+OP_POLL: Final = "node_poll"
+OP_EXIT: Final = "node_exit"
+
+#: how long one ``node_poll`` waits for a command before answering "nothing".
+POLL_S: Final = 2.0
+#: slack on a call beyond its own wait, before the controller counts as unresponsive.
+CALL_SLACK_S: Final = 3.0
+# A stopping controller answers waiting polls with "stop" before closing; this bounds the wait.
+_ANSWER_POLLS_S: Final = 2.0
+
+# Worker fields the controller sends in a spawn command, with their types.
+_SPAWN_FIELDS: Final[dict[str, type]] = {
+    "name": str, "role": str, "count": int, "capacity": int, "threads": int, "engine": str,
+    "engine_config": dict, "seed": int, "heartbeat": float, "peers": dict,
+}
+
+
+# =================================================================================================
+# The agent
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m flowrl.node", description=__doc__)
-    p.add_argument("--run-id", required=True)
-    p.add_argument("--node", required=True)
-    p.add_argument("--controller", required=True)
-    p.add_argument("--store", required=True, help="endpoint the store server binds")
-    p.add_argument("--capacity", type=int, required=True, help="store capacity in bytes")
-    return p.parse_args(argv)
+    p = argparse.ArgumentParser(prog="python -m flowrl.node", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--controller", required=True, help="the controller's endpoint")
+    p.add_argument("--node", required=True, help="this node's name")
+    p.add_argument("--keys", type=Path, help="the run's curve keys (a 0600 file); default: "
+                   "$FLOWRL_CURVE_KEYS")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address this node's store binds and other nodes reach it at")
+    p.add_argument("--orphan-s", type=float, default=30.0,
+                   help="exit when the controller has not answered for this long")
+    p.add_argument("--run-id", help="beside the controller: the run (else asked from it)")
+    p.add_argument("--store", help="beside the controller: the endpoint the store binds")
+    p.add_argument("--capacity", type=int, help="beside the controller: store bytes")
+    p.add_argument("--peer-store", help="beside the controller: also serve the store here "
+                   "(tcp, curve) to other nodes")
+    args = p.parse_args(argv)
+    beside = [args.run_id, args.store, args.capacity]
+    if any(v is not None for v in beside) and not all(v is not None for v in beside):
+        p.error("--run-id, --store and --capacity go together")
+    return args
 
 
-async def serve(args: argparse.Namespace) -> None:
-    stop = asyncio.Event()
+def _keys(args: argparse.Namespace) -> CurveKeys | None:
+    return CurveKeys.load(args.keys) if args.keys is not None else CurveKeys.from_env()
+
+
+def _stop_on_signals(stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+
+
+async def serve_beside(args: argparse.Namespace) -> None:
+    """The agent the controller starts on its own node."""
+    stop = asyncio.Event()
+    _stop_on_signals(stop)
+    keys = _keys(args)
     store = SampleStore(args.run_id, args.node, capacity_bytes=args.capacity)
     try:
-        async with StoreServer(store, args.store) as server:
+        async with contextlib.AsyncExitStack() as stack:
+            server = await stack.enter_async_context(StoreServer(store, args.store))
+            up: dict[str, Any] = {"node": args.node, "store": server.endpoint}
+            if args.peer_store:
+                peer = await stack.enter_async_context(_peer_server(store, args.peer_store, keys))
+                up["peer_store"] = peer.endpoint
             async with RpcClient(args.controller) as ctl:
-                await ctl.call("node_up", {"node": args.node, "store": server.endpoint})
+                await ctl.call("node_up", up)
             log.info("node agent up", node=args.node, store=server.endpoint)
             await stop.wait()
     finally:
         store.close()
 
 
+def _peer_server(store: SampleStore, endpoint: str, keys: CurveKeys | None) -> StoreServer:
+    curve = for_endpoint(keys, endpoint)
+    return StoreServer(store, endpoint, curve=curve, allow_remote=curve is not None)
+
+
+class _Agent:
+    """An agent on a node of its own: joins the run and starts workers when asked."""
+
+    def __init__(self, args: argparse.Namespace, keys: CurveKeys | None) -> None:
+        from flowrl.procs import Supervisor
+
+        self.args = args
+        self.node: str = args.node
+        self.keys = keys
+        self.ctl = RpcClient(args.controller, timeout=POLL_S + CALL_SLACK_S,
+                             curve=for_endpoint(keys, args.controller))
+        self.stop = asyncio.Event()
+        self.supervisor = Supervisor(self._on_exit)
+        # Exits to report: at most one per worker process started, so bounded by the spawns.
+        self.exits: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.last_answer = time.monotonic()
+        self.run_id = ""
+        self.broadcast = ""
+        self.local_store = ""
+
+    def _on_exit(self, child: Any, code: int) -> None:
+        if not child.expected_exit:
+            self.exits.put_nowait({"node": self.node, "name": child.name, "pid": child.pid,
+                                   "code": code})
+
+    async def run(self) -> None:
+        _stop_on_signals(self.stop)
+        join = await self._call(OP_JOIN, {"node": self.node, "pid": os.getpid()})
+        if join is None:
+            raise TransportError(f"no controller answered at {self.args.controller}")
+        self.run_id = str(join["run_id"])
+        self.broadcast = str(join["broadcast"])
+        bind(run_id=self.run_id)
+        store = SampleStore(self.run_id, self.node, capacity_bytes=int(join["capacity"]))
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                local = await stack.enter_async_context(
+                    StoreServer(store, ipc_endpoint(self.run_id, f"store-{self.node}")))
+                self.local_store = local.endpoint
+                peer = await stack.enter_async_context(
+                    _peer_server(store, tcp_endpoint(self.args.host), self.keys))
+                sub = Subscriber(self.broadcast, [m.TOPIC_STOP],
+                                 curve=for_endpoint(self.keys, self.broadcast))
+                stack.push_async_callback(sub.aclose)
+                await sub.join(timeout=POLL_S + CALL_SLACK_S)
+                if await self._call(OP_READY, {"node": self.node,
+                                               "peer_store": peer.endpoint}) is None:
+                    raise TransportError("the controller stopped answering")
+                log.info("node agent up", node=self.node, store=peer.endpoint)
+                try:
+                    async with asyncio.TaskGroup() as tg:
+                        tasks = [tg.create_task(self._poll()), tg.create_task(self._report()),
+                                 tg.create_task(self._listen(sub))]
+                        await self.stop.wait()
+                        for t in tasks:
+                            t.cancel()
+                finally:
+                    # Workers leave on the stop broadcast; stragglers are terminated. Only
+                    # then does the store go: they may be reading its segments.
+                    await self.supervisor.stop_all(grace_s=5.0)
+        finally:
+            store.close()
+            await self.ctl.aclose()
+
+    async def _call(self, op: str, payload: dict[str, Any],
+                    wait_s: float = 0.0) -> Any:
+        """`op` at the controller; None once it has not answered for `orphan_s` seconds."""
+        while True:
+            try:
+                reply = await self.ctl.call(op, payload, timeout=wait_s + CALL_SLACK_S)
+            except DeadlineExceeded as exc:  # any other error is a refusal: raised as is
+                if time.monotonic() - self.last_answer > self.args.orphan_s:
+                    log.warning("controller gone; exiting", node=self.node, error=repr(exc))
+                    return None
+                continue
+            self.last_answer = time.monotonic()
+            return reply
+
+    async def _poll(self) -> None:
+        while True:
+            reply = await self._call(OP_POLL, {"node": self.node, "wait_s": POLL_S}, POLL_S)
+            if reply is None or reply.get("stop"):
+                self.stop.set()
+                return
+            for spec in reply.get("spawn", ()):
+                await self._spawn(spec)
+
+    async def _spawn(self, spec: Any) -> None:
+        if not isinstance(spec, dict) or any(
+            not isinstance(spec.get(k), t) and not (t is float and isinstance(spec.get(k), int))
+            for k, t in _SPAWN_FIELDS.items()
+        ):
+            log.warning("ignored a malformed spawn command", node=self.node)
+            return
+        argv = [
+            sys.executable, "-m", "workers.main", "--run-id", self.run_id, "--node", self.node,
+            "--controller", self.args.controller, "--broadcast", self.broadcast,
+            "--store", self.local_store, "--peers", json.dumps(spec["peers"]),
+            "--role", spec["role"], "--count", str(spec["count"]),
+            "--capacity", str(spec["capacity"]), "--threads", str(spec["threads"]),
+            "--engine", spec["engine"], "--engine-config", json.dumps(spec["engine_config"]),
+            "--seed", str(spec["seed"]), "--heartbeat", str(spec["heartbeat"]),
+            "--name", spec["name"],
+        ]
+        env = self.keys.to_env() if self.keys is not None else {}
+        await self.supervisor.spawn(spec["name"], argv, env=env)
+
+    async def _report(self) -> None:
+        while True:
+            exit_ = await self.exits.get()
+            if await self._call(OP_EXIT, exit_) is None:
+                self.stop.set()
+                return
+
+    async def _listen(self, sub: Subscriber) -> None:
+        while True:
+            topic, _ = await sub.recv()
+            if topic == m.TOPIC_STOP:
+                self.stop.set()
+                return
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
-    die_with_parent()
     configure()
-    bind(run_id=args.run_id, role="node", node=args.node)
-    run_main(serve(args))
+    if args.run_id is not None:
+        die_with_parent()
+        bind(run_id=args.run_id, role="node", node=args.node)
+        run_main(serve_beside(args))
+        return
+    bind(role="node", node=args.node)
+
+    async def agent() -> None:
+        await _Agent(args, _keys(args)).run()
+
+    run_main(agent())
+
+
+# =================================================================================================
+# The controller's side
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """How the controller meets node agents on other nodes (used only when the pipeline places
+    pools on nodes other than the controller's)."""
+
+    #: address the controller's tcp endpoints bind, and that agents connect to; curve always.
+    host: str = "127.0.0.1"
+    #: port of the request endpoint (0: any free port; see `NodeHub.wait_listening`).
+    port: int = 0
+    #: the run's curve keys; None makes fresh ones.
+    keys: CurveKeys | None = None
+    #: where to write the keys (0600) for the agents; None writes nothing.
+    keys_file: Path | None = None
+    #: how long `Controller.start` waits for every remote agent to be ready.
+    join_timeout_s: float = 120.0
+    #: a remote agent not heard from for this long is lost, and the run fails.
+    node_timeout_s: float = 15.0
+
+
+@dataclass
+class _Remote:
+    name: str
+    pid: int = 0
+    peer_store: str = ""
+    last_seen: float = 0.0
+    # Spawn commands not yet collected: one per worker process of the node, plus restarts.
+    commands: list[dict[str, Any]] = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class FanOutPublisher(Publisher):
+    """The controller's broadcasts, to local subscribers (ipc) and remote ones (tcp, curve)."""
+
+    def __init__(self, endpoint: str, remote: Publisher) -> None:
+        super().__init__(endpoint)
+        self.remote = remote
+
+    async def start(self) -> str:
+        await self.remote.start()
+        return await super().start()
+
+    async def publish(self, topic: str, payload: Any = None) -> None:
+        await super().publish(topic, payload)
+        await self.remote.publish(topic, payload)
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        await self.remote.aclose()
+
+
+class StoreRouter(RpcClient):
+    """The controller's store client: frees go to the node holding each handle (its own node's
+    store over ipc, others over tcp+curve); ``stats`` adds every node's under ``nodes``."""
+
+    def __init__(self, endpoint: str, node: str, peers: Mapping[str, str],
+                 keys: CurveKeys) -> None:
+        super().__init__(endpoint)
+        self._node = node
+        self._peers = peers
+        self._keys = keys
+        self._clients: dict[str, RpcClient] = {}
+
+    def _client(self, node: str) -> RpcClient:
+        client = self._clients.get(node)
+        if client is None:
+            client = self._clients[node] = RpcClient(self._peers[node], curve=self._keys)
+        return client
+
+    async def call(self, op: str, payload: Any = None, *,
+                   timeout: float | None = None) -> Any:  # noqa: ASYNC109 (RpcClient's)
+        if op == "free":
+            by_node: dict[str, list[Any]] = {}
+            for h in payload["handles"]:
+                node = h[0] if looks_like_handle(h) else self._node
+                by_node.setdefault(node, []).append(h)
+            own = super().call  # zero-argument super() is unavailable in a comprehension
+            calls: list[Awaitable[Any]] = [
+                own(op, {"handles": hs}, timeout=timeout) if node == self._node
+                else self._client(node).call(op, {"handles": hs}, timeout=timeout)
+                for node, hs in by_node.items()]
+            await asyncio.gather(*calls)
+            return None
+        if op == "stats":
+            local = await super().call(op, payload, timeout=timeout)
+            others = [n for n in self._peers if n != self._node]
+            stats = await asyncio.gather(
+                *(self._client(n).call(op, payload, timeout=timeout) for n in others))
+            return {**local, "nodes": {self._node: local, **dict(zip(others, stats,
+                                                                     strict=True))}}
+        return await super().call(op, payload, timeout=timeout)
+
+    async def aclose(self) -> None:
+        await super().aclose()
+        for client in self._clients.values():
+            await client.aclose()
+
+
+class NodeHub:
+    """The controller's endpoint for node agents on other nodes.
+
+    Binds tcp (curve) for the controller's requests and broadcasts, admits exactly the nodes
+    the pipeline names (each joins once), hands each agent its spawn commands, knows every
+    node's store endpoint (`peers`), and reports an agent not heard from within
+    ``node_timeout_s`` through `on_lost` and a worker exit through `on_exit`.
+    """
+
+    def __init__(
+        self, run_id: str, nodes: set[str], config: ClusterConfig, *, capacity: int,
+        on_lost: Callable[[str], None], on_exit: Callable[[str, str, int, int], None],
+    ) -> None:
+        self.run_id = run_id
+        self.config = config
+        self.keys = config.keys or CurveKeys.generate()
+        self.capacity = capacity
+        self._on_lost = on_lost
+        self._on_exit = on_exit
+        self._remote = {n: _Remote(n) for n in sorted(nodes)}
+        self.peers: dict[str, str] = {}
+        self._server: RpcServer | None = None
+        self._pub: FanOutPublisher | None = None
+        self._listening = asyncio.Event()
+        self._ready = asyncio.Event()
+        self._changed = asyncio.Event()
+        self._stopping = False
+        self._polls = 0
+        self._polls_done = asyncio.Event()
+        self.endpoint = ""
+
+    @property
+    def nodes(self) -> list[str]:
+        return list(self._remote)
+
+    def publisher(self, local_endpoint: str) -> FanOutPublisher:
+        """The controller's publisher: `local_endpoint` plus tcp (curve) for remote workers."""
+        remote = Publisher(tcp_endpoint(self.config.host), curve=self.keys,
+                           allow_remote=True)
+        self._pub = FanOutPublisher(local_endpoint, remote)
+        return self._pub
+
+    def store_bind(self) -> str:
+        """Where the controller node's agent serves its store to other nodes."""
+        return tcp_endpoint(self.config.host)
+
+    async def start(self, handlers: Mapping[str, Handler]) -> str:
+        """Bind the request endpoint (the controller's `handlers` and the agents' ops)."""
+        if self.config.keys_file is not None:
+            self.keys.save(self.config.keys_file)
+        ops: dict[str, Handler] = {**handlers, OP_JOIN: self._join, OP_READY: self._ready_op,
+                                   OP_POLL: self._poll, OP_EXIT: self._exit}
+        self._server = RpcServer(tcp_endpoint(self.config.host, self.config.port), ops,
+                                 curve=self.keys, allow_remote=True)
+        self.endpoint = await self._server.start()
+        self._listening.set()
+        return self.endpoint
+
+    async def wait_listening(self) -> str:
+        """The request endpoint agents connect to, once bound."""
+        await self._listening.wait()
+        return self.endpoint
+
+    async def wait_ready(self) -> None:
+        """Return once every remote node's agent is ready; RuntimeError after
+        ``join_timeout_s`` naming the missing ones."""
+        try:
+            async with asyncio.timeout(self.config.join_timeout_s):
+                await self._ready.wait()
+        except TimeoutError:
+            missing = [n for n, r in self._remote.items() if not r.peer_store]
+            raise RuntimeError(f"node agents did not join within "
+                               f"{self.config.join_timeout_s}s: missing {missing}") from None
+
+    def add_peer(self, node: str, endpoint: str) -> None:
+        self.peers[node] = endpoint
+
+    def peers_for(self, node: str) -> dict[str, str]:
+        """The store endpoints of every node but `node`."""
+        return {n: ep for n, ep in self.peers.items() if n != node}
+
+    def spawn(self, node: str, worker: dict[str, Any]) -> None:
+        """Ask `node`'s agent to start a worker process (fields of `_SPAWN_FIELDS` but peers)."""
+        remote = self._remote[node]
+        remote.commands.append({**worker, "peers": self.peers_for(node)})
+        remote.wake.set()
+
+    # -- ops ------------------------------------------------------------------------------------
+
+    def _node(self, payload: Any) -> _Remote:
+        name = payload.get("node") if isinstance(payload, dict) else None
+        remote = self._remote.get(name) if isinstance(name, str) else None
+        if remote is None:
+            raise ValueError(f"node {name!r} is not part of this run; have {self.nodes}")
+        return remote
+
+    async def _join(self, payload: Any, peer: bytes) -> dict[str, Any]:
+        remote = self._node(payload)
+        if remote.pid:
+            raise ValueError(f"node {remote.name!r} has already joined")
+        remote.pid = int(payload.get("pid", 0)) or -1
+        remote.last_seen = time.monotonic()
+        assert self._pub is not None
+        return {"run_id": self.run_id, "capacity": self.capacity,
+                "broadcast": self._pub.remote.endpoint}
+
+    async def _ready_op(self, payload: Any, peer: bytes) -> dict[str, Any]:
+        remote = self._node(payload)
+        remote.peer_store = str(payload["peer_store"])
+        remote.last_seen = time.monotonic()
+        self.add_peer(remote.name, remote.peer_store)
+        if all(r.peer_store for r in self._remote.values()):
+            self._ready.set()
+        log.info("node joined", node=remote.name, store=remote.peer_store)
+        return {"ok": True}
+
+    async def _poll(self, payload: Any, peer: bytes) -> dict[str, Any]:
+        remote = self._node(payload)
+        remote.last_seen = time.monotonic()
+        self._changed.set()
+        self._polls += 1
+        self._polls_done.clear()
+        try:
+            if not remote.commands and not self._stopping:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(float(payload.get("wait_s", POLL_S)), 30.0)):
+                        await remote.wake.wait()
+            remote.wake.clear()
+            commands, remote.commands = remote.commands, []
+            return {"spawn": commands, "stop": self._stopping}
+        finally:
+            remote.last_seen = time.monotonic()
+            self._polls -= 1
+            if not self._polls:
+                self._polls_done.set()
+
+    async def _exit(self, payload: Any, peer: bytes) -> dict[str, Any]:
+        remote = self._node(payload)
+        remote.last_seen = time.monotonic()
+        self._on_exit(remote.name, str(payload["name"]), int(payload["pid"]),
+                      int(payload["code"]))
+        return {"ok": True}
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Watch the agents until cancelled; then tell them to stop and close the endpoint."""
+        try:
+            await self._watch()
+        finally:
+            await self._close()
+
+    async def _watch(self) -> None:
+        timeout = self.config.node_timeout_s
+        while True:
+            joined = [r for r in self._remote.values() if r.pid]
+            if not joined:
+                self._changed.clear()
+                await self._changed.wait()
+                continue
+            now = time.monotonic()
+            lost = [r for r in joined if now - r.last_seen > timeout]
+            for r in lost:
+                log.warning("node agent lost", node=r.name, silent_s=round(now - r.last_seen, 1))
+                r.last_seen = float("inf")  # reported once
+                self._on_lost(r.name)
+            oldest = min(r.last_seen for r in joined)
+            # A timer to the next deadline (an event-driven wait has nothing to wait on: the
+            # sign of loss is the absence of messages).
+            await asyncio.sleep(max(0.05, oldest + timeout - now) if oldest != float("inf")
+                                else timeout)
+
+    async def _close(self) -> None:
+        self._stopping = True
+        for r in self._remote.values():
+            r.wake.set()
+        if self._polls:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_ANSWER_POLLS_S):
+                    await self._polls_done.wait()
+        if self._server is not None:
+            await self._server.aclose()
 
 
 if __name__ == "__main__":

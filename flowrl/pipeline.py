@@ -6,7 +6,7 @@ into a `PipelineSpec`, and tests and benchmarks build one directly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from flowrl.graph import StageGraph, StageSpec
@@ -27,6 +27,9 @@ class PoolSpec:
     capacity: int = 1
     #: torch threads per worker process (DESIGN §7: rollout and training overlap, not fight).
     threads: int = 1
+    #: nodes the pool's processes run on, process ``p`` on ``nodes[p % len(nodes)]``; empty:
+    #: the controller's node. Another node needs its agent (``python -m flowrl.node``).
+    nodes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,12 @@ class PipelineSpec:
     #: at most this many times; one more death stops the run with the exit code.
     max_restarts: int = 3
     restart_backoff_s: float = 0.5
+    #: a worker that has not fetched and loaded a new version this long after reaching a safe
+    #: point reports it (naming itself and the version) and its process is restarted.
+    weight_sync_timeout_s: float = 60.0
+    #: the run's checkpoint directory: the controller completes each ``step_N`` the trainer
+    #: writes there with its run state (`flowrl.resume`), so the run can be resumed.
+    output: str | None = None
     seed: int = 0
 
     def graph(self) -> StageGraph:
@@ -65,15 +74,19 @@ class PipelineSpec:
 
 
 def grpo_stages(
-    *, group_size: int, train_micro_groups: int = 1, reward_micro_batch: int | None = None,
-    reference: bool = False,
+    *, group_size: int, train_micro_groups: int = 1, rollout_micro_groups: int = 1,
+    reward_micro_batch: int | None = None, reference: bool = False,
 ) -> tuple[StageSpec, ...]:
-    """rollout (per group) → reward (per row) → [reference] → train (per group, streamed)."""
-    rmb = reward_micro_batch or group_size
+    """rollout (per group) → reward (per row) → [reference] → train (per group, streamed).
+
+    A rollout task samples ``rollout_micro_groups`` whole groups; reward and reference tasks
+    default to one rollout task's rows.
+    """
+    rmb = reward_micro_batch or group_size * rollout_micro_groups
     stages = [
         StageSpec("rollout", needs=("prompt",),
                   produces=("prompt_ids", "response_ids", "rollout_logprobs"),
-                  micro_batch=1, group_level=True),
+                  micro_batch=rollout_micro_groups, group_level=True),
         StageSpec("reward", needs=("prompt", "response_ids"), produces=("reward",),
                   micro_batch=rmb),
     ]
@@ -85,3 +98,28 @@ def grpo_stages(
     stages.append(StageSpec("train", needs=tuple(train_needs), micro_batch=train_micro_groups,
                             group_level=True, consumes_version_bound=True))
     return tuple(stages)
+
+
+#: what the critic stage produces per row (float32, aligned with ``response_ids``).
+CRITIC_FIELDS = ("values", "advantages", "returns")
+
+
+def ppo_stages(
+    *, group_size: int, train_micro_groups: int = 1, rollout_micro_groups: int = 1,
+    reward_micro_batch: int | None = None, reference: bool = False,
+    critic_micro_batch: int | None = None,
+) -> tuple[StageSpec, ...]:
+    """`grpo_stages` with a critic before train: rollout → reward → [reference] → critic → train.
+
+    The critic (per row) turns ``prompt_ids``, ``response_ids`` and ``reward`` into
+    `CRITIC_FIELDS` and learns from them; train also needs ``advantages`` and uses them as
+    they are. Critic tasks default to one rollout task's rows.
+    """
+    *head, train = grpo_stages(
+        group_size=group_size, train_micro_groups=train_micro_groups,
+        rollout_micro_groups=rollout_micro_groups, reward_micro_batch=reward_micro_batch,
+        reference=reference)
+    critic = StageSpec("critic", needs=("prompt_ids", "response_ids", "reward"),
+                       produces=CRITIC_FIELDS,
+                       micro_batch=critic_micro_batch or group_size * rollout_micro_groups)
+    return (*head, critic, replace(train, needs=(*train.needs, "advantages")))

@@ -47,13 +47,14 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages
+from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages, ppo_stages
 
 __all__ = [
     "LOSS_AGG_ALGORITHM_NAMES",
     "TINY_MODEL",
     "AlgorithmConfig",
     "ArithmeticConfig",
+    "CriticConfig",
     "DataConfig",
     "ModelConfig",
     "MonitorConfig",
@@ -188,6 +189,9 @@ class DataConfig(_Section):
     """Column holding the prompt text."""
     answer_key: str = Field(default="answer", min_length=1)
     """Column passed to the reward function as its ``answer`` keyword."""
+    prompt_template: str = "{prompt}"
+    """Text around each prompt of a ``jsonl`` / ``parquet`` file; ``{prompt}`` (required) is
+    replaced by the row's prompt, other braces are kept as written."""
     max_prompt_tokens: int = Field(default=256, ge=1, le=1 << 20)
     """Prompts longer than this (in tokens) are dropped from the dataset."""
     arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig)
@@ -203,6 +207,10 @@ class DataConfig(_Section):
                 raise _rule("path", f"required when kind is {self.kind!r}")
             if "arithmetic" in self.model_fields_set:
                 raise _rule("arithmetic", f"settings given but kind is {self.kind!r}")
+        if "{prompt}" not in self.prompt_template:
+            raise _rule("prompt_template", "must contain {prompt} (where the prompt goes)")
+        if self.kind == "arithmetic" and "prompt_template" in self.model_fields_set:
+            raise _rule("prompt_template", "not used by kind 'arithmetic'")
         return self
 
 
@@ -248,9 +256,6 @@ class AlgorithmConfig(_Section):
         if self.dynamic_sampling and self.group_size < 2:
             raise _rule("dynamic_sampling", "needs group_size >= 2 (a group of one is always "
                         "dropped)")
-        if self.name == "ppo":
-            raise _rule("name", "'ppo' needs a critic stage, which the pipeline does not "
-                        "provide yet; use grpo, dr_grpo, rloo or reinforce_pp")
         return self
 
     @property
@@ -269,6 +274,10 @@ class RolloutConfig(_Section):
     """``hf`` (transformers, runs on a CPU), ``vllm``, or ``sim`` (modelled cost, no model)."""
     workers: int = Field(default=1, ge=1, le=4096)
     """Rollout engine instances."""
+    groups_per_task: int = Field(default=1, ge=1, le=4096)
+    """Prompt groups sampled in one engine call (one rollout task; its reward task is as
+    large). Bigger tasks batch better and cost less orchestration per sample; smaller ones
+    stream to the trainer sooner."""
     temperature: float = Field(default=1.0, ge=0.0, le=10.0)
     """Sampling temperature; 0 is greedy decoding."""
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -279,6 +288,10 @@ class RolloutConfig(_Section):
     """Strings that end a response (besides the model's end-of-sequence token)."""
     threads: int = Field(default=1, ge=1, le=1024)
     """torch threads per rollout worker process (DESIGN §7)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    """Weights and compute of the rollout engine; ``auto`` is bfloat16 where the worker's device
+    supports it (CUDA with bf16, NPU), else float32. The trainer keeps float32 weights; they are
+    cast when loaded into the engine."""
 
     @field_validator("stop")
     @classmethod
@@ -419,6 +432,37 @@ class TrainerConfig(_Section):
         return self
 
 
+# ---- critic -------------------------------------------------------------------------------------
+
+
+class CriticConfig(_Section):
+    """PPO's value model (``algorithm.name="ppo"``): the policy's backbone plus a scalar head.
+
+    One critic worker scores every row (values, GAE advantages, returns) and learns from them,
+    one AdamW step per ``trainer.groups_per_step * algorithm.group_size`` rows it has scored
+    (see ``workers.roles.critic``). It is a single worker because its weights are state: two
+    independent critics would each see part of the rows and disagree."""
+
+    lr: float = Field(default=1e-5, gt=0.0, le=1.0)
+    """Learning rate of the critic (constant)."""
+    weight_decay: float = Field(default=0.0, ge=0.0, le=1.0)
+    """AdamW decoupled weight decay (matrices only)."""
+    grad_clip: float | None = Field(default=1.0, gt=0.0)
+    """Global gradient-norm clip of the critic; None disables it."""
+    gamma: float = Field(default=1.0, ge=0.0, le=1.0)
+    """GAE discount per response token."""
+    lam: float = Field(default=0.95, ge=0.0, le=1.0)
+    """GAE lambda: 1 gives Monte-Carlo returns minus the value, 0 one-step TD errors."""
+    value_clip: float | None = Field(default=0.2, gt=0.0)
+    """PPO value clip around the values a row was scored with; binds only in passes after the
+    first (`epochs` > 1). None turns it off."""
+    epochs: int = Field(default=1, ge=1, le=64)
+    """Critic passes (and optimizer steps) per batch; passes after the first replay the batch
+    kept in the critic's memory."""
+    threads: int = Field(default=1, ge=1, le=1024)
+    """torch threads of the critic process."""
+
+
 # ---- monitor, simulation, placement --------------------------------------------------------------
 
 
@@ -484,6 +528,8 @@ class SimConfig(_Section):
     """Forward+backward cost per response token."""
     train_step_s: float = Field(default=0.01, ge=0.0)
     """Optimizer step cost."""
+    critic_token_s: float = Field(default=0.00001, ge=0.0)
+    """Critic cost per response token (values, GAE and its own backward; PPO only)."""
     weight_numel: int = Field(default=1 << 16, ge=1, le=1 << 34)
     """float32 weights published after each step (weight-sync traffic)."""
 
@@ -521,6 +567,8 @@ class Recipe(_Section):
     """The prompt dataset."""
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     """The RL objective."""
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    """PPO's value model; only with ``algorithm.name="ppo"``."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     """Generation engine and sampling."""
     reward: RewardConfig = Field(default_factory=RewardConfig)
@@ -548,6 +596,9 @@ class Recipe(_Section):
         if "sim" in self.model_fields_set and not sim:
             raise _rule("sim", f"simulated costs given but rollout.engine is "
                         f"{self.rollout.engine!r}, not 'sim'")
+        if "critic" in self.model_fields_set and self.algorithm.name != "ppo":
+            raise _rule("critic", f"critic settings given but algorithm.name is "
+                        f"{self.algorithm.name!r}, not 'ppo'")
         if self.checkpoint_every and self.output is None:
             raise _rule("checkpoint_every", "needs output (a directory to write checkpoints to)")
         if not sim and self.model.path == TINY_MODEL:
@@ -582,6 +633,11 @@ class Recipe(_Section):
         return cap
 
     @property
+    def uses_critic(self) -> bool:
+        """Whether the run has a critic stage (PPO)."""
+        return self.algorithm.name == "ppo"
+
+    @property
     def uses_reference(self) -> bool:
         """Whether the run has a reference stage (the KL term is on)."""
         return self.algorithm.kl_coef > 0.0
@@ -596,8 +652,10 @@ class Recipe(_Section):
         # Simulated workers are coroutines that only sleep: many share one process.
         rollout_per_process = self.rollout.workers if sim else 1
         reward_per_process = self.reward.workers if sim else 1
-        # A reward task is one group; enough tasks per worker to keep `concurrency` calls busy.
-        reward_capacity = max(1, math.ceil(self.reward.concurrency / group))
+        # A reward task is one rollout task's rows; enough tasks per worker to keep
+        # `concurrency` calls busy.
+        reward_rows = group * self.rollout.groups_per_task
+        reward_capacity = max(1, math.ceil(self.reward.concurrency / reward_rows))
         pools = [
             PoolSpec("rollout", count=self.rollout.workers, per_process=rollout_per_process,
                      threads=self.rollout.threads),
@@ -606,10 +664,14 @@ class Recipe(_Section):
         ]
         if reference:
             pools.append(PoolSpec("reference", count=1, threads=self.rollout.threads))
+        if self.uses_critic:
+            pools.append(PoolSpec("critic", count=1, threads=self.critic.threads))
         pools.append(PoolSpec("train", count=self.trainer.ranks, threads=self.trainer.threads))
+        stages = ppo_stages if self.uses_critic else grpo_stages
         return PipelineSpec(
-            stages=grpo_stages(group_size=group, train_micro_groups=self.trainer.micro_batch_groups,
-                               reference=reference),
+            stages=stages(group_size=group, train_micro_groups=self.trainer.micro_batch_groups,
+                          rollout_micro_groups=self.rollout.groups_per_task,
+                          reward_micro_batch=reward_rows, reference=reference),
             pools=tuple(pools),
             group_size=group,
             groups_per_step=self.trainer.groups_per_step,
@@ -618,6 +680,8 @@ class Recipe(_Section):
             engine_config=self.sim_cost() if sim else self.engine_config(),
             store_capacity_bytes=self.placement.store_capacity_mb << 20,
             heartbeat_timeout_s=self.placement.heartbeat_timeout_s,
+            output=(str(self.output) if self.output is not None and self.checkpoint_every
+                    and not sim else None),
             seed=self.seed,
         )
 
@@ -649,8 +713,11 @@ class Recipe(_Section):
                 "max_new_tokens": self.rollout.max_new_tokens,
                 "stop": list(self.rollout.stop),
             },
+            "rollout": {"dtype": self.rollout.dtype},
             "reward": self.reward.model_dump(mode="json", exclude={"workers"}),
             "trainer": self.trainer.model_dump(mode="json", exclude={"threads", "ranks"}),
+            **({"critic": self.critic.model_dump(mode="json", exclude={"threads"})}
+               if self.uses_critic else {}),
             "max_staleness": self.max_staleness,
             "steps": self.steps,
             "seed": self.seed,

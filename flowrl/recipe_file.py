@@ -14,13 +14,22 @@ Covered: unknown fields (with a suggestion), wrong types and bounds, missing req
 cross-field rules, exceptions raised while running the file, a file that defines no recipe, bad
 override syntax and overrides of unknown fields. Values of the monitor token never appear.
 
+Inputs without a sensible default (a model directory, a data file) are read with `given`::
+
+    model_path = given("model.path", env="FLOWRL_MODEL", what="a local model directory")
+
+which is the ``--set model.path=...`` value, else ``$FLOWRL_MODEL``, else a `RecipeError` naming
+the file, the field and both ways to give it, before anything starts.
+
 Imports nothing heavy: pydantic and the standard library (``--help`` stays instant).
 """
 
 from __future__ import annotations
 
+import contextvars
 import difflib
 import json
+import os
 import runpy
 import traceback
 import types
@@ -33,7 +42,7 @@ from pydantic import BaseModel, ValidationError
 
 from flowrl.recipe import Recipe
 
-__all__ = ["RecipeError", "apply_overrides", "load_recipe", "parse_override"]
+__all__ = ["RecipeError", "apply_overrides", "given", "load_recipe", "parse_override"]
 
 # Fields whose input values must never be echoed in a message.
 _SECRET_FIELDS = frozenset({"monitor.token"})
@@ -60,6 +69,10 @@ class RecipeError(ValueError):
 
 # ---- loading ------------------------------------------------------------------------------------
 
+# The file being loaded and its overrides, for `given` calls made while the file runs.
+_LOADING: contextvars.ContextVar[tuple[str, dict[str, Any]] | None] = contextvars.ContextVar(
+    "flowrl_recipe_loading", default=None)
+
 
 def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     """Run the recipe file at ``path``, apply ``overrides`` (``"a.b=value"``) and return it."""
@@ -68,8 +81,29 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     if not file.is_file():
         raise RecipeError(shown, [("", "no such recipe file")])
     parsed = [parse_override(o, file=shown) for o in overrides]
-    recipe = _run(file, shown)
+    token = _LOADING.set((shown, {".".join(k): v for k, v in parsed}))
+    try:
+        recipe = _run(file, shown)
+    finally:
+        _LOADING.reset(token)
     return apply_overrides(recipe, parsed, file=shown) if parsed else recipe
+
+
+def given(field: str, *, env: str, what: str = "a value") -> str:
+    """A required input of a recipe file: the ``--set <field>=...`` value, else ``$<env>``.
+
+    Call it while the file runs under `load_recipe`; elsewhere only the environment counts.
+    Raises `RecipeError` naming the file, ``field`` and both ways to give it when neither is.
+    """
+    loading = _LOADING.get()
+    shown, overrides = loading if loading is not None else ("<recipe>", {})
+    if field in overrides:
+        return str(overrides[field])
+    value = os.environ.get(env, "")
+    if value:
+        return value
+    raise RecipeError(shown, [(field, f"required: {what}; give --set {field}=... or set "
+                                      f"the environment variable {env}")])
 
 
 def _run(file: Path, shown: str) -> Recipe:

@@ -20,6 +20,7 @@ from typing import Any
 from flowrl.controller import Controller
 from flowrl.pipeline import PipelineSpec
 from flowrl.recipe import TINY_MODEL, Recipe
+from flowrl.resume import latest_checkpoint
 
 
 def cache_dir() -> Path:
@@ -46,12 +47,21 @@ def prepare_model(recipe: Recipe) -> Path | None:
     )
 
 
-def compile_recipe(recipe: Recipe) -> PipelineSpec:
+def compile_recipe(recipe: Recipe, *, resume: Path | None = None) -> PipelineSpec:
+    """The recipe's pipeline with its model resolved to a local directory; with ``resume`` (a
+    complete checkpoint directory, `flowrl.resume.latest_checkpoint`), policy workers start
+    from that checkpoint — weights, optimizer state, version — and the reference model stays
+    the recipe's."""
     spec = recipe.to_pipeline()
     model = prepare_model(recipe)
     if model is not None:
         config = dict(spec.engine_config)
         config["model"] = {**config["model"], "path": str(model)}
+        if resume is not None:
+            state = latest_checkpoint(resume)[1]
+            config["model"] = {**config["model"], "path": str(resume),
+                               "reference_path": str(model)}
+            config["resume"] = {"checkpoint": str(resume), "version": state.version}
         spec = dataclasses.replace(spec, engine_config=config)
     return spec
 
@@ -59,14 +69,22 @@ def compile_recipe(recipe: Recipe) -> PipelineSpec:
 async def run_recipe(
     recipe: Recipe, *, on_step: Callable[[dict[str, Any]], None] | None = None,
     steps: int | None = None, monitor: bool = True,
-    on_start: Callable[[Controller], None] | None = None,
+    on_start: Callable[[Controller], None] | None = None, resume: Path | None = None,
 ) -> dict[str, Any]:
-    """Train ``steps`` (default: the recipe's) optimizer steps; SIGTERM stops cleanly.
+    """Train until version ``steps`` (default: the recipe's); SIGTERM stops cleanly.
+
+    ``resume``: a run's output directory (or one checkpoint in it); the run continues from its
+    newest complete checkpoint (`flowrl.resume`) up to the same total number of steps.
 
     ``monitor`` starts the recipe's HTTP monitor; ``on_start`` is called once the controller
     and its workers are up (the launcher prints the monitor's URL there).
     """
-    spec = await asyncio.to_thread(compile_recipe, recipe)
+    checkpoint, state = latest_checkpoint(resume) if resume is not None else (None, None)
+    total = steps or recipe.steps
+    if state is not None and state.version >= total:
+        raise ValueError(f"--resume: {checkpoint} is at step {state.version} of {total}: "
+                         "nothing left to train (raise --steps to train further)")
+    spec = await asyncio.to_thread(compile_recipe, recipe, resume=checkpoint)
     me = asyncio.current_task()
     loop = asyncio.get_running_loop()
     handled = False
@@ -75,12 +93,13 @@ async def run_recipe(
         loop.add_signal_handler(signal.SIGTERM, me.cancel)
         handled = True
     try:
-        async with Controller(spec, monitor=recipe.monitor if monitor else None) as ctl:
+        async with Controller(spec, monitor=recipe.monitor if monitor else None,
+                              resume=state) as ctl:
             if on_start is not None:
                 on_start(ctl)
             if on_step is not None:
                 ctl.on_step.append(on_step)
-            summary = await ctl.run(steps or recipe.steps)
+            summary = await ctl.run(total - ctl.version)
             return summary
     finally:
         if handled:

@@ -19,8 +19,9 @@ the measured figures.
 Asynchronous: rollout runs up to one policy version ahead of training (``max_staleness=1``),
 and stale samples are corrected by truncated importance sampling. Each compute process (rollout,
 trainer) gets one torch thread, so the two overlap on two cores instead of fighting over them.
-A step's 16 groups are trained in two micro-batches of 8, so training starts on the first half
-of a step while the second half is still generating (this matters at ``max_staleness=0``).
+A rollout task samples four groups in one batched engine call, and a step's 16 groups are
+trained in two micro-batches of 8, so training starts on the first half of a step while the
+second half is still generating (this matters at ``max_staleness=0``).
 """
 
 from flowrl.recipe import (
@@ -41,7 +42,8 @@ recipe = Recipe(
     model=ModelConfig(tiny=TinyModelConfig(corpus="arithmetic", pretrain_steps=200)),
     data=DataConfig(arithmetic=ArithmeticConfig(max_operand=5)),
     algorithm=AlgorithmConfig(group_size=8),
-    rollout=RolloutConfig(temperature=1.0, max_new_tokens=4, threads=1),
+    # Four groups (32 responses) per generate call: batched sampling at a quarter of a step.
+    rollout=RolloutConfig(temperature=1.0, max_new_tokens=4, groups_per_task=4, threads=1),
     # Batched: one call per reward task (one thread) instead of one per response.
     reward=RewardConfig(fn="workers.roles.rewards:numeric_partial_credit_batch", batched=True),
     trainer=TrainerConfig(lr=1e-3, groups_per_step=16, micro_batch_groups=8, threads=1),

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from flowrl.controller import Controller
+from flowrl.controller import Controller, RunError
 from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages
 
 # Tiny modelled costs so a run takes a fraction of a second of simulated compute.
@@ -78,3 +78,41 @@ async def test_a_killed_trainer_is_restarted_and_its_step_redone() -> None:
     assert out["version"] == 5
     assert out["rows_trained_twice"] == 0
     assert out["samples"] == 5 * 16
+
+
+@pytest.mark.timeout(90)
+async def test_a_missed_weight_sync_names_the_worker_and_version_and_stops_the_run() -> None:
+    # Every rollout load takes 30 s against a 0.3 s deadline: the worker reports, exits, is
+    # restarted, joins at the current version with its weights, misses again, and the run stops
+    # with the reason instead of waiting forever.
+    stuck = dataclasses.replace(
+        spec(0, rollout=1), engine_config={**FAST, "weight_load_s": 30.0},
+        weight_sync_timeout_s=0.3, max_restarts=1, restart_backoff_s=0.05)
+    async with Controller(stuck) as ctl:
+        with pytest.raises(RunError, match=r"rollout\.0 died 2 times") as info:
+            await ctl.run(steps=3, timeout_s=60)
+        errors = [e for e in ctl.status()["errors"] if e.get("stage") == "weight_sync"]
+    assert "did not load policy version 1 within 0.3s" in str(info.value)
+    assert errors
+    assert errors[0]["version"] == 1
+    assert errors[0]["name"] == "rollout.0.0"
+    assert "rollout.0.0" in errors[0]["error"]
+
+
+@pytest.mark.timeout(90)
+async def test_a_resumed_controller_trains_every_position_exactly_once() -> None:
+    sim = dataclasses.replace(spec(1), max_staleness=1)
+    async with Controller(sim) as ctl:
+        await ctl.run(steps=3, timeout_s=60)
+        state = ctl.run_state()
+    # Rollout ran ahead: positions of step 4 were admitted and are redone on resume.
+    assert state.version == 3
+    assert state.admitted_to > state.trained_below == 12
+    assert state.redo()
+    async with Controller(sim, resume=state) as ctl:
+        out = await ctl.run(steps=3, timeout_s=60)
+        final = ctl.run_state()
+    assert out["version"] == 6
+    assert out["samples"] == 3 * 16
+    assert final.trained_below == final.groups_trained == 6 * 4
+    assert final.trained_above == []

@@ -24,6 +24,7 @@ from workers.engines import (
     TrainerState,
 )
 from workers.engines.hf_rollout import _sample
+from workers.engines.protocols import counter_uniforms, mix_seed, stream_keys_of
 from workers.tiny_model import build_tiny_model
 
 set_threads(2)
@@ -188,6 +189,31 @@ def test_seeded_generation_is_deterministic(model_dir: Path, rollout: HFRolloutE
     assert ids[0] != ids[1]
 
 
+def test_prompt_seeds_sample_the_same_responses_in_any_batch(rollout: HFRolloutEngine) -> None:
+    def ids(prompts: list[list[int]], seeds: list[int]) -> list[list[int]]:
+        params = SamplingParams(max_new_tokens=12, n=3, top_p=0.95, prompt_seeds=tuple(seeds))
+        return [g.response_ids.tolist() for g in rollout.generate(prompts, params)]
+
+    p0, p1 = list(PROMPTS[0]), list(PROMPTS[1])
+    alone = ids([p0], [11])
+    together = ids([p1, p0, p1], [5, 11, 6])
+    assert together[3:6] == alone  # p0's responses whatever shares the batch
+    assert together[0:3] != together[6:9]  # same prompt, other seed: other responses
+    assert len({tuple(r) for r in alone}) > 1  # a prompt's n responses are distinct streams
+    assert ids([p0], [11]) == alone  # repeatable (the engine's generator is not used)
+    with pytest.raises(ValueError, match="prompt_seeds"):
+        ids([p0, p1], [1])
+
+
+def test_seed_mixing_is_stable() -> None:
+    # Pinned values: runs must sample the same streams across versions of flowrl.
+    assert mix_seed(0, 0) == 5095610196844313600
+    assert mix_seed(1, 2) == 9550467469912592448
+    u = counter_uniforms(stream_keys_of([1, 2], 2, torch.device("cpu")), 0).squeeze(-1)
+    assert u.dtype == torch.float64
+    assert u.tolist() == pytest.approx([0.318563326, 0.984684380, 0.018541640, 0.319737937])
+
+
 def test_top_k_one_and_tiny_top_p_are_greedy(rollout: HFRolloutEngine) -> None:
     greedy = rollout.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))
     for params in (
@@ -209,11 +235,17 @@ def test_top_k_one_and_tiny_top_p_are_greedy(rollout: HFRolloutEngine) -> None:
         (2, 0.6, [1.0, 0.0, 0.0]),  # top-p on the top-k distribution (0.625 >= 0.6)
     ],
 )
-def test_sampler_distribution(top_k: int, top_p: float, expected: list[float]) -> None:
+@pytest.mark.parametrize("uniforms", ["generator", "counter"])
+def test_sampler_distribution(
+    top_k: int, top_p: float, expected: list[float], uniforms: str
+) -> None:
     rows = 40_000
     logits = torch.tensor([0.5, 0.3, 0.2]).log().expand(rows, 3)
-    gen = torch.Generator().manual_seed(0)
-    tokens, lps = _sample(logits, SamplingParams(top_k=top_k, top_p=top_p), gen)
+    if uniforms == "generator":
+        u = torch.rand((rows, 1), generator=torch.Generator().manual_seed(0))
+    else:  # one draw per row stream, as prompt_seeds sampling makes them
+        u = counter_uniforms(stream_keys_of([7], rows, torch.device("cpu")), 3)
+    tokens, lps = _sample(logits, SamplingParams(top_k=top_k, top_p=top_p), u)
     freq = torch.bincount(tokens, minlength=3).double() / rows
     for f, p in zip(freq.tolist(), expected, strict=True):
         assert abs(f - p) <= 5 * math.sqrt(max(p * (1 - p), 1e-12) / rows) + 1e-12
@@ -229,7 +261,8 @@ def test_sampler_wide_nucleus_falls_back_to_full_sort() -> None:
     cum = probs[order].cumsum(0)
     nucleus = set(order[: int((cum < 0.9).sum()) + 1].tolist())
     assert len(nucleus) > 64
-    tokens, _ = _sample(logits.expand(20_000, 300), SamplingParams(top_p=0.9), gen)
+    u = torch.rand((20_000, 1), generator=gen)
+    tokens, _ = _sample(logits.expand(20_000, 300), SamplingParams(top_p=0.9), u)
     seen = set(tokens.tolist())
     assert seen <= nucleus
     assert len(seen) > 0.9 * len(nucleus)

@@ -57,7 +57,7 @@ def problems_of(excinfo: pytest.ExceptionInfo[RecipeError]) -> dict[str, str]:
 def test_public_api_is_pinned() -> None:
     assert set(recipe_mod.__all__) == {
         "LOSS_AGG_ALGORITHM_NAMES", "TINY_MODEL", "AlgorithmConfig", "ArithmeticConfig",
-        "DataConfig", "ModelConfig", "MonitorConfig", "PlacementConfig", "Recipe",
+        "CriticConfig", "DataConfig", "ModelConfig", "MonitorConfig", "PlacementConfig", "Recipe",
         "RewardConfig", "RolloutConfig", "SimConfig", "TinyModelConfig", "TrainerConfig",
         "callable_ref", "check_fn_ref",
     }
@@ -193,7 +193,6 @@ def test_fields_are_documented() -> None:
         ("model={'path': '/m', 'tiny': {'hidden': 64}}, rollout={'engine': 'sim'}", "model.tiny"),
         ("model={'tiny': {'hidden': 100, 'heads': 3}}", "model.tiny.hidden"),
         ("monitor={'host': '0.0.0.0'}", "monitor.token"),
-        ("algorithm={'name': 'ppo'}", "algorithm.name"),
         ("algorithm={'group_size': 1}", "algorithm.group_size"),
         ("algorithm={'name': 'reinforce_pp', 'group_size': 1, 'dynamic_sampling': True}",
          "algorithm.dynamic_sampling"),

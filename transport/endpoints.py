@@ -4,8 +4,9 @@ Guarantees:
 - On one node, sockets live under a private per-run directory (`/tmp/flowrl-<run_id>`, mode 0700,
   owned by the current user); `remove_run_dir` removes it with every ipc socket file inside.
 - Nothing in `transport` binds a non-loopback address unless the caller passes
-  `allow_remote=True`: `check_bind` raises `BindRefused` otherwise. Host names are never resolved;
-  only literal loopback addresses and `localhost` count as loopback.
+  `allow_remote=True` and the socket is a curve server (`transport.curve`): `check_bind` raises
+  `BindRefused` otherwise. Host names are never resolved; only literal loopback addresses and
+  `localhost` count as loopback.
 """
 
 from __future__ import annotations
@@ -106,18 +107,23 @@ def _is_loopback(host: str) -> bool:
         return False  # an interface name, a wildcard or a host name: never assumed local
 
 
-def check_bind(endpoint: str, *, allow_remote: bool) -> None:
-    """Raise BindRefused unless `endpoint` is local (ipc, inproc, loopback tcp) or allowed."""
+def check_bind(endpoint: str, *, allow_remote: bool, curve: bool = False) -> None:
+    """Raise BindRefused unless `endpoint` is local (ipc, inproc, loopback tcp), or remote
+    binds are allowed and the socket authenticates its peers with curve."""
     scheme, sep, rest = endpoint.partition("://")
     if not sep:
         raise BindRefused(f"not a zmq endpoint: {endpoint!r}")
-    if allow_remote or scheme in {"ipc", "inproc"}:
+    if scheme in {"ipc", "inproc"}:
         return
     if scheme == "tcp":
         host, colon, _port = rest.rpartition(":")
         if colon and _is_loopback(host):
             return
+    if allow_remote and curve:
+        return
+    if allow_remote:
+        raise BindRefused(f"refusing to bind {endpoint!r} without curve keys")
     raise BindRefused(
         f"refusing to bind {endpoint!r}: only ipc and loopback tcp are allowed "
-        "unless allow_remote=True"
+        "unless allow_remote=True (and curve keys)"
     )

@@ -28,6 +28,7 @@ import zmq
 from transport._lifecycle import Closeable, Service, cancel_and_wait
 from transport._zsocket import AsyncSocket, bind, new_socket
 from transport.codec import MAX_MESSAGE_BYTES, decode, encode
+from transport.curve import Authorizer, CurveKeys, authorize
 from transport.endpoints import check_bind
 from transport.errors import ClosedError, DeadlineExceeded, MalformedMessage, TransportError
 
@@ -58,10 +59,15 @@ class Publisher(Service):
         *,
         ctx: zmq.Context[Any] | None = None,
         allow_remote: bool = False,
+        curve: CurveKeys | None = None,
     ) -> None:
-        check_bind(endpoint, allow_remote=allow_remote)
+        """`curve`: publish encrypted, to the run's subscribers only (needed to bind a
+        non-loopback address, with `allow_remote`)."""
+        check_bind(endpoint, allow_remote=allow_remote, curve=curve is not None)
         self._endpoint = endpoint
         self._ctx = ctx
+        self._curve = curve
+        self._auth: Authorizer | None = None
         self._sock: AsyncSocket | None = None
         self._welcomes: set[asyncio.Task[None]] = set()
         self._joined = 0
@@ -80,8 +86,16 @@ class Publisher(Service):
         """Bind; returns the bound endpoint."""
         if self._sock is not None:
             raise TransportError("publisher already started")
-        sock = new_socket(self._ctx, zmq.XPUB, [(zmq.SNDHWM, _HWM), (zmq.XPUB_NODROP, 1)])
-        self._endpoint = bind(sock, self._endpoint)
+        options: list[tuple[int, int | bytes]] = [(zmq.SNDHWM, _HWM), (zmq.XPUB_NODROP, 1)]
+        if self._curve is not None:
+            options += self._curve.server_options()
+            self._auth = authorize(self._ctx, self._curve)  # before the bind: none unchecked
+        try:
+            sock = new_socket(self._ctx, zmq.XPUB, options)
+            self._endpoint = bind(sock, self._endpoint)
+        except BaseException:
+            self._release_auth()
+            raise
         self._sock = AsyncSocket(sock, self._on_subscription)
         return self._endpoint
 
@@ -111,6 +125,12 @@ class Publisher(Service):
         await cancel_and_wait(self._welcomes)
         if self._sock is not None:
             self._sock.close()
+        self._release_auth()
+
+    def _release_auth(self) -> None:
+        if self._auth is not None:
+            self._auth.release()
+            self._auth = None
 
 
 class Subscriber(Closeable):
@@ -123,8 +143,11 @@ class Subscriber(Closeable):
         *,
         ctx: zmq.Context[Any] | None = None,
         max_bytes: int = MAX_MESSAGE_BYTES,
+        curve: CurveKeys | None = None,
     ) -> None:
+        """`curve`: subscribe as one of the run's clients to its curve publisher."""
         self._endpoint = endpoint
+        self._curve = curve
         self._topics = [_topic_frame(t) for t in topics]
         self._ctx = ctx
         self._max_bytes = max_bytes
@@ -142,7 +165,9 @@ class Subscriber(Closeable):
         if self._sock is None:
             subscriptions = [(zmq.SUBSCRIBE, t) for t in (*self._topics, self._token)]
             # The join topic goes last, see the module docstring.
-            sock = new_socket(self._ctx, zmq.SUB, [(zmq.RCVHWM, _HWM), *subscriptions])
+            keys = self._curve.client_options() if self._curve is not None else []
+            # Curve options first: they must be set before the connect, like everything else.
+            sock = new_socket(self._ctx, zmq.SUB, [(zmq.RCVHWM, _HWM), *keys, *subscriptions])
             sock.connect(self._endpoint)
             self._sock = AsyncSocket(sock)
         return self._sock

@@ -16,7 +16,8 @@ Guarantees:
 - Client: any number of calls in flight on one socket, matched by request id. Each call has a
   deadline (DeadlineExceeded); a reply that arrives after it is discarded and counted. Closing
   fails pending calls with ClosedError. No background task: replies are dispatched from the
-  socket's reader callback.
+  socket's reader callback. A reply that does not decode fails its call at once
+  (MalformedMessage) when its request id can be read, else is dropped and counted.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import zmq
 from transport._lifecycle import Closeable, Service, cancel_and_wait
 from transport._zsocket import AsyncSocket, bind, new_socket
 from transport.codec import MAX_MESSAGE_BYTES, decode, encode, frames_nbytes
+from transport.curve import Authorizer, CurveKeys, authorize
 from transport.endpoints import check_bind
 from transport.errors import (
     ClosedError,
@@ -97,9 +99,14 @@ class RpcServer(Service):
         max_bytes: int = MAX_MESSAGE_BYTES,
         allow_remote: bool = False,
         max_in_flight: int = 1024,
+        curve: CurveKeys | None = None,
     ) -> None:
-        check_bind(endpoint, allow_remote=allow_remote)
+        """`curve`: serve encrypted and admit only the run's clients (needed to bind a
+        non-loopback address, with `allow_remote`)."""
+        check_bind(endpoint, allow_remote=allow_remote, curve=curve is not None)
         self._endpoint = endpoint
+        self._curve = curve
+        self._auth: Authorizer | None = None
         self._handlers = dict(handlers)
         self._ctx = ctx
         self._max_bytes = max_bytes
@@ -121,7 +128,7 @@ class RpcServer(Service):
         """Bind and start serving; returns the bound endpoint."""
         if self._closed or self._sock is not None:
             raise TransportError("server already started or closed")
-        options = [
+        options: list[tuple[int, int | bytes]] = [
             # Mandatory routing makes a full or vanished peer an error we can count,
             # instead of a silent drop inside zmq.
             (zmq.ROUTER_MANDATORY, 1),
@@ -130,10 +137,22 @@ class RpcServer(Service):
             # zmq drops a peer that sends a frame past the limit before buffering it whole.
             (zmq.MAXMSGSIZE, self._max_bytes),
         ]
-        sock = new_socket(self._ctx, zmq.ROUTER, options)
-        self._endpoint = bind(sock, self._endpoint)
+        if self._curve is not None:
+            options += self._curve.server_options()
+            self._auth = authorize(self._ctx, self._curve)  # before the bind: none unchecked
+        try:
+            sock = new_socket(self._ctx, zmq.ROUTER, options)
+            self._endpoint = bind(sock, self._endpoint)
+        except BaseException:
+            self._release_auth()
+            raise
         self._sock = AsyncSocket(sock, self._on_request)
         return self._endpoint
+
+    def _release_auth(self) -> None:
+        if self._auth is not None:
+            self._auth.release()
+            self._auth = None
 
     async def aclose(self) -> None:
         """Stop reading, cancel running handlers, close the socket."""
@@ -145,6 +164,7 @@ class RpcServer(Service):
         await cancel_and_wait(self._tasks)
         if self._sock is not None:
             self._sock.close()
+        self._release_auth()
 
     def statistics(self) -> RpcServerStats:
         return RpcServerStats(
@@ -237,7 +257,9 @@ class RpcClient(Closeable):
         identity: bytes | None = None,
         timeout: float = 30.0,
         max_bytes: int = MAX_MESSAGE_BYTES,
+        curve: CurveKeys | None = None,
     ) -> None:
+        """`curve`: connect as one of the run's clients to its curve server."""
         if identity is not None and not (0 < len(identity) <= 255 and identity[0] != 0):
             raise ValueError("identity must be 1-255 bytes and not start with a zero byte")
         self._endpoint = endpoint
@@ -245,6 +267,7 @@ class RpcClient(Closeable):
         self._identity = identity
         self._timeout = timeout
         self._max_bytes = max_bytes
+        self._curve = curve
         self._sock: AsyncSocket | None = None
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._next_id = 0
@@ -262,6 +285,8 @@ class RpcClient(Closeable):
         ]
         if self._identity is not None:
             options.append((zmq.ROUTING_ID, self._identity))
+        if self._curve is not None:
+            options += self._curve.client_options()
         sock = new_socket(self._ctx, zmq.DEALER, options)
         sock.connect(self._endpoint)
         self._sock = AsyncSocket(sock, self._on_reply)
@@ -304,9 +329,14 @@ class RpcClient(Closeable):
     def _on_reply(self, frames: list[zmq.Frame]) -> None:
         try:
             msg = decode(frames, max_bytes=self._max_bytes)
-        except MalformedMessage:
+        except MalformedMessage as exc:
             self._malformed += 1
             log.debug("dropped a malformed reply", exc_info=True)
+            # Its call fails now rather than at its deadline, when the id can be read.
+            rid = _peek_request_id(frames)
+            pending = None if rid is None else self._pending.pop(rid, None)
+            if pending is not None and not pending.done():
+                pending.set_exception(MalformedMessage(f"undecodable reply: {exc}"))
             return
         if not (type(msg) is list and len(msg) == 3 and _is_int(msg[0])):
             self._malformed += 1

@@ -26,6 +26,7 @@ segments of dead writers before it makes a put wait.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import asdict
@@ -35,7 +36,8 @@ import torch
 import zmq
 
 from transport import shm
-from transport.errors import ClosedError, MalformedMessage, RemoteError
+from transport.curve import CurveKeys, for_endpoint
+from transport.errors import ClosedError, MalformedMessage, RemoteError, TransportError
 from transport.handles import DTYPES, ITEMSIZE, Handle, Run, contiguous_runs, single_run
 from transport.packing import (
     FieldData,
@@ -62,6 +64,8 @@ __all__ = ["StoreClient", "StoreServer"]
 # A reserve waits at most this long on the server before answering "not yet"; the client asks
 # again. Keeps every call well inside the RPC timeout however long the store stays full.
 _RESERVE_POLL_S = 5.0
+#: how long a closing client waits for its store server to take back its grants.
+RELEASE_TIMEOUT_S = 2.0
 # Remote reads are split into requests of about this many bytes, sent concurrently, so the
 # server's sends and the reader's receives overlap.
 _READ_CHUNK = 4 << 20
@@ -108,7 +112,10 @@ class StoreServer:
         *,
         ctx: zmq.Context[Any] | None = None,
         allow_remote: bool = False,
+        curve: CurveKeys | None = None,
     ) -> None:
+        """`curve`: serve encrypted, to the run's clients only (what readers on other nodes
+        connect to; needed to bind a non-loopback address, with `allow_remote`)."""
         self.store = store
         self.endpoint = endpoint
         self._writers: dict[int, shm.Owner] = {}
@@ -126,6 +133,7 @@ class StoreServer:
             },
             ctx=ctx,
             allow_remote=allow_remote,
+            curve=curve,
         )
 
     async def start(self) -> str:
@@ -168,7 +176,12 @@ class StoreServer:
     async def _reserve(self, payload: Any, peer: bytes) -> list[Any] | None:
         writer = self._writer(payload)
         size = _as_int(_field(payload, "size"), "size")
-        wait = min(float(payload.get("wait", _RESERVE_POLL_S)), _RESERVE_POLL_S)
+        if size <= 0:  # a negative size would add capacity to the store
+            raise MalformedMessage("size must be positive")
+        wait: Any = payload.get("wait", _RESERVE_POLL_S)
+        if not (type(wait) in (int, float) and wait >= 0):  # NaN would break the loop's timers
+            raise MalformedMessage("wait must be a non-negative number of seconds")
+        wait = min(float(wait), _RESERVE_POLL_S)
         try:
             async with asyncio.timeout(wait):
                 return _grant_wire(await self.store.reserve(size, writer=writer))
@@ -179,15 +192,20 @@ class StoreServer:
         writer = self._writer(payload)
         gid = _as_int(_field(payload, "grant"), "grant")
         name = _as_str(_field(payload, "name"), "name")
+        # Checked before the commit: an error reply must mean that nothing was committed.
+        refs = _as_int(_field(payload, "refs"), "refs")
+        following = _as_int(payload.get("next", 0), "next")
         try:
-            self.store.commit(gid, name, _as_int(_field(payload, "refs"), "refs"))
+            self.store.commit(gid, name, refs)
         except BaseException:
+            parsed = shm.SegmentName.parse(name)
+            if parsed is None or parsed.writer != writer.pid:
+                raise  # not this writer's segment: the grant may be another writer's
             mine = shm.segments_of(self.store.run_id, self.store.owner, writer.pid)
             if name in mine and not self.store.holds(name):
                 shm.unlink(name)  # written under a grant that no longer holds
             self.store.abandon(gid)
             raise
-        following = _as_int(payload.get("next", 0), "next")
         if following <= 0:
             return None
         return _grant_wire(self.store.reserve_nowait(following, writer=writer))
@@ -240,14 +258,17 @@ class StoreClient:
         timeout: float = 30.0,
         spare: bool = True,
         cache_bytes: int = 256 << 20,
+        curve: CurveKeys | None = None,
     ) -> None:
         """`spare`: ask for a spare grant with every commit (one round trip per put).
         `cache_bytes` bounds each of this process's two mapping caches (segments it wrote,
-        segments it read), which make recycled segments free of page faults."""
+        segments it read), which make recycled segments free of page faults.
+        `curve`: the run's keys, used for every tcp endpoint (other nodes' store servers)."""
         self.run_id = shm.check_run_id(run_id)
         self.node = node
         self.endpoint = endpoint
         self._peers = dict(peers or {})
+        self._curve = curve
         self._ctx = ctx
         self._timeout = timeout
         self._spare_wanted = spare
@@ -273,7 +294,12 @@ class StoreClient:
         if self._closed:
             raise ClosedError("store client closed")
         if self._rpc is None:
-            self._rpc = RpcClient(self.endpoint, ctx=self._ctx, timeout=self._timeout)
+            self._rpc = RpcClient(
+                self.endpoint,
+                ctx=self._ctx,
+                timeout=self._timeout,
+                curve=for_endpoint(self._curve, self.endpoint),
+            )
         return self._rpc
 
     def _peer(self, node: str) -> RpcClient:
@@ -284,7 +310,13 @@ class StoreClient:
             endpoint = self._peers.get(node)
             if endpoint is None:
                 raise ValueError(f"no store endpoint known for node {node!r}")
-            client = RpcClient(endpoint, ctx=self._ctx, timeout=self._timeout, max_bytes=_MAX_REPLY)
+            client = RpcClient(
+                endpoint,
+                ctx=self._ctx,
+                timeout=self._timeout,
+                max_bytes=_MAX_REPLY,
+                curve=for_endpoint(self._curve, endpoint),
+            )
             self._remote[node] = client
         return client
 
@@ -478,7 +510,11 @@ class StoreClient:
             return
         try:
             if self._rpc is not None and self._writer is not None:
-                await self._rpc.call("release", {"pid": self._pid})
+                # Best effort and brief: a store server that is gone (its node agent exited
+                # with the run) must not hold up this process's exit; a live one also
+                # reclaims a dead writer's grants by itself.
+                with contextlib.suppress(TransportError):
+                    await self._rpc.call("release", {"pid": self._pid}, timeout=RELEASE_TIMEOUT_S)
         finally:
             self._closed = True
             self._spare = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 from typing import Any
 
@@ -18,9 +19,12 @@ import structlog
 
 from flowrl.logs import bind, configure
 from workers.lifecycle import die_with_parent, run_main
-from workers.runtime import Role, Worker, WorkerConfig
+from workers.runtime import Role, WeightSyncError, Worker, WorkerConfig
 
 log = structlog.get_logger("flowrl.worker")
+
+#: exit code of a worker process that missed its weight-sync deadline.
+EXIT_WEIGHT_SYNC = 3
 
 def make_role(engine: str, role: str, config: dict[str, Any], seed: int) -> Role:
     if engine == "sim":
@@ -36,6 +40,10 @@ def make_role(engine: str, role: str, config: dict[str, Any], seed: int) -> Role
         from workers.roles.factory import make_hf_role
 
         return make_hf_role(role, config, seed)
+    if engine == "vllm":
+        from workers.roles.factory import make_vllm_role
+
+        return make_vllm_role(role, config, seed)
     raise ValueError(f"unknown engine {engine!r}")
 
 
@@ -46,6 +54,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--controller", required=True)
     p.add_argument("--broadcast", required=True)
     p.add_argument("--store", required=True, help="this node's store server endpoint")
+    p.add_argument("--peers", default="{}", help="JSON: other nodes' store endpoints by node")
     p.add_argument("--role", required=True)
     p.add_argument("--name", required=True)
     p.add_argument("--count", type=int, default=1)
@@ -55,19 +64,24 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine-config", default="{}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--heartbeat", type=float, default=1.0)
+    p.add_argument("--weight-sync-timeout", type=float, default=60.0)
     return p.parse_args(argv)
 
 
 async def serve(args: argparse.Namespace) -> None:
+    from transport.curve import CurveKeys
     from transport.store_server import StoreClient
 
     config = json.loads(args.engine_config)
-    store = StoreClient(args.run_id, args.node, args.store)
+    keys = CurveKeys.from_env()  # the run's keys, when it spans nodes
+    store = StoreClient(args.run_id, args.node, args.store, peers=json.loads(args.peers),
+                        curve=keys)
     workers = [
         Worker(
             WorkerConfig(name=f"{args.name}.{i}", role=args.role, node=args.node,
                          controller=args.controller, broadcast=args.broadcast,
-                         capacity=args.capacity, heartbeat_s=args.heartbeat),
+                         capacity=args.capacity, heartbeat_s=args.heartbeat, curve=keys,
+                         weight_sync_timeout_s=args.weight_sync_timeout),
             make_role(args.engine, args.role, config, args.seed * 100 + i),
             store,
         )
@@ -84,6 +98,10 @@ async def serve(args: argparse.Namespace) -> None:
         async with asyncio.TaskGroup() as tg:
             for w in workers:
                 tg.create_task(w.run())
+    except* WeightSyncError:
+        # The load may still be running in a thread that interpreter shutdown would wait for;
+        # the controller has been told (sync_failed) and restarts this process.
+        os._exit(EXIT_WEIGHT_SYNC)
     finally:
         await store.aclose()
 

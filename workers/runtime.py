@@ -13,6 +13,15 @@ A new policy version is applied at a safe point: new tasks wait while the role l
 and loading waits for tasks in flight to finish, so no task ever sees two versions.
 
 Several workers may share one process (simulation mode hosts many); each has its own sockets.
+
+A controller that sends malformed messages: a register reply that is not
+``{worker_id: str, version: int, weights}`` is fatal (`ProtocolError`: the worker cannot take
+part without an id); anything later is logged and dropped, and the worker goes on — a task
+message of the wrong shape (reported ``task_failed`` when it carries a task id, so its rows are
+redone), an error reply to ``get_task`` (asked again after `RETRY_S`), a heartbeat reply other
+than ``{ok: bool}``, a broadcast of the wrong shape, a version whose weights cannot be loaded
+(the worker keeps serving its version, which its heartbeats report). Only ``{ok: False}`` or a
+``stop`` broadcast ends it.
 """
 
 from __future__ import annotations
@@ -28,12 +37,25 @@ import structlog
 import torch
 
 from flowrl import messages as m
+from transport.curve import CurveKeys, for_endpoint
 from transport.errors import ClosedError, DeadlineExceeded, TransportError
 from transport.handles import Handle, looks_like_handle, rows_from_wire
 from transport.pubsub import Subscriber
 from transport.rpc import RpcClient
 
 log = structlog.get_logger("flowrl.worker")
+
+#: pause before asking again after an error reply, so a failing controller is not flooded.
+RETRY_S = 0.1
+
+
+class ProtocolError(RuntimeError):
+    """The controller answered with a message this worker cannot act on."""
+
+
+class WeightSyncError(RuntimeError):
+    """A policy version was not loaded within ``weight_sync_timeout_s``. The engine may hold
+    half-loaded weights, so the worker must not serve again: its process exits."""
 
 
 @dataclass
@@ -80,6 +102,11 @@ class WorkerConfig:
     #: how long one ``get_task`` long poll waits before asking again.
     poll_s: float = 5.0
     rpc_timeout_s: float = 30.0
+    #: the run's curve keys (a run across nodes), used on tcp links to the controller.
+    curve: CurveKeys | None = None
+    #: deadline for fetching and loading one policy version (the wait for a safe point before
+    #: it is not counted: a long generation may delay a switch legitimately).
+    weight_sync_timeout_s: float = 60.0
 
 
 async def publish_weights(
@@ -116,8 +143,10 @@ class Worker:
         self.store = store
         self.worker_id = ""
         self.version = 0
-        self._rpc = RpcClient(config.controller, timeout=config.rpc_timeout_s)
-        self._sub = Subscriber(config.broadcast, [m.TOPIC_VERSION, m.TOPIC_STOP])
+        self._rpc = RpcClient(config.controller, timeout=config.rpc_timeout_s,
+                              curve=for_endpoint(config.curve, config.controller))
+        self._sub = Subscriber(config.broadcast, [m.TOPIC_VERSION, m.TOPIC_STOP],
+                               curve=for_endpoint(config.curve, config.broadcast))
         self._stopped = asyncio.Event()
         self._idle = asyncio.Event()  # set when no task is in flight
         self._idle.set()
@@ -135,7 +164,9 @@ class Worker:
             {"name": cfg.name, "role": cfg.role, "node": cfg.node, "pid": os.getpid(),
              "capacity": cfg.capacity},
         )
-        self.worker_id = str(reply["worker_id"])
+        if not _is_register_reply(reply):
+            raise ProtocolError(f"the controller sent an invalid register reply: {reply!r:.200}")
+        self.worker_id = reply["worker_id"]
         if reply.get("weights"):  # join at the version everyone else serves
             await self._switch_version(int(reply["version"]), reply["weights"])
         elif int(reply["version"]) > 0:
@@ -179,9 +210,33 @@ class Worker:
                 )
             except (ClosedError, DeadlineExceeded):
                 continue
+            except TransportError as exc:  # an error reply: ask again, a little later
+                self._log().warning("get_task failed", error=repr(exc)[:200])
+                await self._rest(RETRY_S)
+                continue
             if task is None:
                 continue
+            if not _is_task(task):
+                await self._refuse(task)
+                continue
             await self._execute(task)
+
+    async def _refuse(self, task: Any) -> None:
+        """Drop a malformed task message; if it names a task, report it failed (its rows are
+        then given to another worker)."""
+        self._log().warning("dropped a malformed task", task=repr(task)[:200])
+        task_id = task.get("task_id") if isinstance(task, dict) else None
+        if type(task_id) is int:
+            with contextlib.suppress(TransportError):
+                await self._rpc.call(m.OP_TASK_FAILED, {
+                    "worker_id": self.worker_id, "task_id": task_id,
+                    "error": "malformed task message"})
+
+    async def _rest(self, seconds: float) -> None:
+        """Wait `seconds`, or less if the worker stops meanwhile."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._stopped.wait()
 
     async def _execute(self, task: m.TaskMsg) -> None:
         await self._gate.wait()  # a version switch in progress finishes first
@@ -246,13 +301,20 @@ class Worker:
                      "busy": self._in_flight},
                     timeout=cfg.rpc_timeout_s,
                 )
-                if not reply.get("ok", False):
+                ok = reply.get("ok") if isinstance(reply, dict) else None
+                if ok is False:
                     self._log().warning("controller no longer knows this worker; exiting",
                                 worker=self.worker_id)
                     self._stopped.set()
                     return
+                if ok is not True:
+                    self._log().warning("malformed heartbeat reply", reply=repr(reply)[:200])
             except DeadlineExceeded:
                 self._log().warning("heartbeat unanswered", worker=self.worker_id)
+            except ClosedError:
+                raise
+            except TransportError as exc:  # an error reply: the next heartbeat may do better
+                self._log().warning("heartbeat failed", error=repr(exc)[:200])
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(cfg.heartbeat_s):
                     await self._stopped.wait()
@@ -263,8 +325,21 @@ class Worker:
             if topic == m.TOPIC_STOP:
                 self._stopped.set()
                 return
-            if topic == m.TOPIC_VERSION:
-                await self._switch_version(int(payload["version"]), payload["weights"])
+            if topic != m.TOPIC_VERSION:
+                continue
+            version = payload.get("version") if isinstance(payload, dict) else None
+            weights = payload.get("weights") if isinstance(payload, dict) else None
+            if type(version) is not int or not isinstance(weights, dict):
+                self._log().warning("dropped a malformed version broadcast",
+                                    payload=repr(payload)[:200])
+                continue
+            try:
+                await self._switch_version(version, weights)
+            except (ClosedError, WeightSyncError):
+                raise
+            except Exception as exc:  # keep serving the current version (heartbeats say which)
+                self._log().error("could not load a new version", new_version=version,
+                                  error=repr(exc)[:200])
 
     async def _switch_version(self, version: int, weights: Mapping[str, Any]) -> None:
         """Load ``version`` at a safe point: no task in flight, none starting meanwhile."""
@@ -273,8 +348,21 @@ class Worker:
         self._gate.clear()
         try:
             await self._idle.wait()
-            state = await fetch_weights(self.store, weights)
-            await self.role.load_version(version, state)
+            deadline = self.config.weight_sync_timeout_s
+            try:
+                async with asyncio.timeout(deadline):
+                    state = await fetch_weights(self.store, weights)
+                    await self.role.load_version(version, state)
+            except TimeoutError:
+                error = (f"worker {self.worker_id} ({self.config.name}) did not load policy "
+                         f"version {version} within {deadline:g}s (serving {self.version})")
+                self._log().error("weight sync deadline missed", new_version=version,
+                                  deadline_s=deadline)
+                with contextlib.suppress(TransportError):
+                    await self._rpc.call(m.OP_SYNC_FAILED, {
+                        "worker_id": self.worker_id, "version": version, "error": error},
+                        timeout=min(5.0, self.config.rpc_timeout_s))
+                raise WeightSyncError(error) from None
             self.version = version
             await self._rpc.call(m.OP_SERVED, {"worker_id": self.worker_id, "version": version})
         finally:
@@ -283,3 +371,24 @@ class Worker:
 
 class _Stop(Exception):
     """Internal: unwinds the worker's task group on stop."""
+
+
+def _is_register_reply(reply: Any) -> bool:
+    return (isinstance(reply, dict) and type(reply.get("worker_id")) is str
+            and type(reply.get("version")) is int and reply["version"] >= 0
+            and (reply.get("weights") is None or isinstance(reply["weights"], dict)))
+
+
+def _is_task(task: Any) -> bool:
+    """Whether a decoded message has the shape of `m.TaskMsg` (the values are checked where
+    they are used: a bad handle fails the task, which is then reported failed)."""
+    if not (isinstance(task, dict) and type(task.get("task_id")) is int
+            and type(task.get("stage")) is str and isinstance(task.get("params"), dict)):
+        return False
+    for key in ("rows", "groups", "row_groups"):
+        ids = task.get(key)
+        if type(ids) is not list or any(type(i) is not int for i in ids):
+            return False
+    inputs = task.get("inputs")
+    return isinstance(inputs, dict) and all(
+        type(k) is str and type(v) is list for k, v in inputs.items())

@@ -11,7 +11,8 @@ Cost model (all times in seconds):
   distribution, ``round(exp(N(log_mean, log_sigma)))`` clipped to ``[1, max_new_tokens]``; the
   group is decoded as one batch, so it takes ``rollout_base_s + max(lengths) *
   rollout_token_s``: the long tail of one response holds up its whole group;
-- reward, reference: ``<role>_token_s`` per response token of the micro-batch;
+- reward, reference, critic: ``<role>_token_s`` per response token of the micro-batch (the
+  critic's values are 0, so its advantages and returns are the reward on every token);
 - train: ``train_token_s`` per token of the micro-batch, plus ``train_step_s`` for the optimizer
   step that ends a global batch; that step publishes ``weight_numel`` float32 weights.
 """
@@ -43,7 +44,10 @@ class SimCost:
     reference_token_s: float = 0.00001
     train_token_s: float = 0.00001
     train_step_s: float = 0.01
+    critic_token_s: float = 0.00001
     weight_numel: int = 1 << 16
+    #: time a rollout worker takes to load a new version (to model slow or stuck syncs).
+    weight_load_s: float = 0.0
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SimCost:
@@ -89,6 +93,8 @@ class SimRollout:
         )
 
     async def load_version(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        if self.cost.weight_load_s:
+            await asyncio.sleep(self.cost.weight_load_s)
         self.version = version
 
 
@@ -115,6 +121,26 @@ class SimReference:
         lengths = _lengths_of(inputs["response_ids"])
         await asyncio.sleep(sum(lengths) * self.cost.reference_token_s)
         return RoleOutput(fields={"ref_logprobs": [torch.full((n,), -1.0) for n in lengths]})
+
+    async def load_version(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        return None
+
+
+class SimCritic:
+    """PPO's critic: values, advantages and returns per response token."""
+
+    def __init__(self, cost: SimCost, seed: int) -> None:
+        self.cost = cost
+
+    async def run(self, task: m.TaskMsg, inputs: dict[str, list[Any]]) -> RoleOutput:
+        lengths = _lengths_of(inputs["response_ids"])
+        await asyncio.sleep(sum(lengths) * self.cost.critic_token_s)
+        rewards = [float(r) for r in inputs["reward"]]
+        return RoleOutput(fields={
+            "values": [torch.zeros(n) for n in lengths],
+            "advantages": [torch.full((n,), r) for n, r in zip(lengths, rewards, strict=True)],
+            "returns": [torch.full((n,), r) for n, r in zip(lengths, rewards, strict=True)],
+        })
 
     async def load_version(self, version: int, weights: dict[str, torch.Tensor]) -> None:
         return None
@@ -148,5 +174,6 @@ SIM_ROLES: dict[str, Callable[[SimCost, int], Role]] = {
     "rollout": SimRollout,
     "reward": SimReward,
     "reference": SimReference,
+    "critic": SimCritic,
     "train": SimTrainer,
 }

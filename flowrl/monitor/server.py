@@ -30,6 +30,7 @@ import hmac
 import importlib.resources
 import ipaddress
 import json
+import logging
 import math
 import secrets
 import time
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import structlog
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import SecretStr
 
 from flowrl.events import Span
@@ -68,6 +70,20 @@ _STATIC = {"index.html": "text/html", "dashboard.js": "text/javascript",
 _NO_STORE = {"Cache-Control": "no-store"}
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class _ClientFaults(logging.Filter):
+    """Drops aiohttp's tracebacks for requests that fail before any handler ran (malformed
+    HTTP, a client that hung up): anyone who can connect could flood the log with them. They
+    are answered with a 4xx as before; errors of the handlers themselves are still logged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, HttpProcessingError | ConnectionError)
+
+
+_http_log = logging.getLogger("flowrl.monitor.http")
+_http_log.addFilter(_ClientFaults())
 
 
 def is_loopback(host: str) -> bool:
@@ -136,7 +152,7 @@ class MonitorServer:
         app.router.add_post("/stop", self._control(lambda _: self._ctl.stop()))
         app.router.add_post("/staleness", self._staleness)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
-                                     shutdown_timeout=SHUTDOWN_S)
+                                     shutdown_timeout=SHUTDOWN_S, logger=_http_log)
         await self._runner.setup()
         try:
             await web.TCPSite(self._runner, self.host, self.port).start()
@@ -298,7 +314,7 @@ class MonitorServer:
     async def _staleness(self, request: web.Request) -> web.Response:
         try:
             body = await request.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: JSON nested too deep
             raise web.HTTPBadRequest(text="the body must be JSON: {\"max_staleness\": n}") from None
         n = body.get("max_staleness") if isinstance(body, dict) else None
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_STALENESS:

@@ -24,7 +24,14 @@ import torch
 from torch import Tensor
 
 from workers.devices import pick_device
-from workers.engines.protocols import FinishReason, Generation, SamplingParams, token_logprobs
+from workers.engines.protocols import (
+    FinishReason,
+    Generation,
+    SamplingParams,
+    counter_uniforms,
+    stream_keys_of,
+    token_logprobs,
+)
 
 __all__ = ["HFRolloutEngine", "load_causal_lm", "quiet_transformers", "tied_groups"]
 
@@ -125,21 +132,19 @@ def _pick(probs: Tensor, u: Tensor) -> Tensor:
     return torch.where(zero, probs.argmax(dim=-1), idx)
 
 
-def _sample(
-    logits: Tensor, params: SamplingParams, gen: torch.Generator
-) -> tuple[Tensor, Tensor]:
+def _sample(logits: Tensor, params: SamplingParams, u: Tensor | None) -> tuple[Tensor, Tensor]:
     """Next tokens [B] and their logprobs [B] (logprob contract: tempered, untruncated).
 
     Sampling is exact for temperature, top-k (renormalised) and top-p (computed on the top-k
-    distribution, as HF and vLLM do); one uniform number per row drives the draw.
+    distribution, as HF and vLLM do); one uniform number per row (``u`` [B, 1]; None when
+    greedy) drives the draw.
     """
     logits = logits.float()
-    if params.temperature == 0.0:
+    if params.temperature == 0.0 or u is None:
         tokens = logits.argmax(dim=-1)
         return tokens, token_logprobs(logits, tokens, 1.0)
     scaled = logits / params.temperature if params.temperature != 1.0 else logits
     vocab = scaled.shape[-1]
-    u = torch.rand((scaled.shape[0], 1), generator=gen, device=scaled.device)
     top_k = params.top_k if 0 < params.top_k < vocab else 0
     if not top_k and params.top_p >= 1.0:
         tokens = _pick(scaled.softmax(dim=-1), u)
@@ -240,6 +245,12 @@ class HFRolloutEngine:
         gen = self._gen
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
+        keys: Tensor | None = None
+        if params.prompt_seeds is not None:
+            if len(params.prompt_seeds) != len(prompts):
+                raise ValueError(f"{len(params.prompt_seeds)} prompt_seeds for "
+                                 f"{len(prompts)} prompts")
+            keys = stream_keys_of(params.prompt_seeds, params.n, self.device)
         stop = torch.tensor(sorted(self._eos | set(params.stop_token_ids)), dtype=torch.long,
                             device=self.device)
         kwargs: dict[str, Any] = {self._names.cache: _new_cache(self.model), "use_cache": True}
@@ -255,7 +266,11 @@ class HFRolloutEngine:
         # active[j] = the output row that row j of the (shrinking) decode batch belongs to.
         active = torch.arange(batch, device=self.device)
         for t in range(steps):
-            tokens, lps = _sample(logits, params, gen)
+            u: Tensor | None = None
+            if params.temperature > 0.0:
+                u = (counter_uniforms(keys, t) if keys is not None else
+                     torch.rand((logits.shape[0], 1), generator=gen, device=self.device))
+            tokens, lps = _sample(logits, params, u)
             out_tokens[active, t] = tokens
             out_lps[active, t] = lps
             done = torch.isin(tokens, stop)
@@ -270,6 +285,8 @@ class HFRolloutEngine:
                 keep = (~done).nonzero().squeeze(-1)
                 kwargs[self._names.cache].batch_select_indices(keep)
                 active, tokens = active[keep], tokens[keep]
+                if keys is not None:
+                    keys = keys[keep]
                 mask, next_pos = mask[keep], next_pos[keep]
             elif t == steps - 1:
                 break

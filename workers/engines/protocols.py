@@ -41,6 +41,9 @@ __all__ = [
     "SequenceBatch",
     "TrainerEngine",
     "TrainerState",
+    "counter_uniforms",
+    "mix_seed",
+    "stream_keys_of",
     "token_logprobs",
 ]
 
@@ -66,6 +69,11 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     n: int = 1
     seed: int | None = None
+    #: one seed per prompt: response j of prompt i draws its tokens from a stream keyed by
+    #: (``prompt_seeds[i]``, j, token index) alone, so a prompt samples the same responses from
+    #: the same weights whatever else shares its batch and whichever worker runs it (a redone
+    #: task repeats itself). Overrides ``seed`` and the engine's generator.
+    prompt_seeds: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -82,6 +90,8 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(self.stop))
+        if self.prompt_seeds is not None:
+            object.__setattr__(self, "prompt_seeds", tuple(int(x) for x in self.prompt_seeds))
 
 
 @dataclass(frozen=True)
@@ -191,6 +201,55 @@ class TrainerState:
         if not isinstance(meta, dict):
             raise ValueError(f"{src / 'trainer_state.json'}: expected a JSON object")
         return cls(dict(tensors), meta)
+
+
+_M64 = (1 << 64) - 1
+_M32 = 0xFFFFFFFF
+
+
+def mix_seed(*keys: int) -> int:
+    """A well-mixed 64-bit seed from integers (splitmix64 chained over ``keys``).
+
+    How a run derives a prompt's sampling stream from its own seed and the prompt's dataset
+    position (`SamplingParams.prompt_seeds`); any engine or test can reproduce it.
+    """
+    x = 0x9E3779B97F4A7C15
+    for k in keys:
+        x = (x ^ (int(k) & _M64)) + 0x9E3779B97F4A7C15 & _M64
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _M64
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _M64
+        x ^= x >> 31
+    return x
+
+
+def _fmix32(h: Tensor) -> Tensor:
+    # murmur3's finalizer on values in [0, 2**32) held in int64: products wrap, the mask keeps
+    # the low 32 bits exact, and shifts of non-negative values are logical.
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def counter_uniforms(stream_keys: Tensor, step: int) -> Tensor:
+    """Uniforms in (0, 1), shape [B, 1], float64: a pure function of each row's key and ``step``.
+
+    ``stream_keys`` [B, 2] int64 holds each row's 64-bit stream key as two 32-bit halves
+    (`stream_keys_of`). Counter-based, so a row's draws do not depend on the batch it is in;
+    32 bits per draw.
+    """
+    lo, hi = stream_keys[:, 0], stream_keys[:, 1]
+    t = (step * 0x9E3779B9 + 0x7F4A7C15) & _M32
+    h = _fmix32(_fmix32(lo ^ t) ^ hi)
+    h = _fmix32(h ^ ((hi * 0x27D4EB2F + t) & _M32))
+    return ((h.to(torch.float64) + 0.5) / 4294967296.0).unsqueeze(-1)
+
+
+def stream_keys_of(prompt_seeds: Sequence[int], n: int, device: torch.device) -> Tensor:
+    """[len(prompt_seeds) * n, 2] stream keys, prompt-major: response j of prompt i."""
+    keys = [mix_seed(s, j) for s in prompt_seeds for j in range(n)]
+    return torch.tensor([[k & _M32, k >> 32] for k in keys], dtype=torch.int64, device=device)
 
 
 def token_logprobs(logits: Tensor, token_ids: Tensor, temperature: float = 1.0) -> Tensor:

@@ -2,9 +2,9 @@
 
 `make_hf_role(role, config, seed)` reads `flowrl.recipe.Recipe.engine_config` output and
 returns a ready `workers.runtime.Role`: it loads the model, tokenizer and dataset, and wires them
-into `RolloutRole`, `RewardRole`, `ReferenceRole` or `TrainerRole`. The roles themselves take
-constructed objects (engine, tokenizer, dataset), so tests and custom launchers can inject their
-own; this module is the one place that knows the config's layout.
+into `RolloutRole`, `RewardRole`, `ReferenceRole`, `CriticRole` or `TrainerRole`. The roles
+themselves take constructed objects (engine, tokenizer, dataset), so tests and custom launchers
+can inject their own; this module is the one place that knows the config's layout.
 
 Guarantees:
 - Every worker built from the same config maps a dataset position to the same example (the
@@ -20,9 +20,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import structlog
+
 from flowrl.data import Dataset, arithmetic, jsonl
 
 if TYPE_CHECKING:
+    import torch
+
     from workers.engines.protocols import SamplingParams
     from workers.runtime import Role
 
@@ -31,11 +35,16 @@ __all__ = [
     "dataset_from_config",
     "load_tokenizer",
     "make_hf_role",
+    "make_vllm_role",
     "model_dir",
+    "rollout_dtype",
     "sampling_from_config",
+    "start_version",
 ]
 
-HF_ROLES = ("rollout", "reward", "reference", "train")
+HF_ROLES = ("rollout", "reward", "reference", "critic", "train")
+
+log = structlog.get_logger("flowrl.factory")
 
 
 def model_dir(config: dict[str, Any]) -> Path:
@@ -55,9 +64,30 @@ def dataset_from_config(config: dict[str, Any]) -> Dataset:
         a = data["arithmetic"]
         return arithmetic(int(a["count"]), max_operand=int(a["max_operand"]), seed=int(a["seed"]))
     if kind == "jsonl":
-        return jsonl(str(data["path"]), prompt_key=str(data["prompt_key"]),
-                     answer_key=str(data["answer_key"]), seed=int(config.get("seed", 0)))
+        dataset = jsonl(str(data["path"]), prompt_key=str(data["prompt_key"]),
+                        answer_key=str(data["answer_key"]),
+                        template=str(data.get("prompt_template", "{prompt}")),
+                        seed=int(config.get("seed", 0)))
+        if dataset.skipped:
+            log.warning("malformed dataset rows skipped", path=str(data["path"]),
+                        skipped=dataset.skipped, kept=len(dataset))
+        return dataset
     raise ValueError(f"data.kind: {kind!r} is not supported by the hf roles (arithmetic, jsonl)")
+
+
+def rollout_dtype(config: dict[str, Any], device: torch.device) -> torch.dtype:
+    """``config["rollout"]["dtype"]`` as a torch dtype; ``auto`` is bfloat16 where ``device``
+    supports it (CUDA with bf16, NPU), else float32."""
+    import torch
+
+    name = str(config.get("rollout", {}).get("dtype", "float32"))
+    if name == "auto":
+        bf16 = device.type == "npu" or (device.type == "cuda" and torch.cuda.is_bf16_supported())
+        return torch.bfloat16 if bf16 else torch.float32
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"rollout.dtype: {name!r} is not a floating-point torch dtype")
+    return dtype
 
 
 def load_tokenizer(path: Path) -> Any:
@@ -90,8 +120,31 @@ def make_hf_role(role: str, config: dict[str, Any], seed: int) -> Role:
     if role == "rollout":
         return _rollout(config, path, seed)
     if role == "reference":
-        return _reference(config, path, seed)
+        # The initial policy, also when the run resumes from a later checkpoint.
+        ref = config["model"].get("reference_path")
+        return _reference(config, Path(ref) if ref else path, seed)
+    if role == "critic":
+        return _critic(config, path, seed)
     return _trainer(config, path, seed)
+
+
+def make_vllm_role(role: str, config: dict[str, Any], seed: int) -> Role:
+    """The ``vllm`` engine's roles: rollout on `workers.engines.vllm_rollout`, every other role
+    as `make_hf_role` builds it (scoring and training stay on torch)."""
+    if role != "rollout":
+        return make_hf_role(role, config, seed)
+    from workers.engines.vllm_rollout import VLLMRolloutEngine
+    from workers.roles.rollout import RolloutRole
+
+    path = model_dir(config)
+    dataset = dataset_from_config(config)
+    sampling = sampling_from_config(config)
+    # rollout.dtype names are vLLM's too ("auto": the checkpoint's dtype).
+    dtype = str(config.get("rollout", {}).get("dtype", "float32"))
+    engine = VLLMRolloutEngine(path, dtype=dtype, seed=seed)
+    return RolloutRole(engine, load_tokenizer(path), dataset, sampling,
+                       max_prompt_tokens=int(config["data"]["max_prompt_tokens"]),
+                       sample_seed=int(config.get("seed", 0)))
 
 
 def _reward(config: dict[str, Any]) -> Role:
@@ -106,13 +159,18 @@ def _reward(config: dict[str, Any]) -> Role:
 
 
 def _rollout(config: dict[str, Any], path: Path, seed: int) -> Role:
+    from workers.devices import pick_device
     from workers.engines.hf_rollout import HFRolloutEngine
     from workers.roles.rollout import RolloutRole
 
     dataset = dataset_from_config(config)
     sampling = sampling_from_config(config)
-    return RolloutRole(HFRolloutEngine(path, seed=seed), load_tokenizer(path), dataset, sampling,
-                       max_prompt_tokens=int(config["data"]["max_prompt_tokens"]))
+    device = pick_device()
+    engine = HFRolloutEngine(path, device=device, dtype=rollout_dtype(config, device), seed=seed,
+                             version=start_version(config))
+    return RolloutRole(engine, load_tokenizer(path), dataset, sampling,
+                       max_prompt_tokens=int(config["data"]["max_prompt_tokens"]),
+                       sample_seed=int(config.get("seed", 0)))
 
 
 def _reference(config: dict[str, Any], path: Path, seed: int) -> Role:
@@ -124,6 +182,21 @@ def _reference(config: dict[str, Any], path: Path, seed: int) -> Role:
     engine.model.requires_grad_(False)
     return ReferenceRole(engine, temperature=sampling_from_config(config).temperature,
                          pad_token_id=_pad_id(engine.model))
+
+
+def _critic(config: dict[str, Any], path: Path, seed: int) -> Role:
+    from workers.engines.value_model import ValueModelEngine
+    from workers.roles.critic import CriticRole, CriticSettings
+
+    if "critic" not in config:
+        raise ValueError("critic: the config has no critic section (algorithm.name is not 'ppo')")
+    settings = CriticSettings.from_config(config)
+    c = config["critic"]
+    engine = ValueModelEngine(
+        path, lr=float(c["lr"]), weight_decay=float(c["weight_decay"]),
+        grad_clip=None if c.get("grad_clip") is None else float(c["grad_clip"]), seed=seed,
+    )
+    return CriticRole(engine, settings, pad_token_id=_pad_id(engine.model.backbone))
 
 
 def _trainer(config: dict[str, Any], path: Path, seed: int) -> Role:
@@ -139,7 +212,19 @@ def _trainer(config: dict[str, Any], path: Path, seed: int) -> Role:
         grad_clip=None if t.get("grad_clip") is None else float(t["grad_clip"]),
         warmup_steps=int(t["warmup_steps"]), seed=seed,
     )
-    return TrainerRole(engine, settings, pad_token_id=_pad_id(engine.model))
+    resume = config.get("resume")
+    if resume:  # the checkpoint's optimizer state (its weights are the model path already)
+        from workers.engines.protocols import TrainerState
+
+        engine.load_state_dict(TrainerState.load(resume["checkpoint"]))
+    return TrainerRole(engine, settings, pad_token_id=_pad_id(engine.model),
+                       version=start_version(config))
+
+
+def start_version(config: dict[str, Any]) -> int:
+    """The policy version the model path holds: 0, or the checkpoint's when resuming."""
+    resume = config.get("resume")
+    return int(resume["version"]) if resume else 0
 
 
 def _pad_id(model: Any) -> int:

@@ -11,17 +11,31 @@ A recipe names one as ``"workers.roles.rewards:<name>"``: per-sample functions a
   which is what lets a tiny policy learn small arithmetic in a few thousand samples.
   `numeric_partial_credit_batch` is the same per micro-batch (``RewardConfig(batched=True)``):
   one call, hence one reward thread, per task instead of one per sample.
+- `gsm8k_numeric`: 1.0 when the final number of the response equals the gold number of a
+  GSM8K answer (the number after ``####``), else 0.0. The response's final number is, in order
+  of preference, the last ``#### N``, the last ``\\boxed{N}``, the last ``answer is N``, else
+  the last number in the text. Numbers compare as decimals: thousands separators and a leading
+  ``$`` are ignored, ``3.50`` equals ``3.5``, ``-7`` is negative. `gsm8k_numeric_batch` is its
+  batched form.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from workers.roles.reward import exact_match
 
-__all__ = ["numeric_partial_credit", "numeric_partial_credit_batch"]
+__all__ = [
+    "final_number",
+    "gsm8k_gold",
+    "gsm8k_numeric",
+    "gsm8k_numeric_batch",
+    "numeric_partial_credit",
+    "numeric_partial_credit_batch",
+]
 
 _LEADING_INT = re.compile(r"\s*(-?\d+)")
 _INT = re.compile(r"-?\d+")
@@ -49,3 +63,59 @@ def numeric_partial_credit_batch(
     """`numeric_partial_credit` of each sample, for ``RewardConfig(batched=True)``."""
     return [numeric_partial_credit(p, r, **m)
             for p, r, m in zip(prompts, responses, metas, strict=True)]
+
+
+# ---- GSM8K-style numeric answers ----------------------------------------------------------------
+
+# A number as people write it: optional sign (ASCII or Unicode minus), optional $ (or TeX's
+# \$), digits with optional thousands separators, optional decimals. A free-standing number is
+# not preceded by a letter, digit or dot, so "x2" and the "5" of "1.5" are not numbers.
+_NUM = r"[-\u2212]?(?:\\?\$)?(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+)"
+_NUMBER_RE = re.compile(rf"(?<![\w.])(?:{_NUM})")
+_MARKED = (
+    re.compile(rf"####\s*(?P<n>{_NUM})"),
+    re.compile(rf"\\boxed\s*\{{\s*(?:\\text\{{\s*)?(?P<n>{_NUM})"),
+    re.compile(rf"answer\s+is\s*:?\s*(?:\\\(|\$\$?)?\s*(?P<n>{_NUM})", re.IGNORECASE),
+)
+_DROP = str.maketrans("", "", ",$\\")
+
+
+def _decimal(text: str) -> Decimal | None:
+    cleaned = text.translate(_DROP).replace("\u2212", "-")
+    try:
+        value = Decimal(cleaned)
+    except InvalidOperation:
+        return None
+    return value if value.is_finite() else None
+
+
+def final_number(text: str) -> Decimal | None:
+    """The number a response gives as its final answer (preference order in the module doc)."""
+    for pattern in _MARKED:
+        found = list(pattern.finditer(text))
+        if found:
+            return _decimal(found[-1].group("n"))
+    numbers = _NUMBER_RE.findall(text)
+    return _decimal(numbers[-1]) if numbers else None
+
+
+def gsm8k_gold(answer: Any) -> Decimal | None:
+    """The gold number of a GSM8K answer field (``"... #### 42"``), or of a bare number."""
+    text = str(answer)
+    _, sep, tail = text.rpartition("####")
+    return final_number(tail if sep else text)
+
+
+def gsm8k_numeric(prompt: str, response: str, *, answer: Any, **_: Any) -> float:
+    """1.0 when the response's final number equals the gold number, else 0.0 (also when the
+    answer field has no number)."""
+    gold = gsm8k_gold(answer)
+    got = final_number(response)
+    return 1.0 if gold is not None and got is not None and got == gold else 0.0
+
+
+def gsm8k_numeric_batch(
+    prompts: Sequence[str], responses: Sequence[str], metas: Sequence[Mapping[str, Any]]
+) -> list[float]:
+    """`gsm8k_numeric` of each sample, for ``RewardConfig(batched=True)``."""
+    return [gsm8k_numeric(p, r, **m) for p, r, m in zip(prompts, responses, metas, strict=True)]

@@ -12,6 +12,10 @@ Guarantees:
   ``lengths`` are the response lengths; rows of one group share one ``prompt_ids``.
 - ``version`` is the weight version the engine served for the whole task: generation and
   `load_version` never overlap (a lock, on top of the runtime's safe-point rule).
+- Sampling is reproducible per group: a group's responses are drawn from streams keyed by
+  the run's seed and the group's dataset position (`SamplingParams.prompt_seeds`), so the same
+  weights sample the same responses whichever worker runs the group, whatever else shares its
+  batch, and when a failed task is redone.
 - Generation and weight loading run in a thread, so the worker's heartbeats and store I/O go
   on meanwhile.
 """
@@ -28,7 +32,7 @@ import torch
 
 from flowrl import messages as m
 from flowrl.data import Dataset
-from workers.engines.protocols import Generation, RolloutEngine, SamplingParams
+from workers.engines.protocols import Generation, RolloutEngine, SamplingParams, mix_seed
 from workers.runtime import RoleOutput
 
 __all__ = ["RolloutRole", "group_rows"]
@@ -53,6 +57,7 @@ class RolloutRole:
         sampling: SamplingParams,
         *,
         max_prompt_tokens: int,
+        sample_seed: int = 0,
     ) -> None:
         if max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be >= 1, got {max_prompt_tokens}")
@@ -61,6 +66,7 @@ class RolloutRole:
         self.dataset = dataset
         self.sampling = sampling
         self.max_prompt_tokens = max_prompt_tokens
+        self.sample_seed = sample_seed
         self._lock = asyncio.Lock()  # the engine serves one call at a time
 
     def prompt_ids(self, position: int) -> tuple[list[int], bool]:
@@ -78,16 +84,18 @@ class RolloutRole:
         if len(positions) != len(task["row_groups"]):
             raise ValueError(f"{len(positions)} prompt values for {len(task['row_groups'])} rows")
         prompts: dict[int, list[int]] = {}
+        seeds: dict[int, int] = {}
         truncated = 0
         for gid, rows in groups.items():
             shared = {positions[r] for r in rows}
             if len(shared) != 1:
                 raise ValueError(f"group {gid} mixes dataset positions {sorted(shared)}")
             prompts[gid], cut = self.prompt_ids(positions[rows[0]])
+            seeds[gid] = mix_seed(self.sample_seed, positions[rows[0]])
             truncated += cut
         async with self._lock:
             t0 = time.perf_counter()
-            gens, version = await asyncio.to_thread(self._generate, groups, prompts)
+            gens, version = await asyncio.to_thread(self._generate, groups, prompts, seeds)
             gen_s = time.perf_counter() - t0
 
         n_rows = len(positions)
@@ -115,7 +123,7 @@ class RolloutRole:
         )
 
     def _generate(
-        self, groups: dict[int, list[int]], prompts: dict[int, list[int]]
+        self, groups: dict[int, list[int]], prompts: dict[int, list[int]], seeds: dict[int, int]
     ) -> tuple[dict[int, list[Generation]], int]:
         """Each group's generations (in row order) and the version that produced them."""
         by_size: dict[int, list[int]] = {}
@@ -123,7 +131,7 @@ class RolloutRole:
             by_size.setdefault(len(rows), []).append(gid)
         out: dict[int, list[Generation]] = {}
         for n, gids in by_size.items():
-            params = replace(self.sampling, n=n)
+            params = replace(self.sampling, n=n, prompt_seeds=tuple(seeds[g] for g in gids))
             gens = self.engine.generate([prompts[g] for g in gids], params)
             for i, gid in enumerate(gids):
                 out[gid] = gens[i * n : (i + 1) * n]

@@ -20,7 +20,8 @@ end multiplies the gradients by ``1/D`` before clipping and stepping:
 float rounding; ``tests/test_roles.py`` checks 1e-6). The KL term is aggregated with the same
 counts, so it is exact as well, and so are the group estimators (GRPO, Dr. GRPO, RLOO): a
 micro-batch holds whole groups. REINFORCE++ whitens its returns over the micro-batch (the step's
-statistics are unknown until its end); with one micro-batch per step it is exact.
+statistics are unknown until its end); with one micro-batch per step it is exact. PPO takes the
+per-token ``advantages`` the critic stage wrote (GAE against its values) as they are.
 
 Metrics of the task that ends a step cover the whole step: ``loss`` (L), ``grad_norm`` (before
 clipping), ``lr``, ``reward_mean``, ``clip_frac``, ``approx_kl`` (token-weighted means),
@@ -62,7 +63,7 @@ __all__ = ["AdvantageName", "TrainBatch", "TrainSettings", "TrainerRole", "scale
 
 log = structlog.get_logger("flowrl.trainer")
 
-AdvantageName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp"]
+AdvantageName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo"]
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,7 @@ class TrainBatch:
     group_ids: Tensor  # [B] int64
     rollout_logprobs: Tensor  # [B, L] float32, 0 off the response
     ref_logprobs: Tensor | None  # [B, L] float32, 0 off the response
+    advantages: Tensor | None = None  # [B, L] float32 from the critic (PPO), 0 off the response
 
     @classmethod
     def from_inputs(
@@ -157,12 +159,14 @@ class TrainBatch:
                                        pad_token_id=pad_token_id)
         mask = seqs.response_mask
         ref = inputs.get("ref_logprobs")
+        adv = inputs.get("advantages")
         return cls(
             seqs=seqs,
             rewards=torch.tensor([float(r) for r in inputs["reward"]], dtype=torch.float32),
             group_ids=torch.tensor([int(g) for g in row_groups], dtype=torch.int64),
             rollout_logprobs=_padded(inputs["rollout_logprobs"], mask, "rollout_logprobs"),
             ref_logprobs=None if ref is None else _padded(ref, mask, "ref_logprobs"),
+            advantages=None if adv is None else _padded(adv, mask, "advantages"),
         )
 
     @property
@@ -176,8 +180,12 @@ class TrainBatch:
 
 
 def advantages(name: AdvantageName, batch: TrainBatch) -> Tensor:
-    """[B] (group estimators) or [B, L] (REINFORCE++) advantages of a micro-batch."""
+    """[B] (group estimators) or [B, L] (REINFORCE++, PPO) advantages of a micro-batch."""
     r, g = batch.rewards, batch.group_ids
+    if name == "ppo":
+        if batch.advantages is None:
+            raise ValueError("ppo trains on the critic's advantages; the task carries none")
+        return batch.advantages
     if name == "grpo":
         return grpo_advantages(r, g)
     if name == "dr_grpo":

@@ -1,0 +1,120 @@
+"""What a run needs to continue after its controller died: the run state saved with each
+checkpoint, and finding the newest complete one.
+
+A checkpoint directory ``{output}/step_N`` is written by the trainer (weights, HF config,
+tokenizer, optimizer state) before it reports step N; once the controller has committed step N
+it adds ``run_state.json`` (atomically), so a directory with that file is complete and
+consistent. The state says which dataset positions are trained: every one below
+``trained_below`` plus ``trained_above``; positions admitted up to ``admitted_to`` but not
+trained (in flight when the controller died) are redone first on resume, in order.
+
+``groups_trained`` counts trained groups, so ``groups_trained == trained_below +
+len(trained_above)`` proves no position was trained twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["STATE_FILE", "RunState", "TrainedPositions", "latest_checkpoint", "write_state"]
+
+STATE_FILE = "run_state.json"
+_STEP_DIR = re.compile(r"step_(\d+)")
+
+
+class TrainedPositions:
+    """The set of trained dataset positions, kept as a prefix and a small sparse tail.
+
+    Positions train roughly in order (the tail holds at most what the staleness window lets
+    run ahead), so memory stays bounded however long the run.
+    """
+
+    def __init__(self, below: int = 0, above: Iterable[int] = ()) -> None:
+        self.below = below
+        self.above: set[int] = set(above)
+        self.count = below + len(self.above)
+        self._compact()
+
+    def add(self, position: int) -> bool:
+        """Mark ``position`` trained; False when it already was."""
+        if position < self.below or position in self.above:
+            return False
+        self.above.add(position)
+        self.count += 1
+        self._compact()
+        return True
+
+    def __contains__(self, position: int) -> bool:
+        return position < self.below or position in self.above
+
+    def _compact(self) -> None:
+        while self.below in self.above:
+            self.above.remove(self.below)
+            self.below += 1
+
+
+@dataclass(frozen=True)
+class RunState:
+    """The controller's side of a checkpoint (see the module docstring)."""
+
+    version: int
+    trained_below: int
+    trained_above: list[int] = field(default_factory=list)
+    admitted_to: int = 0
+    groups_trained: int = 0
+
+    def redo(self) -> list[int]:
+        """Positions admitted before the checkpoint but not trained: resumed first."""
+        done = set(self.trained_above)
+        return [p for p in range(self.trained_below, self.admitted_to) if p not in done]
+
+    @classmethod
+    def from_json(cls, data: Any, *, source: str) -> RunState:
+        keys = {"version", "trained_below", "trained_above", "admitted_to", "groups_trained"}
+        if not isinstance(data, dict) or set(data) != keys:
+            raise ValueError(f"{source}: expected an object with keys {sorted(keys)}")
+        ints = ("version", "trained_below", "admitted_to", "groups_trained")
+        if not all(type(data[k]) is int and data[k] >= 0 for k in ints) or not (
+            isinstance(data["trained_above"], list)
+            and all(type(p) is int for p in data["trained_above"])
+        ):
+            raise ValueError(f"{source}: {sorted(ints)} must be non-negative integers and "
+                             "trained_above a list of integers")
+        return cls(**data)
+
+
+def write_state(step_dir: Path, state: RunState) -> None:
+    """Write ``step_dir/run_state.json`` atomically (a reader sees all of it or nothing)."""
+    tmp = step_dir / f".{STATE_FILE}.partial"
+    tmp.write_text(json.dumps(asdict(state)))
+    os.replace(tmp, step_dir / STATE_FILE)
+
+
+def latest_checkpoint(output: str | os.PathLike[str]) -> tuple[Path, RunState]:
+    """The newest complete checkpoint under ``output`` (or ``output`` itself when it is one)."""
+    root = Path(output)
+    if (root / STATE_FILE).is_file():
+        candidates = [root]
+    elif root.is_dir():
+        found = [(int(m.group(1)), p) for p in root.iterdir()
+                 if (m := _STEP_DIR.fullmatch(p.name)) and (p / STATE_FILE).is_file()]
+        candidates = [p for _, p in sorted(found, reverse=True)]
+    else:
+        raise FileNotFoundError(f"--resume: {root} does not exist")
+    if not candidates:
+        raise FileNotFoundError(
+            f"--resume: no complete checkpoint under {root} (a step_N directory with "
+            f"{STATE_FILE}; checkpoints need output and checkpoint_every)")
+    path = candidates[0]
+    source = str(path / STATE_FILE)
+    try:
+        data = json.loads((path / STATE_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{source}: {exc}") from None
+    return path, RunState.from_json(data, source=source)

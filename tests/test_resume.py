@@ -1,0 +1,100 @@
+"""Resuming after the controller dies: run state bookkeeping, and the launch CLI SIGKILLed
+mid-run then continued with ``--resume`` (the simulated resume is in test_controller_sim)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from flowrl.resume import STATE_FILE, RunState, TrainedPositions, latest_checkpoint, write_state
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_trained_positions_compact_to_a_prefix() -> None:
+    t = TrainedPositions()
+    for p in (2, 0, 3):
+        assert t.add(p)
+    assert not t.add(2)  # twice is refused, not counted
+    assert (t.below, t.above, t.count) == (1, {2, 3}, 3)
+    assert t.add(1)
+    assert (t.below, t.above, t.count) == (4, set(), 4)
+    assert 3 in t
+    assert 4 not in t
+
+
+def test_latest_checkpoint_is_the_newest_complete_one(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        latest_checkpoint(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        latest_checkpoint(tmp_path / "missing")
+    for n in (2, 4, 10):
+        (tmp_path / f"step_{n}").mkdir()
+    write_state(tmp_path / "step_2", RunState(2, 8, [9], 12, 9))
+    write_state(tmp_path / "step_4", RunState(4, 16, [], 20, 16))
+    # step_10 has no run state: the controller died before committing it.
+    path, state = latest_checkpoint(tmp_path)
+    assert path == tmp_path / "step_4"
+    assert state.version == 4
+    assert latest_checkpoint(tmp_path / "step_2")[1].redo() == [8, 10, 11]
+    (tmp_path / "step_4" / STATE_FILE).write_text('{"version": -1}')
+    with pytest.raises(ValueError, match=STATE_FILE):
+        latest_checkpoint(tmp_path)
+
+
+def _children(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_sigkilled_launch_resumes_from_its_checkpoint(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "flowrl.launch", "recipes/tiny_cpu.py", "--no-monitor",
+            "--steps", "6", "--set", "checkpoint_every=2", "--set", "model.tiny.pretrain_steps=0",
+            "--set", "trainer.groups_per_step=4", "--set", "trainer.micro_batch_groups=2",
+            "--set", "rollout.groups_per_task=2", "--set", "algorithm.group_size=4"]
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    first = subprocess.Popen([*args, "--output", str(out)], cwd=ROOT, env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert first.stdout is not None
+    try:
+        for line in first.stdout:  # waits on the run's own progress lines
+            if line.startswith("step    3"):
+                break
+        else:
+            pytest.fail(f"the first run ended early with code {first.wait()}")
+        children = _children(first.pid)
+        first.send_signal(signal.SIGKILL)
+    finally:
+        first.kill()
+        first.wait()
+        first.stdout.close()
+    # Orphans notice their parent is gone (parent-death signal) and exit.
+    _gone, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, [p.pid for p in alive]
+    assert (out / "step_2" / STATE_FILE).is_file()
+
+    done = subprocess.run([*args, "--resume", str(out)], cwd=ROOT, env=env, text=True,
+                          capture_output=True, timeout=180, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resuming from {out / 'step_2'} (step 2" in done.stdout
+    lines = done.stdout.splitlines()
+    assert [line.split()[1] for line in lines if line.startswith("step ")] == ["3", "4", "5", "6"]
+    summary = json.loads(lines[-1])
+    assert summary["version"] == 6
+    assert summary["rows_trained_twice"] == 0
+    final = json.loads((out / "step_6" / STATE_FILE).read_text())
+    # Every prompt group of the six steps trained exactly once, across the two controllers.
+    assert final["trained_below"] == final["groups_trained"] == 6 * 4
+    assert final["trained_above"] == []

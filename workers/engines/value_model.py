@@ -1,0 +1,165 @@
+"""The critic's engine on plain torch: a causal LM's backbone with a scalar value head.
+
+`ValueModel` is the transformer body of a transformers causal LM (its ``base_model``, without
+the vocabulary head) followed by ``Linear(hidden, 1)``. The value of response token t is read
+from the hidden state of the token before it — the state in which the policy chose token t —
+exactly where the trainer reads the logits that score token t, so values and logprobs of a row
+are aligned position by position.
+
+`ValueModelEngine` scores rows (`values`), accumulates gradients of a caller's loss over
+micro-batches (`train_micro_batch`), and steps AdamW with gradient clipping (`optimizer_step`).
+
+Guarantees:
+- `values` and `train_micro_batch` compute the same function (dropout is off, eval mode).
+- Values are float32 and exactly 0 off the response positions.
+- The head is initialised from ``seed`` alone (normal, std ``1/(hidden+1)``, zero bias), so two
+  engines built from the same directory and seed are identical.
+- A step whose gradient norm is not finite is skipped (gradients dropped, counted in
+  ``skipped``); the weights and optimizer state stay as they were.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import Tensor
+
+from workers.devices import pick_device
+from workers.engines.hf_rollout import load_causal_lm
+from workers.engines.protocols import SequenceBatch
+
+__all__ = ["ValueLossFn", "ValueModel", "ValueModelEngine"]
+
+ValueLossFn = Callable[[Tensor, SequenceBatch], tuple[Tensor, Mapping[str, float]]]
+"""``loss_fn(values [B, L] float32 with grad, batch on the engine's device) -> (loss, metrics)``."""
+
+
+class ValueModel(torch.nn.Module):
+    """Backbone + scalar head; ``forward`` returns per-token values aligned as the module says."""
+
+    def __init__(self, backbone: torch.nn.Module, hidden: int, *, seed: int) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.head = torch.nn.Linear(hidden, 1)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            w = torch.randn(self.head.weight.shape, generator=gen) / (hidden + 1)
+            self.head.weight.copy_(w)
+            self.head.bias.zero_()
+
+    def forward(self, batch: SequenceBatch) -> Tensor:
+        dev = self.head.weight.device
+        ids = batch.input_ids.to(dev, torch.long)
+        attn = batch.attention_mask.to(dev, torch.long)
+        resp = batch.response_mask.to(dev, torch.bool)
+        if bool(resp[:, :1].any()):
+            raise ValueError("a response token at position 0 has no prefix to condition on")
+        # Position ids follow the mask, as in rollout and the trainer.
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        hidden = self.backbone(input_ids=ids, attention_mask=attn, position_ids=positions,
+                               use_cache=False).last_hidden_state
+        v = self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
+        out = torch.zeros(ids.shape, dtype=torch.float32, device=dev)
+        out = torch.cat([out[:, :1], v[:, :-1]], dim=1)  # token t's value from state t-1
+        return out.masked_fill(~resp, 0.0)
+
+
+class ValueModelEngine:
+    """A `ValueModel` with AdamW on one device (CPU, CUDA or NPU).
+
+    Weight decay applies to matrices only. ``grad_clip`` None (or 0) disables clipping.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        *,
+        lr: float = 1e-5,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        grad_clip: float | None = 1.0,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+    ) -> None:
+        if lr <= 0 or (grad_clip is not None and grad_clip < 0):
+            raise ValueError("need lr > 0 and grad_clip >= 0 or None")
+        self.device = pick_device(device)
+        lm = load_causal_lm(model_dir, device=self.device, dtype=dtype)
+        hidden = int(lm.config.hidden_size)
+        self.model = ValueModel(lm.base_model, hidden, seed=seed).to(self.device)
+        self.model.eval()  # dropout off for good: scoring and training compute one function
+        self.model.requires_grad_(True)
+        self._lr = lr
+        self._grad_clip = grad_clip
+        self._params = dict(self.model.named_parameters())
+        decay = [p for p in self._params.values() if p.dim() >= 2]
+        no_decay = [p for p in self._params.values() if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": weight_decay},
+             {"params": no_decay, "weight_decay": 0.0}],
+            lr=lr, betas=betas, eps=eps,
+        )
+        self._step = 0
+        self._skipped = 0
+        self._pending = 0  # micro-batches accumulated since the last optimizer step
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps applied so far."""
+        return self._step
+
+    @property
+    def pending(self) -> int:
+        """Micro-batches whose gradients are accumulated but not yet stepped."""
+        return self._pending
+
+    def values(self, batch: SequenceBatch) -> Tensor:
+        """[B, L] float32 values on the CPU, 0 off the response; no gradient."""
+        with torch.no_grad():
+            out: Tensor = self.model(batch)
+        return out.cpu()
+
+    def train_micro_batch(self, batch: SequenceBatch, loss_fn: ValueLossFn) -> dict[str, float]:
+        """Forward with gradients, ``loss_fn``, backward into the accumulated gradients."""
+        if not bool(batch.response_mask.any()):
+            raise ValueError("batch has no response tokens to train on")
+        values = self.model(batch)
+        resp = batch.response_mask.to(self.device)
+        on_dev = SequenceBatch(batch.input_ids.to(self.device),
+                               batch.attention_mask.to(self.device), resp)
+        loss, metrics = loss_fn(values, on_dev)
+        if loss.dim() != 0:
+            raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
+        torch.autograd.backward(loss)
+        self._pending += 1
+        return {"loss": float(loss.detach()), **{k: float(v) for k, v in metrics.items()}}
+
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply the accumulated gradients by ``factor`` (e.g. 1 / tokens of the step)."""
+        with torch.no_grad():
+            for p in self._params.values():
+                if p.grad is not None:
+                    p.grad.mul_(factor)
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip, step, zero the gradients; returns grad_norm, lr, step, skipped."""
+        if self._pending == 0:
+            raise RuntimeError("optimizer_step without any train_micro_batch since the last step")
+        params = list(self._params.values())
+        max_norm = self._grad_clip if self._grad_clip else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            self._skipped += 1
+        else:
+            self.optimizer.step()
+            self._step += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self._pending = 0
+        return {"grad_norm": grad_norm, "lr": self._lr, "step": float(self._step),
+                "skipped": float(skipped)}

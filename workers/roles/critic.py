@@ -1,0 +1,216 @@
+"""The critic role of PPO: values, GAE advantages and returns per row; the critic trains itself.
+
+Per task (a micro-batch of rows with ``prompt_ids``, ``response_ids`` and ``reward``):
+
+1. one forward of the value model with gradients gives per-token values ``V`` (`ValueModel`
+   aligns token t's value with the state before it);
+2. the outcome reward sits on each row's last response token (`token_level_rewards`); GAE with
+   the recipe's ``gamma`` and ``lam`` over the detached ``V`` gives advantages ``A`` and returns
+   ``R = A + V`` (`gae_advantages`, not whitened: the stream never holds a whole global batch,
+   and per-micro-batch statistics would distort small micro-batches; the value baseline already
+   centres the advantages);
+3. the clipped value loss ``½·max((V − R)², (V_old + clip(V − V_old, ±value_clip) − R)²)``,
+   summed over the micro-batch's tokens, is back-propagated into the accumulated gradients;
+4. fields ``values``, ``advantages`` and ``returns`` are returned, one float32 1-D tensor per
+   row aligned with ``response_ids``; the train stage uses ``advantages`` as they are.
+
+Stepping. The role counts the rows it has learned from. Once the count reaches
+``rows_per_step`` (the actor's global batch, ``groups_per_step * group_size``), the gradients
+are divided by the tokens accumulated since the last step (a token mean over the critic's
+batch), clipped, and AdamW steps; the count restarts at 0. The rule depends only on the order in
+which the role receives rows, never on timing or on the actor's step boundaries: a critic step
+may cover rows of two actor steps when micro-batches arrive partly filled. With ``epochs > 1``
+the role keeps the batch's sequences, scoring-time values and returns, and after that step runs
+``epochs − 1`` more passes over them, each ending in a step; only there does ``value_clip``
+bind (in the first pass ``V`` equals ``V_old``).
+
+Failures. The actor's exactly-once step commit is the controller's and is not touched; the
+critic is a learned baseline whose training is at-least-once:
+
+- a task that raises inside the role before its backward adds nothing; its rows are requeued
+  and scored again;
+- a task that fails after the role returned (writing its fields or reporting them) has already
+  been learned from; its rows come back and are learned from a second time;
+- a train step aborted by the controller redoes its rows with the advantages already stored:
+  the critic does not see them again; rows dropped as stale after scoring stay learned from;
+- a restarted critic process starts again from its initial weights (the model directory's
+  backbone and the seeded head); gradients accumulated and not yet stepped are lost.
+
+Compute runs in a thread, one task at a time. New policy versions do not concern the critic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flowrl import messages as m
+from flowrl.algorithms import gae_advantages, token_level_rewards, value_loss
+from workers.engines.protocols import SequenceBatch
+from workers.engines.value_model import ValueModelEngine
+from workers.runtime import RoleOutput
+
+__all__ = ["CriticRole", "CriticSettings", "critic_targets"]
+
+
+@dataclass(frozen=True)
+class CriticSettings:
+    """GAE and the critic's own schedule (see `from_config`)."""
+
+    #: rows learned from per critic optimizer step (the actor's global batch).
+    rows_per_step: int
+    gamma: float = 1.0
+    lam: float = 0.95
+    #: PPO's value clip around the scoring-time values; None turns it off.
+    value_clip: float | None = 0.2
+    #: passes over each batch; passes after the first replay it at step end.
+    epochs: int = 1
+
+    def __post_init__(self) -> None:
+        if self.rows_per_step < 1:
+            raise ValueError(f"rows_per_step must be >= 1, got {self.rows_per_step}")
+        if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):
+            raise ValueError(f"need 0 <= gamma, lam <= 1, got {self.gamma}, {self.lam}")
+        if self.value_clip is not None and self.value_clip <= 0:
+            raise ValueError(f"value_clip must be > 0 or None, got {self.value_clip}")
+        if self.epochs < 1:
+            raise ValueError(f"epochs must be >= 1, got {self.epochs}")
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> CriticSettings:
+        """From a worker's JSON config (`flowrl.recipe.Recipe.engine_config`)."""
+        c = config["critic"]
+        clip = c.get("value_clip")
+        return cls(
+            rows_per_step=int(config["trainer"]["groups_per_step"])
+            * int(config["algorithm"]["group_size"]),
+            gamma=float(c["gamma"]), lam=float(c["lam"]),
+            value_clip=None if clip is None else float(clip), epochs=int(c.get("epochs", 1)),
+        )
+
+
+def critic_targets(
+    rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """(advantages, returns) ``[B, L]`` of outcome rewards ``[B]`` under values ``[B, L]``."""
+    token_rewards = token_level_rewards(rewards, mask)
+    return gae_advantages(token_rewards, values, mask, gamma=gamma, lam=lam, whiten=False)
+
+
+@dataclass
+class _Batch:
+    """What the critic keeps of a micro-batch for replay passes (``epochs > 1``)."""
+
+    seqs: SequenceBatch
+    old_values: Tensor  # [B, L] on the CPU
+    returns: Tensor  # [B, L] on the CPU
+
+
+class CriticRole:
+    """Serves the critic stage with one `ValueModelEngine`; see the module docstring."""
+
+    def __init__(
+        self, engine: ValueModelEngine, settings: CriticSettings, *, pad_token_id: int
+    ) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.pad_token_id = pad_token_id
+        self._rows = 0  # rows learned from since the last step
+        self._tokens = 0  # their response tokens
+        self._loss = 0.0  # their summed value loss
+        self._replay: list[_Batch] = []
+        self._lock = asyncio.Lock()  # one task at a time on the engine
+
+    @property
+    def steps(self) -> int:
+        """Critic optimizer steps taken."""
+        return self.engine.step
+
+    async def run(self, task: m.TaskMsg, inputs: dict[str, list[Any]]) -> RoleOutput:
+        async with self._lock:
+            return await asyncio.to_thread(
+                self.learn, inputs["prompt_ids"], inputs["response_ids"], inputs["reward"])
+
+    def learn(
+        self, prompts: Sequence[Tensor], responses: Sequence[Tensor], rewards: Sequence[Any]
+    ) -> RoleOutput:
+        """Score one micro-batch, accumulate its value-loss gradient, step when due."""
+        s = self.settings
+        seqs = SequenceBatch.from_rows(prompts, responses, pad_token_id=self.pad_token_id)
+        r = torch.tensor([float(x) for x in rewards], dtype=torch.float32)
+        tokens = seqs.num_response_tokens
+        if tokens == 0:
+            empty = [torch.zeros(0, dtype=torch.float32) for _ in prompts]
+            self._rows += len(prompts)
+            metrics = self._maybe_step()
+            return RoleOutput(fields={"values": empty, "advantages": list(empty),
+                                      "returns": list(empty)}, metrics=metrics)
+        out: dict[str, Tensor] = {}
+
+        def loss_fn(values: Tensor, batch: SequenceBatch) -> tuple[Tensor, dict[str, float]]:
+            mask = batch.response_mask
+            old = values.detach()
+            adv, ret = critic_targets(r.to(old.device), old, mask, gamma=s.gamma, lam=s.lam)
+            out.update(values=old.cpu(), advantages=adv.cpu(), returns=ret.cpu())
+            return value_loss(values, old, ret, mask, clip_eps=s.value_clip,
+                              loss_agg="token-mean", num_tokens=1.0)
+
+        res = self.engine.train_micro_batch(seqs, loss_fn)
+        self._rows += len(prompts)
+        self._tokens += tokens
+        self._loss += res["loss"]
+        if s.epochs > 1:
+            self._replay.append(_Batch(seqs, out["values"], out["returns"]))
+        fields = {k: [v.contiguous() for v in seqs.response_values(out[k])]
+                  for k in ("values", "advantages", "returns")}
+        metrics = {"tokens": float(tokens), "vf_loss": res["loss"] / tokens,
+                   "value_mean": _mean(out["values"], seqs.response_mask),
+                   "return_mean": _mean(out["returns"], seqs.response_mask),
+                   "advantage_mean": _mean(out["advantages"], seqs.response_mask)}
+        metrics.update(self._maybe_step())
+        return RoleOutput(fields=fields, metrics=metrics)
+
+    def _maybe_step(self) -> dict[str, float]:
+        if self._rows < self.settings.rows_per_step:
+            return {}
+        metrics: dict[str, float] = {}
+        if self.engine.pending:
+            self.engine.scale_gradients(1.0 / self._tokens)
+            stats = self.engine.optimizer_step()
+            metrics = {"critic_loss": self._loss / self._tokens,
+                       "critic_grad_norm": stats["grad_norm"], "critic_skipped": stats["skipped"]}
+            for _ in range(self.settings.epochs - 1):
+                metrics["critic_loss"] = self._replay_pass()
+            metrics["critic_step"] = float(self.engine.step)
+        self._rows = self._tokens = 0
+        self._loss = 0.0
+        self._replay.clear()
+        return metrics
+
+    def _replay_pass(self) -> float:
+        """One more pass over the kept batch with the clipped loss; steps; returns the loss."""
+        s, loss = self.settings, 0.0
+        for b in self._replay:
+            def loss_fn(values: Tensor, batch: SequenceBatch,
+                        b: _Batch = b) -> tuple[Tensor, dict[str, float]]:
+                dev = values.device
+                return value_loss(values, b.old_values.to(dev), b.returns.to(dev),
+                                  batch.response_mask, clip_eps=s.value_clip,
+                                  loss_agg="token-mean", num_tokens=1.0)
+
+            loss += self.engine.train_micro_batch(b.seqs, loss_fn)["loss"]
+        self.engine.scale_gradients(1.0 / self._tokens)
+        self.engine.optimizer_step()
+        return loss / self._tokens
+
+    async def load_version(self, version: int, weights: dict[str, Tensor]) -> None:
+        return None  # policy versions do not concern the critic
+
+
+def _mean(x: Tensor, mask: Tensor) -> float:
+    return float(x[mask].mean()) if bool(mask.any()) else 0.0
