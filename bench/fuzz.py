@@ -660,7 +660,7 @@ async def fuzz_run(endpoints: list[str], count: int, seed: int) -> dict[str, Any
         "steps": steps,
         "steps_during_fuzz": progressed,
         "samples": summary["samples"],
-        "rows_trained": len(ctl.trained_rows),
+        "rows_trained": ctl.rows_trained,
         "rows_trained_twice": summary["rows_trained_twice"],
         "stale_dropped": summary["stale_dropped"],
         "worker_deaths": status["worker_deaths"],
@@ -669,7 +669,7 @@ async def fuzz_run(endpoints: list[str], count: int, seed: int) -> dict[str, Any
     }
     ok = (steps == len(ctl.step_log) and progressed > 0
           and all(e["samples"] == GROUP * GROUPS_PER_STEP for e in ctl.step_log)
-          and summary["samples"] == steps * GROUP * GROUPS_PER_STEP == len(ctl.trained_rows)
+          and summary["samples"] == steps * GROUP * GROUPS_PER_STEP == ctl.rows_trained
           and summary["rows_trained_twice"] == 0 and status["worker_deaths"] == 0
           and status["restarts"] == 0 and not status["errors"])
     accounting["ok"] = ok

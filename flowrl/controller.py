@@ -157,7 +157,7 @@ class Controller:
             capacity=spec.store_capacity_bytes, on_lost=self._on_node_lost,
             on_exit=self._on_remote_exit)
         # accounting
-        self.trained_rows: set[int] = set()
+        self.rows_trained = 0
         self.rows_trained_twice = 0
         self.stale_dropped = 0
         self.dispatch_us: collections.deque[float] = collections.deque(maxlen=100_000)
@@ -691,15 +691,16 @@ class Controller:
         samples = 0
         for task_id in self._step_tasks:
             task = self._assigned_done.pop(task_id)
-            for row, v in zip(task.rows, task.versions, strict=True):
-                if row in self.trained_rows:
-                    self.rows_trained_twice += 1
-                self.trained_rows.add(row)
-                staleness.append(self.version - (v or 0))
+            staleness.extend(self.version - (v or 0) for v in task.versions)
             self.gate.record_trained(task.versions, self.version)
+            rows_of = collections.Counter(self.index.row_group(r) for r in task.rows)
             for gid in task.groups:
                 self._group_step.pop(gid, None)
-                self._trained_pos.add(self._group_pos.pop(gid))
+                pos = self._group_pos.pop(gid, None)
+                # A group's dataset position trains once in a run (resumes included).
+                if pos is None or not self._trained_pos.add(pos):
+                    self.rows_trained_twice += rows_of[gid]
+            self.rows_trained += len(task.rows)
             rewards.extend(float(r) for r in task.handles.get("reward", ()))
             samples += len(task.rows)
             retired = self.index.complete(task_id)

@@ -28,6 +28,7 @@ from transport.errors import UnknownSegment
 from transport.handles import DTYPES, ITEMSIZE, Handle, Run, contiguous_runs, single_run
 
 __all__ = [
+    "DEFAULT_CACHE_BYTES",
     "Mapped",
     "MappingCache",
     "cached_padded",
@@ -37,6 +38,11 @@ __all__ = [
     "padded_from_runs",
     "views_from_runs",
 ]
+
+
+#: bytes of mappings one cache keeps by default: two versions of a ~500 MB model's weights, so a
+#: recycled weight segment (same inode) is found mapped instead of faulted in again.
+DEFAULT_CACHE_BYTES = 1 << 30
 
 
 class MappingCache:
@@ -54,7 +60,7 @@ class MappingCache:
     of the name (which is what makes a freed handle fail), not a `stat` and a search.
     """
 
-    def __init__(self, max_bytes: int = 256 << 20, *, writable: bool = False) -> None:
+    def __init__(self, max_bytes: int = DEFAULT_CACHE_BYTES, *, writable: bool = False) -> None:
         self.max_bytes = max_bytes
         self.writable = writable
         self._entries: OrderedDict[tuple[int, int], Mapped] = OrderedDict()

@@ -56,6 +56,7 @@ from transport.packing import (
     size_class,
 )
 from transport.reading import (
+    DEFAULT_CACHE_BYTES,
     MappingCache,
     local_get,
     local_get_padded,
@@ -184,18 +185,20 @@ class SampleStore:
         *,
         capacity_bytes: int,
         pool_bytes: int | None = None,
-        cache_bytes: int = 256 << 20,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> None:
         """`pool_bytes` bounds the freed segments kept warm for reuse (default: a quarter of
-        the capacity, at most 256 MiB); pooled bytes count as used and are given up first
-        whenever a put would otherwise wait. `cache_bytes` bounds each of this process's two
-        mapping caches (segments it wrote, segments it read; see `MappingCache`)."""
+        the capacity, so that a model's previous weight version is recycled for the next:
+        fresh segments cost a page fault per page on both sides, 4-8x the copy itself);
+        pooled bytes count as used and are given up first whenever a put would otherwise
+        wait. `cache_bytes` bounds each of this process's two mapping caches (segments it
+        wrote, segments it read; see `MappingCache`)."""
         if capacity_bytes <= 0:
             raise ValueError("capacity_bytes must be positive")
         self.run_id = shm.check_run_id(run_id)
         self.node = node
         self.capacity_bytes = capacity_bytes
-        self._pool_limit = min(capacity_bytes // 4, 256 << 20) if pool_bytes is None else pool_bytes
+        self._pool_limit = capacity_bytes // 4 if pool_bytes is None else pool_bytes
         self.owner = shm.Owner.current()
         self.prefix = shm.owner_prefix(run_id, self.owner)
         self.swept = shm.sweep()

@@ -49,6 +49,7 @@ from transport.packing import (
     size_class,
 )
 from transport.reading import (
+    DEFAULT_CACHE_BYTES,
     Mapped,
     MappingCache,
     cached_padded,
@@ -257,7 +258,7 @@ class StoreClient:
         ctx: zmq.Context[Any] | None = None,
         timeout: float = 30.0,
         spare: bool = True,
-        cache_bytes: int = 256 << 20,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
         curve: CurveKeys | None = None,
     ) -> None:
         """`spare`: ask for a spare grant with every commit (one round trip per put).
