@@ -13,8 +13,13 @@
 - ``registry``: 256 simulated workers register with `flowrl.registry.Registry`, take and finish
   tasks, and leave, round after round; the registry must be empty after each round and the
   traced memory must not grow from round to round.
-- ``store``: a simulated controller run (``engine="sim"``: real processes, sockets and shared
-  memory) whose store holds only a few micro-batches; reports whether it completed.
+- ``store``: simulated controller runs (``engine="sim"``: real processes, sockets and shared
+  memory). One with a store that holds only a few micro-batches (``--store-kib``, 32 KiB: about
+  two steps' samples and weights) must complete, with admission pausing for the store
+  (``store_pauses``, ``store_paused_s``) and its use never above capacity; one with a store too
+  small for a single step (16 KiB: four groups of one page each plus a page of weights do not
+  fit) must stop with an error naming the capacity (``store_small_error``, after
+  ``store_small_s`` seconds) instead of stalling.
 
     python bench/load.py            # 1,000,000 rows
     python bench/load.py --quick    # 100,000 rows; under a minute
@@ -204,12 +209,14 @@ def store_spec(capacity_bytes: int) -> PipelineSpec:
 
 async def store_at_capacity(capacity_bytes: int, *, steps: int = 6,
                             timeout_s: float = 20.0) -> dict[str, Any]:
-    """Run ``steps`` steps with a store of ``capacity_bytes``; whether it completed, the peak
-    store use seen in ``status()``, and whether the status ever showed admission paused."""
-    from flowrl.controller import Controller
+    """Run ``steps`` steps with a store of ``capacity_bytes``: whether it completed, or the
+    error that stopped it (``error``, after ``wall_s``); the peak store use seen in
+    ``status()``; how often and how long admission paused for the store."""
+    from flowrl.controller import Controller, RunError
 
     peak = 0
     paused_seen = False
+    error: str | None = None
     async with Controller(store_spec(capacity_bytes)) as ctl:
         def watch(_: dict[str, Any]) -> None:
             nonlocal peak, paused_seen
@@ -218,17 +225,28 @@ async def store_at_capacity(capacity_bytes: int, *, steps: int = 6,
             paused_seen |= bool(status.get("admission_paused_for_store"))
 
         ctl.on_step.append(watch)
+        t0 = time.perf_counter()
+        out: dict[str, Any] = {"version": ctl.version, "samples": None,
+                               "rows_trained_twice": None}
         try:
             out = await ctl.run(steps, timeout_s=timeout_s)
             completed = True
         except TimeoutError:
-            out = {"version": ctl.version, "samples": None, "rows_trained_twice": None}
             completed = False
+            error = f"timed out after {timeout_s}s at version {ctl.version}"
+        except RunError as exc:
+            completed = False
+            error = str(exc)
+        wall = time.perf_counter() - t0
+        out["version"] = ctl.version
         status = ctl.status()
-    return {"capacity_bytes": capacity_bytes, "completed": completed,
-            "version": out["version"], "samples": out["samples"],
+    bp = status["store_backpressure"]
+    return {"capacity_bytes": capacity_bytes, "completed": completed, "error": error,
+            "wall_s": round(wall, 3), "version": out["version"], "samples": out["samples"],
             "rows_trained_twice": out["rows_trained_twice"], "errors": len(status["errors"]),
-            "peak_used_bytes": peak, "admission_paused_for_store": paused_seen}
+            "peak_used_bytes": peak,
+            "admission_paused_for_store": paused_seen or bp["pauses"] > 0,
+            "pauses": bp["pauses"], "paused_s": bp["paused_s"]}
 
 
 # ---- main ----------------------------------------------------------------------------------------
@@ -238,7 +256,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="100,000 rows (under a minute)")
     ap.add_argument("--rows", type=int, help="index rows (default 1,000,000; 100,000 quick)")
-    ap.add_argument("--no-store", action="store_true", help="skip the store run")
+    ap.add_argument("--no-store", action="store_true", help="skip the store runs")
+    ap.add_argument("--store-kib", type=int, default=32,
+                    help="capacity of the store that must complete (KiB; default 32)")
     args = ap.parse_args()
     rows = args.rows or (100_000 if args.quick else 1_000_000)
     mem = index_memory(rows)
@@ -256,8 +276,12 @@ def main() -> None:
         "registry_growth_bytes": churn["growth_bytes"],
     }
     if not args.no_store:
-        store = asyncio.run(store_at_capacity(16 << 10, timeout_s=6.0 if args.quick else 15.0))
+        store = asyncio.run(store_at_capacity(args.store_kib << 10,
+                                              timeout_s=15.0 if args.quick else 30.0))
         out |= {f"store_{k}": v for k, v in store.items()}
+        small = asyncio.run(store_at_capacity(16 << 10, steps=2, timeout_s=30.0))
+        out |= {"store_small_completed": small["completed"], "store_small_error": small["error"],
+                "store_small_s": small["wall_s"]}
     print(json.dumps(out))
 
 

@@ -14,10 +14,16 @@ Guarantees (the index guarantees the rest):
   max_staleness`` (staler rows are dropped and counted); with ``max_staleness = 0`` it is exactly
   synchronous on-policy training;
 - a dead worker (process exit or missed heartbeats) has its tasks failed at once, so their rows
-  are redone by others.
+  are redone by others;
+- with data-parallel trainer ranks (`flowrl.dp`) every rank gets a token-balanced share of every
+  step and exactly one step end; the step commits once all ranks reported it and agree on their
+  parameters. A rank that dies or fails a micro-batch stops the run, naming it.
 
 Bounds: a worker holds at most ``capacity + prefetch`` assigned tasks; admission holds at most
-``(max_staleness + 1) * groups_per_step`` groups ahead of the trainer.
+``(max_staleness + 1) * groups_per_step`` groups ahead of the trainer, and admits groups for
+later steps than the next only while the sample store has room for them under
+``store_high_water`` (`flowrl.backpressure`); a run stuck on a store too small for one step
+stops with an error naming the capacity instead of waiting.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from typing import TYPE_CHECKING, Any, cast
 import structlog
 
 from flowrl import messages as m
+from flowrl.backpressure import StoreBackpressure
+from flowrl.dp import RankShares, StepDivergence, merge_step_ends
 from flowrl.events import EventBus, Span
 from flowrl.graph import StageSpec
 from flowrl.index import Index, Task
@@ -46,7 +54,7 @@ from flowrl.registry import Registry, WorkerInfo
 from flowrl.resume import RunState, TrainedPositions, write_state
 from flowrl.staleness import StalenessGate
 from transport.endpoints import ipc_endpoint, new_run_id, remove_run_dir, run_dir
-from transport.handles import looks_like_handle
+from transport.handles import ITEMSIZE, looks_like_handle
 from transport.pubsub import Publisher
 from transport.rpc import RpcClient, RpcServer
 
@@ -112,8 +120,20 @@ class Controller:
         self._admitted = 0
         self._data_pos = 0  # the next new dataset position
         self._train_step = 0  # step the next train micro-batch belongs to
+        self._step_attempt = 0  # bumped whenever a step's micro-batches are given back
         self._train_groups_in_step = 0
         self._step_tasks: list[int] = []  # train tasks done but not yet committed
+        train_pool = spec.pool(self._train_stage.role) if self._train_stage else None
+        #: how a step is shared among data-parallel trainer ranks (None: one trainer).
+        self._dp: RankShares[Task] | None = None
+        if self._train_stage is not None and train_pool is not None and train_pool.count > 1:
+            if train_pool.per_process != 1:
+                raise ValueError("data-parallel trainer ranks need a process each "
+                                 f"(per_process=1), got per_process={train_pool.per_process}")
+            self._dp = RankShares(train_pool.count, spec.groups_per_step,
+                                  self._train_stage.micro_batch)
+        #: step -> (its train tasks done, its ranks' step-end reports), until it commits.
+        self._dp_done: dict[int, tuple[list[int], list[dict[str, Any]]]] = {}
         self._assigned_done: dict[int, Task] = {}
         self._weights: dict[int, dict[str, Any]] = {}
         self._running = False  # a run() is in progress
@@ -141,8 +161,12 @@ class Controller:
         self.restarts = 0
         self._last_step_at = 0.0
         self.events = EventBus()
-        #: the node store's accounting, refreshed after every batch of frees.
+        #: the node store's accounting, refreshed after every batch of frees, while admission
+        #: waits for the store, and when the run has been quiet for `_STORE_CHECK_S`.
         self.store_stats: dict[str, Any] = {}
+        self._store_bp = StoreBackpressure(high_water=spec.store_high_water,
+                                           groups_per_step=spec.groups_per_step)
+        self._store_stats_wanted = False  # a refresh is queued in `_free_q`
         #: called with each step's metrics (the launcher prints them, the monitor streams them).
         self.on_step: list[Callable[[dict[str, Any]], None]] = []
         self._supervisor = Supervisor(self._on_child_exit)
@@ -499,7 +523,7 @@ class Controller:
         if self._steps_target and self.version >= self._steps_target:
             return
         n = self.spec.group_size
-        while self.gate.can_admit(self._admitted, self.version):
+        while self.gate.can_admit(self._admitted, self.version) and self._store_admits():
             step = self._admitted // self.spec.groups_per_step
             w = self.registry.least_loaded(stage.role, step - s)
             if w is None:
@@ -507,7 +531,8 @@ class Controller:
             positions: list[int] = []
             for _ in range(k):
                 step = self._admitted // self.spec.groups_per_step
-                if not self.gate.can_admit(self._admitted, self.version) or w.version < step - s:
+                if (not self.gate.can_admit(self._admitted, self.version)
+                        or w.version < step - s or not self._store_admits()):
                     break
                 if self._redo:
                     pos = self._redo.popleft()
@@ -523,6 +548,9 @@ class Controller:
             self._assign(w, task, {"data_pos": positions})
 
     def _dispatch_train(self, stage: StageSpec) -> None:
+        if self._dp is not None:
+            self._dispatch_train_ranks(stage, self._dp)
+            return
         g = self.spec.groups_per_step
         while self._train_step < self._steps_target:
             w = self.registry.least_loaded(stage.role)
@@ -537,10 +565,52 @@ class Controller:
                 return
             self._train_groups_in_step += len(task.groups)
             end = self._train_groups_in_step >= g
-            self._assign(w, task, {"step": self._train_step, "step_end": end})
+            self._assign(w, task, self._train_params(end))
             if end:
                 self._train_step += 1
                 self._train_groups_in_step = 0
+
+    def _dispatch_train_ranks(self, stage: StageSpec, dp: RankShares[Task]) -> None:
+        """`_dispatch_train` for data-parallel ranks (`flowrl.dp`): streamed micro-batches go
+        to the rank given the fewest tokens this step; the step's last groups go one to every
+        rank, each ending that rank's step."""
+        slots = self.registry.tasks_per_slot
+        while self._train_step < self._steps_target:
+            ranks = self.registry.of_role(stage.role)
+            if len(ranks) < dp.ranks:
+                return  # every rank takes part in every step
+            w: WorkerInfo | None = None
+            if not dp.closing(self._train_groups_in_step):
+                room = {r.worker_id: r for r in ranks if len(r.tasks) < r.capacity * slots}
+                chosen = dp.choose(list(room))
+                if chosen is None:
+                    return
+                w = room[chosen]
+            min_version = self.gate.min_train_version(self._train_step)
+            task = self.index.request(stage.name, dp.want(self._train_groups_in_step),
+                                      min_version=min_version,
+                                      worker=None if w is None else w.worker_id)
+            self._drop_stale()
+            if task is None:
+                return
+            self._train_groups_in_step += len(task.groups)
+            if w is not None:
+                dp.add(w.worker_id, task.tokens)
+                self._assign(w, task, self._train_params(False))
+                continue
+            placed = dp.hold(task, task.tokens, [r.worker_id for r in ranks])
+            if placed is None:
+                continue
+            for worker_id, held in placed:
+                info = self.registry.get(worker_id)
+                assert info is not None  # listed above, in this same pass
+                self._assign(info, held, self._train_params(True))
+            self._train_step += 1
+            self._train_groups_in_step = 0
+
+    def _train_params(self, step_end: bool) -> dict[str, Any]:
+        """What a train task tells its trainer: the step, whether it ends it, which attempt."""
+        return {"step": self._train_step, "step_end": step_end, "attempt": self._step_attempt}
 
     def _drop_stale(self) -> None:
         for gid in self.index.take_stale():
@@ -630,6 +700,7 @@ class Controller:
         self._log().info("worker up", worker=info.worker_id, name=info.name, node=info.node)
         self.events.emit("worker_up", worker=info.worker_id, role=role, node=info.node,
                          name=info.name)
+        self._notify()  # `wait_for` predicates may ask for a worker (a restarted one)
         return {"worker_id": info.worker_id, "version": self.version, "weights": latest}
 
     async def _on_heartbeat(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
@@ -666,9 +737,12 @@ class Controller:
         fields: dict[str, list[Any]] = p["fields"]
         lengths: list[int] = list(p.get("lengths") or [])
         if task.stage == (self._train_stage.name if self._train_stage else None):
-            self._step_tasks.append(task.id)
-            if a.params.get("step_end"):
-                self._commit_step(p)
+            if self._dp is not None:
+                self._rank_done(a, p)
+            else:
+                self._step_tasks.append(task.id)
+                if a.params.get("step_end"):
+                    self._commit_step(p)
         else:
             produced = {k: v for k, v in fields.items()}
             retired = self.index.complete(task.id, produced, version=p.get("version"),
@@ -677,6 +751,24 @@ class Controller:
                 self._free_q.put_nowait(retired)
         self._wake()
         return {"ok": True}
+
+    def _rank_done(self, a: _Assigned, p: dict[str, Any]) -> None:
+        """A data-parallel rank trained a micro-batch. A step commits once every rank reported
+        its end (`flowrl.dp.merge_step_ends`); ranks may train the next step meanwhile."""
+        assert self._dp is not None
+        tasks, ends = self._dp_done.setdefault(int(a.params["step"]), ([], []))
+        tasks.append(a.task.id)
+        if a.params.get("step_end"):
+            ends.append(p)
+        while (done := self._dp_done.get(self.version)) and len(done[1]) == self._dp.ranks:
+            del self._dp_done[self.version]
+            try:
+                merged = merge_step_ends(done[1])
+            except StepDivergence as exc:
+                self._fail_run(RunError(str(exc)))
+                return
+            self._step_tasks = done[0]
+            self._commit_step(merged)
 
     def _commit_step(self, p: dict[str, Any]) -> None:
         """All micro-batches of a step are trained: commit them and publish the new version."""
@@ -785,6 +877,10 @@ class Controller:
             self.events.emit("error", **record)
             key = (a.task.stage, a.task.rows[0] if a.task.rows else -1)
             self._failures[key] += 1
+            if self._dp is not None and self._is_train(a):
+                self._fail_run(RunError(
+                    f"data-parallel trainer rank {_name_of(self.registry.get(a.worker))} failed "
+                    f"a micro-batch of step {a.params.get('step')}: {error}"))
             if self._failures[key] >= self.spec.max_task_failures:
                 self._fail_run(RunError(
                     f"stage {a.task.stage!r} failed {self._failures[key]} times on rows "
@@ -823,6 +919,10 @@ class Controller:
     def _abort_step(self, extra: list[int]) -> None:
         """The trainer lost its accumulated gradients: redo every micro-batch of the step."""
         step_tasks = [t for t, a in self._assigned.items() if self._is_train(a)]
+        if self._dp is not None:  # held for the closing round, or done on some ranks
+            step_tasks += [t.id for t in self._dp.new_step()]
+            step_tasks += [t for tasks, _ in self._dp_done.values() for t in tasks]
+            self._dp_done.clear()
         for task_id in [*extra, *self._step_tasks, *step_tasks]:
             self._assigned.pop(task_id, None)
             self._assigned_done.pop(task_id, None)
@@ -834,6 +934,8 @@ class Controller:
         self._step_tasks.clear()
         self._train_step = self.version
         self._train_groups_in_step = 0
+        # The redo is a new attempt: a trainer that kept gradients of the failed one drops them.
+        self._step_attempt += 1
 
     def _fail_task(self, task_id: int) -> None:
         freed = self.index.fail(task_id)
@@ -899,6 +1001,11 @@ class Controller:
                 self._fail_task(task_id)
         if self._train_stage is not None and info.role == self._train_stage.role:
             self._abort_step(lost_train)
+            if self._dp is not None and not self._stop.is_set():
+                self._fail_run(RunError(
+                    f"data-parallel trainer rank {info.name} went down ({why}); the other ranks "
+                    "cannot step without it and a rank does not rejoin a running group: resume "
+                    "the run from its last checkpoint"))
         self._wake()
 
     def _fail_run(self, error: RunError) -> None:
@@ -918,7 +1025,8 @@ class Controller:
             return
         for info in self.registry.by_pid(child.pid):
             self._worker_gone(info.worker_id, f"process {child.pid} exited with code {code}")
-        if self._stop.is_set() or child.expected_exit or child.name not in self._worker_procs:
+        if (self._stop.is_set() or child.expected_exit or child.name not in self._worker_procs
+                or self._fatal is not None):
             return
         n = self._restarts[child.name] = self._restarts[child.name] + 1
         if n > self.spec.max_restarts:
@@ -927,7 +1035,8 @@ class Controller:
                 f"worker process {child.name} died {n} times (last exit code {code}"
                 f"{': ' + last if last else ''}); max_restarts is {self.spec.max_restarts}"))
             return
-        delay = self.spec.restart_backoff_s * 2 ** (n - 1)
+        # Capped: with a high max_restarts, doubling alone would reach hours.
+        delay = min(self.spec.restart_backoff_s * 2 ** (n - 1), _MAX_RESTART_BACKOFF_S)
         self._log().warning("restarting worker process", process=child.name, attempt=n,
                             delay_s=delay)
         self._restart_q.put_nowait((child.name, delay))
@@ -953,17 +1062,92 @@ class Controller:
             for info in self.registry.expired(self._now()):
                 self._worker_gone(info.worker_id, "missed heartbeats")
 
+    # ---- store backpressure (`flowrl.backpressure` decides; these feed it) ---------------
+
+    def _store_admits(self) -> bool:
+        """Whether the store has room for one more group (always for the next step's)."""
+        untrained = self._admitted - self.version * self.spec.groups_per_step
+        was_paused = self._store_bp.paused
+        if self._store_bp.admits(untrained, time.perf_counter()):
+            if was_paused:
+                self.events.emit("store_resumed", version=self.version)
+            return True
+        if not was_paused and self._store_bp.paused:
+            self.events.emit("store_paused", version=self.version,
+                             **self._store_bp.statistics(time.perf_counter()))
+        self._want_store_stats()  # the refresh wakes the scheduler if there is room by then
+        return False
+
+    def _want_store_stats(self) -> None:
+        """Have `_free_loop` refresh `store_stats` (at most one refresh queued)."""
+        if not self._store_stats_wanted:
+            self._store_stats_wanted = True
+            self._free_q.put_nowait([])
+
+    def _landed_groups(self) -> int:
+        """Live groups whose data the first stage has written into the store."""
+        stage = self.index.statistics().stages.get(self._source_stage.name)
+        return 0 if stage is None else stage.done // max(1, self.spec.group_size)
+
+    async def _refresh_store_stats(self) -> None:
+        assert self._store is not None
+        landed = self._landed_groups()  # before the call: bytes per group err high
+        self.store_stats = await self._store.call("stats", {}, timeout=10.0)
+        self._store_bp.observe(self.store_stats, landed)
+        untrained = self._admitted - self.version * self.spec.groups_per_step
+        if self._store_bp.room(untrained) and self.gate.can_admit(self._admitted, self.version):
+            self._wake()  # admission waited for this
+
+    def _progress_mark(self) -> tuple[int, ...]:
+        """Changes whenever the run moves: a task starts or ends, a step commits, a group is
+        admitted, a worker comes or goes, memory is freed."""
+        ended = sum(w.done + w.failed for w in self.registry.all())
+        return (self.version, ended, self._started_tasks(), len(self.registry),
+                len(self._assigned), self.worker_deaths, self.restarts, self._admitted,
+                self._store_bp.free_batches)
+
+    def _started_tasks(self) -> int:
+        return sum(1 for a in self._assigned.values() if a.started_at)
+
+    async def _check_store_stall(self) -> None:
+        """The run has been quiet: stop it if it is stuck on a store too small for a step."""
+        if (self._store is None or not self._running or self._paused or self._fatal is not None
+                or self._stop.is_set()):
+            return
+        mark = self._progress_mark()
+        await self._refresh_store_stats()
+        now = time.perf_counter()
+        if (self._store_bp.stalled(mark, self._started_tasks(), now)
+                and mark == self._progress_mark()):
+            latest = self._weights.get(self.version) or {}
+            weights = sum(_handle_bytes(h) for h, _shape in latest.values()) or None
+            self._fail_run(RunError(self._store_bp.too_small(weights_bytes=weights, now=now)))
+
     async def _free_loop(self) -> None:
+        """Frees what the index retired, refreshes `store_stats` after frees and on request,
+        and looks for a stuck store when nothing arrived for `_STORE_CHECK_S` (a deadline
+        that any free or refresh pushes back; a look costs one ``stats`` call)."""
         while True:
-            handles = await self._free_q.get()
+            try:
+                async with asyncio.timeout(_STORE_CHECK_S):
+                    handles = await self._free_q.get()
+            except TimeoutError:
+                try:
+                    await self._check_store_stall()
+                except Exception as exc:
+                    self._log().warning("store check failed", error=repr(exc))
+                continue
             while not self._free_q.empty():  # batch what piled up
                 handles.extend(self._free_q.get_nowait())
+            wanted, self._store_stats_wanted = self._store_stats_wanted, False
             # Inline field values (prompt positions, rewards) hold no memory; handles are lists.
             handles = [h for h in handles if looks_like_handle(h)]
-            if self._store is not None and handles:
+            if self._store is not None and (handles or wanted):
                 try:
-                    await self._store.call("free", {"handles": handles}, timeout=10.0)
-                    self.store_stats = await self._store.call("stats", {}, timeout=10.0)
+                    if handles:
+                        await self._store.call("free", {"handles": handles}, timeout=10.0)
+                        self._store_bp.free_batches += 1
+                    await self._refresh_store_stats()
                 except Exception as exc:
                     self._log().warning("store free failed", error=repr(exc),
                                         handles=len(handles))
@@ -1020,6 +1204,8 @@ class Controller:
             "reward_mean": last.get("reward_mean"),
             "stale_dropped": self.stale_dropped,
             "store": self.store_stats,
+            "admission_paused_for_store": self._store_bp.paused,
+            "store_backpressure": self._store_bp.statistics(time.perf_counter()),
             "worker_deaths": self.worker_deaths,
             "restarts": self.restarts,
             "errors": list(self.errors),
@@ -1046,12 +1232,31 @@ class Controller:
         return firsts[0]
 
 
+#: the store is looked at after this long without a free or a refresh: often enough to stop a
+#: run stuck on a too-small store within seconds (`StoreBackpressure.stall_s` after the first
+#: look), and one ``stats`` call a second costs nothing.
+_STORE_CHECK_S = 1.0
+
+
+def _handle_bytes(h: Any) -> int:
+    """Bytes of one store handle as it travels ([node, segment, offset, dtype, shape])."""
+    if not looks_like_handle(h):
+        return 0
+    return math.prod(int(d) for d in h[4]) * ITEMSIZE.get(str(h[3]), 1)
+
+
 # ---- request validation (a malformed request is answered with an error and changes nothing) --
 
 #: the most tasks one worker may run at once (a bound on what one registration can claim).
 _MAX_CAPACITY = 1024
 #: the longest long poll a worker may ask for.
 _MAX_WAIT_S = 600.0
+#: the longest wait before a dead worker process is restarted.
+_MAX_RESTART_BACKOFF_S = 30.0
+
+
+def _name_of(info: WorkerInfo | None) -> str:
+    return "(gone)" if info is None else info.name
 
 
 def _str(p: Any, key: str) -> str:

@@ -180,6 +180,8 @@ class _Agent:
         _stop_on_signals(self.stop)
         join = await self._call(OP_JOIN, {"node": self.node, "pid": os.getpid()})
         if join is None:
+            if self.stop.is_set():
+                return  # stopped before the controller ever answered
             raise TransportError(f"no controller answered at {self.args.controller}")
         self.run_id = str(join["run_id"])
         self.broadcast = str(join["broadcast"])
@@ -222,6 +224,8 @@ class _Agent:
             try:
                 reply = await self.ctl.call(op, payload, timeout=wait_s + CALL_SLACK_S)
             except DeadlineExceeded as exc:  # any other error is a refusal: raised as is
+                if self.stop.is_set():  # SIGTERM while the controller does not answer
+                    return None
                 if time.monotonic() - self.last_answer > self.args.orphan_s:
                     log.warning("controller gone; exiting", node=self.node, error=repr(exc))
                     return None

@@ -19,14 +19,17 @@ Guarantees:
   `PipelineSpec` whose ``engine_config`` is plain JSON (it travels on worker command lines).
 - The monitor token is a `SecretStr`: it is never shown by ``repr``/``str``/``model_dump_json``,
   input values are hidden in validation errors, and it is never put in ``engine_config``.
-- Filesystem checks (model directory, data file, reward file) run only for local placement with a
-  real engine, where the controller's filesystem is the workers' filesystem.
+- Filesystem checks (model directory, data file, reward file) run only for local placement on
+  one node with a real engine, where the controller's filesystem is the workers' filesystem.
+- ``placement.roles`` names only roles the run has, each with at least one node; nodes other
+  than the controller's need ``placement.cluster`` (with a key file) unless Ray places them.
 
 Imports nothing heavy (pydantic and the standard library), so `workers` may import it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import math
 import os
@@ -36,6 +39,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -54,11 +58,14 @@ __all__ = [
     "TINY_MODEL",
     "AlgorithmConfig",
     "ArithmeticConfig",
+    "ClusterSettings",
     "CriticConfig",
     "DataConfig",
     "ModelConfig",
     "MonitorConfig",
     "PlacementConfig",
+    "RayConfig",
+    "RayResources",
     "Recipe",
     "RewardConfig",
     "RolloutConfig",
@@ -422,13 +429,20 @@ class TrainerConfig(_Section):
     threads: int = Field(default=1, ge=1, le=1024)
     """torch threads per trainer rank."""
     ranks: int = Field(default=1, ge=1, le=4096)
-    """Data-parallel trainer processes."""
+    """Data-parallel trainer processes on the controller's node (gloo on CPUs, NCCL/HCCL on
+    devices): each trains a token-balanced share of every step and the ranks take each
+    optimizer step together (`flowrl.dp`, `workers.roles.dp_trainer`)."""
 
     @model_validator(mode="after")
     def _micro_fits(self) -> TrainerConfig:
         if self.micro_batch_groups > self.groups_per_step:
             raise _rule("micro_batch_groups", f"{self.micro_batch_groups} is larger than "
                         f"groups_per_step={self.groups_per_step}")
+        if self.micro_batch_groups * self.ranks > self.groups_per_step:
+            raise _rule("micro_batch_groups", f"{self.micro_batch_groups} groups per micro-batch "
+                        f"on ranks={self.ranks} need groups_per_step >= "
+                        f"{self.micro_batch_groups * self.ranks} (every rank trains a share of "
+                        f"every step), got {self.groups_per_step}")
         return self
 
 
@@ -534,23 +548,153 @@ class SimConfig(_Section):
     """float32 weights published after each step (weight-sync traffic)."""
 
 
+CONTROLLER_NODE = "node0"
+"""The controller's own node; `PlacementConfig.roles` may name it (its processes run there)."""
+
+ROLES = ("rollout", "reward", "reference", "critic", "train")
+"""Every worker role a recipe may run (which ones a recipe runs: `Recipe.roles`)."""
+
+class _FrozenDict(dict[str, Any]):
+    """A dict that cannot change and hashes by content, so a frozen recipe stays hashable."""
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(sorted(self.items())))
+
+    def _frozen(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("recipe mappings are immutable")
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _frozen
+    __ior__ = _frozen
+
+    def __copy__(self) -> _FrozenDict:
+        return self  # immutable: a copy would be the same
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _FrozenDict:
+        return self
+
+
+def _freeze(v: dict[str, Any]) -> dict[str, Any]:
+    return _FrozenDict(v)
+
+
+_NODE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
+
+
+class ClusterSettings(_Section):
+    """Where the controller meets the node agents of other nodes (``flowrl.node.ClusterConfig``);
+    every tcp link is encrypted with the run's CurveZMQ keys."""
+
+    host: str = Field(default="127.0.0.1", min_length=1)
+    """Address the controller binds and agents connect to."""
+    port: int = Field(default=0, ge=0, le=65535)
+    """Port of the controller's endpoint; 0 picks a free one (logged at start)."""
+    keys_file: _PathText | None = None
+    """Where the controller writes the run's fresh keys (mode 0600; the file must not exist) for
+    agents started by hand; Ray-placed agents get them from the controller directly."""
+    join_timeout_s: float = Field(default=120.0, gt=0.0, le=86400.0)
+    """How long the start waits for every agent to join."""
+
+
+class RayResources(_Section):
+    """What a node agent's Ray actor requests; the node's workers run inside that reservation
+    (with ``num_gpus``, Ray's ``CUDA_VISIBLE_DEVICES`` reaches them)."""
+
+    num_cpus: float = Field(default=1.0, ge=0.0)
+    """CPUs reserved for the node's agent and workers."""
+    num_gpus: float = Field(default=0.0, ge=0.0)
+    """GPUs reserved for the node's workers."""
+    resources: Annotated[dict[str, float], AfterValidator(_freeze)] = Field(
+        default_factory=dict)
+    """Custom resources, e.g. ``{"NPU": 8}`` or a label that pins the agent to one Ray node."""
+
+    @field_validator("resources")
+    @classmethod
+    def _non_negative(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = sorted(k for k, n in v.items() if not k or not n >= 0.0)
+        if bad:
+            raise ValueError(f"resources need a name and an amount >= 0: {bad}")
+        return v
+
+
+class RayConfig(_Section):
+    """Ray placement (``placement.kind="ray"``): one node agent per node as a Ray actor."""
+
+    address: str | None = None
+    """``ray.init`` address (``"auto"``, ``"ray://host:10001"``); None joins the cluster Ray
+    finds (``RAY_ADDRESS``) or starts a local one. Unused when Ray is already initialized."""
+    agent: RayResources = Field(default_factory=RayResources)
+    """What every agent's actor requests, unless `nodes` says otherwise for its node."""
+    nodes: Annotated[dict[str, RayResources], AfterValidator(_freeze)] = Field(
+        default_factory=dict)
+    """Per node name: what that node's actor requests instead of `agent`."""
+
+
 class PlacementConfig(_Section):
     """Where processes run and how the controller watches them."""
 
     kind: Literal["local", "ray"] = "local"
-    """``local`` subprocesses on this machine, or Ray-placed node agents and workers."""
+    """``local``: the controller starts its own node's processes, and the agents of other nodes
+    `roles` names are started by hand (``python -m flowrl.node``); ``ray``: those agents are
+    started as Ray actors (`ray`)."""
     nodes: int = Field(default=1, ge=1, le=4096)
-    """Nodes (one node agent and one shared-memory store each); local placement has one."""
+    """Nodes (one node agent and one shared-memory store each); local placement has one. With
+    `roles`, implied by it: leave it out."""
+    roles: Annotated[dict[str, tuple[str, ...]], AfterValidator(_freeze)] = Field(
+        default_factory=dict)
+    """Role → the nodes its processes run on (process ``p`` on ``nodes[p % len(nodes)]``); a
+    role not named runs on the controller's node (``"node0"``)."""
+    cluster: ClusterSettings | None = None
+    """Where agents of other nodes meet the controller; required when `roles` names another
+    node and `kind` is ``local``."""
+    ray: RayConfig = Field(default_factory=RayConfig)
+    """Ray placement settings; only with ``kind="ray"``."""
     store_capacity_mb: int = Field(default=1024, ge=1, le=1 << 24)
     """Shared-memory sample store per node, in MiB."""
     heartbeat_timeout_s: float = Field(default=10.0, ge=3.0, le=3600.0)
     """A worker silent this long is declared dead (heartbeats are sent every second)."""
+    max_restarts: int = Field(default=3, ge=0, le=10_000)
+    """Restarts of one worker process after it died (after 0.5 s, doubling per death, at most
+    30 s); one more death stops the run."""
 
     @model_validator(mode="after")
     def _local_is_one_node(self) -> PlacementConfig:
-        if self.kind == "local" and self.nodes != 1:
+        if self.kind == "local" and self.nodes != 1 and not self.roles:
             raise _rule("nodes", f"local placement runs on one node, got nodes={self.nodes}")
         return self
+
+    @model_validator(mode="after")
+    def _roles_and_nodes(self) -> PlacementConfig:
+        for role, nodes in self.roles.items():
+            if role not in ROLES:
+                raise _rule(f"roles.{role}", f"unknown role; roles are {', '.join(ROLES)}")
+            if not nodes:
+                raise _rule(f"roles.{role}", "empty node list (leave the role out to run it on "
+                            "the controller's node)")
+            bad = [n for n in nodes if not n or not set(n) <= _NODE_CHARS or len(n) > 64]
+            if bad:
+                raise _rule(f"roles.{role}", f"bad node names {bad}: use 1-64 letters, digits, "
+                            "'_', '.' or '-'")
+        if self.roles and "nodes" in self.model_fields_set:
+            raise _rule("nodes", "implied by roles; leave it out")
+        if self.kind != "ray" and "ray" in self.model_fields_set:
+            raise _rule("ray", f"Ray settings given but kind is {self.kind!r}, not 'ray'")
+        unknown = sorted(set(self.ray.nodes) - set(self.remote_nodes))
+        if unknown:
+            raise _rule(f"ray.nodes.{unknown[0]}", f"not a node roles places on (have "
+                        f"{self.remote_nodes})")
+        if self.kind == "local" and self.remote_nodes:
+            if self.cluster is None:
+                raise _rule("cluster", f"required: roles places processes on "
+                            f"{self.remote_nodes}, whose agents meet the controller there")
+            if self.cluster.keys_file is None:
+                raise _rule("cluster.keys_file", "required: agents started by hand read the "
+                            "run's keys from it")
+        return self
+
+    @property
+    def remote_nodes(self) -> list[str]:
+        """The nodes `roles` names other than the controller's, sorted."""
+        return sorted({n for nodes in self.roles.values() for n in nodes} - {CONTROLLER_NODE})
 
 
 # ---- the recipe ---------------------------------------------------------------------------------
@@ -601,13 +745,23 @@ class Recipe(_Section):
                         f"{self.algorithm.name!r}, not 'ppo'")
         if self.checkpoint_every and self.output is None:
             raise _rule("checkpoint_every", "needs output (a directory to write checkpoints to)")
+        if sim and self.trainer.ranks > 1:
+            raise _rule("trainer.ranks", "simulated trainers do not all-reduce; data-parallel "
+                        "ranks need rollout.engine 'hf' or 'vllm'")
+        if self.trainer.ranks > 1 and len(set(self.placement.roles.get("train", ()))) > 1:
+            raise _rule("placement.roles.train", "data-parallel trainer ranks meet through a "
+                        "file in their node's run directory: place them on one node")
         if not sim and self.model.path == TINY_MODEL:
             longest = self.data.max_prompt_tokens + self.rollout.max_new_tokens
             if longest > self.model.tiny.max_positions:
                 raise _rule("rollout.max_new_tokens", f"data.max_prompt_tokens + "
                             f"rollout.max_new_tokens = {longest} exceeds "
                             f"model.tiny.max_positions = {self.model.tiny.max_positions}")
-        if not sim and self.placement.kind == "local":
+        unrun = sorted(set(self.placement.roles) - set(self.roles))
+        if unrun:
+            raise _rule(f"placement.roles.{unrun[0]}", f"this run has no {unrun[0]} workers "
+                        f"(its roles: {', '.join(self.roles)})")
+        if not sim and self.placement.kind == "local" and not self.placement.remote_nodes:
             self._check_local_paths()
         return self
 
@@ -631,6 +785,12 @@ class Recipe(_Section):
             return DEFAULT_TIS_CAP if self.max_staleness > 0 else None
         assert not isinstance(cap, str)
         return cap
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The worker roles this run has (the pools of `to_pipeline`)."""
+        return tuple(r for r in ROLES if (r != "reference" or self.uses_reference)
+                     and (r != "critic" or self.uses_critic))
 
     @property
     def uses_critic(self) -> bool:
@@ -667,6 +827,8 @@ class Recipe(_Section):
         if self.uses_critic:
             pools.append(PoolSpec("critic", count=1, threads=self.critic.threads))
         pools.append(PoolSpec("train", count=self.trainer.ranks, threads=self.trainer.threads))
+        pools = [dataclasses.replace(p, nodes=self.placement.roles.get(p.role, ()))
+                 for p in pools]
         stages = ppo_stages if self.uses_critic else grpo_stages
         return PipelineSpec(
             stages=stages(group_size=group, train_micro_groups=self.trainer.micro_batch_groups,
@@ -680,6 +842,7 @@ class Recipe(_Section):
             engine_config=self.sim_cost() if sim else self.engine_config(),
             store_capacity_bytes=self.placement.store_capacity_mb << 20,
             heartbeat_timeout_s=self.placement.heartbeat_timeout_s,
+            max_restarts=self.placement.max_restarts,
             output=(str(self.output) if self.output is not None and self.checkpoint_every
                     and not sim else None),
             seed=self.seed,
@@ -716,6 +879,8 @@ class Recipe(_Section):
             "rollout": {"dtype": self.rollout.dtype},
             "reward": self.reward.model_dump(mode="json", exclude={"workers"}),
             "trainer": self.trainer.model_dump(mode="json", exclude={"threads", "ranks"}),
+            **({"data_parallel": {"world": self.trainer.ranks}} if self.trainer.ranks > 1
+               else {}),
             **({"critic": self.critic.model_dump(mode="json", exclude={"threads"})}
                if self.uses_critic else {}),
             "max_staleness": self.max_staleness,

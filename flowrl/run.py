@@ -7,20 +7,22 @@ running loop works: nothing here calls ``asyncio.run`` or installs an event-loop
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 from flowrl.controller import Controller
+from flowrl.node import ClusterConfig
 from flowrl.pipeline import PipelineSpec
-from flowrl.recipe import TINY_MODEL, Recipe
-from flowrl.resume import latest_checkpoint
+from flowrl.recipe import CONTROLLER_NODE, TINY_MODEL, ClusterSettings, Recipe
+from flowrl.resume import RunState, latest_checkpoint
 
 
 def cache_dir() -> Path:
@@ -66,6 +68,43 @@ def compile_recipe(recipe: Recipe, *, resume: Path | None = None) -> PipelineSpe
     return spec
 
 
+def cluster_config(recipe: Recipe, *, host: str | None = None) -> ClusterConfig | None:
+    """``placement.cluster`` as the controller's `ClusterConfig`; None when every role runs on
+    the controller's node. ``host`` replaces the default address (not one the recipe gives)."""
+    placement = recipe.placement
+    if not placement.remote_nodes:
+        return None
+    c = placement.cluster or ClusterSettings()
+    return ClusterConfig(
+        host=host if host is not None and "host" not in c.model_fields_set else c.host,
+        port=c.port, keys_file=None if c.keys_file is None else Path(c.keys_file),
+        join_timeout_s=c.join_timeout_s)
+
+
+@contextlib.asynccontextmanager
+async def placed_controller(
+    recipe: Recipe, spec: PipelineSpec, *, monitor: bool = True, resume: RunState | None = None,
+) -> AsyncIterator[Controller]:
+    """The recipe's controller, started with its workers placed as ``placement`` says; with
+    Ray placement, the other nodes' agents run as Ray actors (`flowrl.ray_placement`), which
+    go after the controller has closed (its stop broadcast lets them leave on their own)."""
+    async with contextlib.AsyncExitStack() as stack:
+        agents = None
+        if recipe.placement.kind == "ray" and recipe.placement.remote_nodes:
+            from flowrl.ray_placement import RayAgents  # Ray loads only when placed by it
+
+            agents = await stack.enter_async_context(RayAgents(recipe.placement.ray))
+        ctl = Controller(spec, node=CONTROLLER_NODE, monitor=recipe.monitor if monitor else None,
+                         resume=resume, cluster=cluster_config(
+                             recipe, host=None if agents is None else agents.host))
+        stack.push_async_callback(ctl.aclose)  # also when the start fails half-way
+        if agents is None:
+            await ctl.start()
+        else:
+            await agents.start_controller(ctl)
+        yield ctl
+
+
 async def run_recipe(
     recipe: Recipe, *, on_step: Callable[[dict[str, Any]], None] | None = None,
     steps: int | None = None, monitor: bool = True,
@@ -93,8 +132,7 @@ async def run_recipe(
         loop.add_signal_handler(signal.SIGTERM, me.cancel)
         handled = True
     try:
-        async with Controller(spec, monitor=recipe.monitor if monitor else None,
-                              resume=state) as ctl:
+        async with placed_controller(recipe, spec, monitor=monitor, resume=state) as ctl:
             if on_start is not None:
                 on_start(ctl)
             if on_step is not None:

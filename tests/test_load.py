@@ -65,14 +65,36 @@ def test_registry_churn_leaves_nothing_behind() -> None:
     assert max(after[1:]) - min(after[1:]) < 4096, after
 
 
-@pytest.mark.xfail(strict=True, reason="PipelineSpec.store_high_water is not enforced: a full "
-                   "store blocks the workers' puts and the run stalls instead of pausing "
-                   "admission")
+# A store of 32 KiB holds about two steps of the store spec's data (a group's rollout is one
+# 4 KiB segment, a weight version another); 16 KiB cannot hold one step (four groups and the
+# weights: five segments).
+SMALL_STORE = 32 << 10
+TOO_SMALL_STORE = 16 << 10
+
+
 @pytest.mark.timeout(60)
-async def test_a_store_at_capacity_pauses_admission_and_completes() -> None:
-    out = await store_at_capacity(16 << 10, steps=4, timeout_s=6.0)
-    assert out["completed"]
+async def test_a_small_store_pauses_admission_and_completes() -> None:
+    out = await store_at_capacity(SMALL_STORE, steps=4, timeout_s=15.0)
+    assert out["completed"], out["error"]
     assert out["version"] == 4
     assert out["rows_trained_twice"] == 0
     assert out["errors"] == 0
+    # Admission waited for the store (later steps' groups), and the store never overflowed.
     assert out["admission_paused_for_store"]
+    assert out["pauses"] >= 1
+    assert 0 < out["peak_used_bytes"] <= SMALL_STORE
+
+
+@pytest.mark.timeout(60)
+async def test_a_store_too_small_for_a_step_stops_the_run_with_its_capacity() -> None:
+    out = await store_at_capacity(TOO_SMALL_STORE, steps=2, timeout_s=40.0)
+    assert not out["completed"]
+    error = out["error"]
+    assert error is not None
+    assert not error.startswith("timed out"), error
+    assert f"{TOO_SMALL_STORE}-byte capacity" in error
+    assert "put(s) have waited" in error
+    assert "placement.store_capacity_mb" in error
+    # Stopped by the stall check (6 s without progress, looked at every 1 s), not the timeout.
+    assert out["wall_s"] < 20.0
+    assert out["version"] == 0

@@ -350,6 +350,36 @@ async def test_streamed_accumulation_equals_the_concatenated_batch(
     assert abs(sum(naive) / 2 - want["loss"]) > 1e-4
 
 
+async def test_a_redone_step_drops_the_gradients_of_its_failed_attempt(model_dir: Path) -> None:
+    # Attempt 0 accumulated one micro-batch, then the step was given back (another of its
+    # micro-batches failed); attempt 1 redoes the step with the same groups.
+    first, second = synthetic_groups([3, 3], seed=1), synthetic_groups([3], seed=2)
+    gids_first, gids_second = [0, 0, 0, 1, 1, 1], [2, 2, 2]
+    settings = TrainSettings(algorithm="grpo")
+
+    async def step(engine: SpyEngine, attempts: Sequence[int]) -> None:
+        role = TrainerRole(engine, settings, pad_token_id=PAD)
+        for n, attempt in enumerate(attempts):
+            await role.run(task(6, gids_first, stage="train",
+                                params={"step": 0, "step_end": False, "attempt": attempt}), first)
+            if n == len(attempts) - 1:
+                await role.run(task(3, gids_second, stage="train",
+                                    params={"step": 0, "step_end": True, "attempt": attempt}),
+                               second)
+
+    redone = SpyEngine(model_dir, lr=1e-3, device="cpu", dtype=torch.float64)
+    await step(redone, [0, 1])
+    clean = SpyEngine(model_dir, lr=1e-3, device="cpu", dtype=torch.float64)
+    await step(clean, [0])
+    assert redone.grads.keys() == clean.grads.keys()
+    for name, g in clean.grads.items():
+        torch.testing.assert_close(redone.grads[name], g, atol=1e-9, rtol=1e-9, msg=name)
+    # Without the attempt the failed micro-batch would count twice: the check can fail.
+    doubled = SpyEngine(model_dir, lr=1e-3, device="cpu", dtype=torch.float64)
+    await step(doubled, [0, 0])
+    assert any(not torch.allclose(doubled.grads[n], g) for n, g in clean.grads.items())
+
+
 def mean_logprob(engine: TorchTrainerEngine, inputs: dict[str, list[Any]],
                  rows: Sequence[int]) -> float:
     batch = SequenceBatch.from_rows([inputs["prompt_ids"][r] for r in rows],

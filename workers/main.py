@@ -70,9 +70,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def serve(args: argparse.Namespace) -> None:
     from transport.curve import CurveKeys
+    from transport.endpoints import run_dir
     from transport.store_server import StoreClient
+    from workers.distributed import for_process
 
-    config = json.loads(args.engine_config)
+    config = for_process(json.loads(args.engine_config), role=args.role, name=args.name,
+                         run_dir=run_dir(args.run_id))
     keys = CurveKeys.from_env()  # the run's keys, when it spans nodes
     store = StoreClient(args.run_id, args.node, args.store, peers=json.loads(args.peers),
                         curve=keys)

@@ -72,7 +72,11 @@ class RoleOutput:
 
 
 class Role(Protocol):
-    """What a worker runs. Heavy compute must not block the event loop."""
+    """What a worker runs. Heavy compute must not block the event loop.
+
+    A role whose class sets ``loads_weights = False`` (reward, reference, critic) does not
+    serve the policy: new versions neither fetch weights nor pause its tasks at a safe point.
+    """
 
     async def run(self, task: m.TaskMsg, inputs: dict[str, list[Any]]) -> RoleOutput: ...
 
@@ -344,6 +348,9 @@ class Worker:
     async def _switch_version(self, version: int, weights: Mapping[str, Any]) -> None:
         """Load ``version`` at a safe point: no task in flight, none starting meanwhile."""
         if version <= self.version:
+            return
+        if not getattr(self.role, "loads_weights", True):
+            self.version = version  # what its heartbeats and logs show; nothing to load
             return
         self._gate.clear()
         try:

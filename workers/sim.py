@@ -101,6 +101,9 @@ class SimRollout:
 class SimReward:
     """A reward that depends on the response length, so groups have non-zero variance."""
 
+    #: serves no policy (see `workers.runtime.Role`)
+    loads_weights = False
+
     def __init__(self, cost: SimCost, seed: int) -> None:
         self.cost = cost
 
@@ -114,6 +117,9 @@ class SimReward:
 
 
 class SimReference:
+    #: serves no policy (see `workers.runtime.Role`)
+    loads_weights = False
+
     def __init__(self, cost: SimCost, seed: int) -> None:
         self.cost = cost
 
@@ -128,6 +134,9 @@ class SimReference:
 
 class SimCritic:
     """PPO's critic: values, advantages and returns per response token."""
+
+    #: serves no policy (see `workers.runtime.Role`)
+    loads_weights = False
 
     def __init__(self, cost: SimCost, seed: int) -> None:
         self.cost = cost

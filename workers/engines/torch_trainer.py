@@ -13,7 +13,8 @@ Guarantees:
 - Checkpoints carry no pickle: `state_dict` is flat tensors plus JSON metadata
   (`TrainerState.save` writes safetensors + JSON); weights go through `save_pretrained`.
 
-Multi-rank data parallelism (FSDP / DDP) is a later engine behind the same protocol.
+Data parallelism over several ranks wraps this engine in `workers.roles.dp_trainer` (one
+gradient all-reduce per step, every rank holding the whole model); FSDP is not implemented.
 """
 
 from __future__ import annotations
@@ -162,6 +163,11 @@ class TorchTrainerEngine:
         out = {"loss": float(loss.detach()), "response_tokens": float(batch.num_response_tokens)}
         out.update({k: float(v) for k, v in metrics.items()})
         return out
+
+    def discard_gradients(self) -> None:
+        """Forget what the micro-batches since the last optimizer step accumulated."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._pending = 0
 
     def optimizer_step(self) -> dict[str, float]:
         if self._pending == 0:

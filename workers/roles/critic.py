@@ -114,6 +114,9 @@ class _Batch:
 class CriticRole:
     """Serves the critic stage with one `ValueModelEngine`; see the module docstring."""
 
+    #: its own value model; new policy versions do not concern it
+    loads_weights = False
+
     def __init__(
         self, engine: ValueModelEngine, settings: CriticSettings, *, pad_token_id: int
     ) -> None:

@@ -200,23 +200,33 @@ def _critic(config: dict[str, Any], path: Path, seed: int) -> Role:
 
 
 def _trainer(config: dict[str, Any], path: Path, seed: int) -> Role:
+    from workers.devices import pick_device
+    from workers.distributed import DataParallel
     from workers.engines.torch_trainer import TorchTrainerEngine
     from workers.roles.trainer import TrainerRole, TrainSettings
 
     settings = TrainSettings.from_config(config)
     t = config["trainer"]
     betas = t.get("betas", (0.9, 0.999))
+    group = DataParallel.from_config(config)  # trainer.ranks > 1: this process is one rank
     engine = TorchTrainerEngine(
         path, lr=float(t["lr"]), weight_decay=float(t["weight_decay"]),
         betas=(float(betas[0]), float(betas[1])),
         grad_clip=None if t.get("grad_clip") is None else float(t["grad_clip"]),
         warmup_steps=int(t["warmup_steps"]), seed=seed,
+        device=None if group is None else group.device(pick_device()),
     )
     resume = config.get("resume")
     if resume:  # the checkpoint's optimizer state (its weights are the model path already)
         from workers.engines.protocols import TrainerState
 
         engine.load_state_dict(TrainerState.load(resume["checkpoint"]))
+    if group is not None:
+        from workers.roles.dp_trainer import DataParallelTrainerRole
+
+        group.join(engine.device)  # waits for every rank (at most the group's timeout)
+        return DataParallelTrainerRole(engine, settings, pad_token_id=_pad_id(engine.model),
+                                       group=group, version=start_version(config))
     return TrainerRole(engine, settings, pad_token_id=_pad_id(engine.model),
                        version=start_version(config))
 

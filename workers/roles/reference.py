@@ -26,6 +26,9 @@ __all__ = ["ReferenceRole"]
 
 
 class ReferenceRole:
+    #: the reference policy is frozen at version 0
+    loads_weights = False
+
     def __init__(self, engine: TrainerEngine, *, temperature: float, pad_token_id: int) -> None:
         self.engine = engine
         self.temperature = temperature

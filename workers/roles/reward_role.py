@@ -29,6 +29,9 @@ log = structlog.get_logger("flowrl.reward")
 
 
 class RewardRole:
+    #: scores text: new policy versions do not concern it
+    loads_weights = False
+
     def __init__(self, runner: RewardRunner, tokenizer: Any, dataset: Dataset) -> None:
         self.runner = runner
         self.tokenizer = tokenizer

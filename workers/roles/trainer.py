@@ -59,7 +59,10 @@ from flowrl.algorithms import (
 from workers.engines.protocols import SequenceBatch, TrainerEngine, TrainerState
 from workers.runtime import RoleOutput
 
-__all__ = ["AdvantageName", "TrainBatch", "TrainSettings", "TrainerRole", "scale_gradients"]
+__all__ = [
+    "AdvantageName", "TrainBatch", "TrainSettings", "TrainerRole", "discard_gradients",
+    "scale_gradients",
+]
 
 log = structlog.get_logger("flowrl.trainer")
 
@@ -213,11 +216,26 @@ def scale_gradients(engine: TrainerEngine, factor: float) -> None:
                 p.grad.mul_(factor)
 
 
+def discard_gradients(engine: TrainerEngine) -> None:
+    """Drop the engine's accumulated gradients (its ``discard_gradients()`` when it has one,
+    else its torch ``model``'s ``zero_grad``)."""
+    method = getattr(engine, "discard_gradients", None)
+    if callable(method):
+        method()
+        return
+    model = getattr(engine, "model", None)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"{type(engine).__name__} has neither discard_gradients() nor a torch "
+                        "model")
+    model.zero_grad(set_to_none=True)
+
+
 @dataclass
 class _Step:
     """What the micro-batches of the current step have accumulated (sums, see module doc)."""
 
     step: int | None = None  # the controller's step number of these micro-batches
+    attempt: int = 0  # the controller's attempt at that step (bumped when a step is redone)
     micro_batches: int = 0
     loss: float = 0.0
     kl: float = 0.0
@@ -243,6 +261,9 @@ class TrainerRole:
         self.version = version
         self._step = _Step()
         self._lock = asyncio.Lock()  # one task (or weight load) at a time on the engine
+        #: whether a step's end exports the new weights (a data-parallel group exports once,
+        #: from rank 0: `workers.roles.dp_trainer`).
+        self.exports_weights = True
 
     async def run(self, task: m.TaskMsg, inputs: dict[str, list[Any]]) -> RoleOutput:
         async with self._lock:
@@ -252,13 +273,21 @@ class TrainerRole:
         batch = TrainBatch.from_inputs(inputs, task["row_groups"],
                                        pad_token_id=self.pad_token_id)
         params = task["params"]
-        step = params.get("step")
-        if self._step.micro_batches and step is not None and step != self._step.step:
+        step, attempt = params.get("step"), params.get("attempt", 0)
+        if self._step.micro_batches and attempt != self._step.attempt:
+            # The controller gave this step back (a micro-batch failed) and redoes all of it:
+            # what the failed attempt accumulated must not count twice.
+            log.warning("step redone: dropping the gradients of its failed attempt",
+                        step=step, micro_batches=self._step.micro_batches)
+            discard_gradients(self.engine)
+            self._step = _Step()
+        elif self._step.micro_batches and step is not None and step != self._step.step:
             # The controller ends every step with a step_end task; this means one went missing.
             log.warning("micro-batch of another step joins the accumulated gradients",
                         accumulating=self._step.step, task_step=step)
         metrics = self.accumulate(batch)
         self._step.step = step
+        self._step.attempt = attempt
         if not params.get("step_end", False):
             return RoleOutput(fields={}, metrics=metrics)
         return self.finish_step()
@@ -308,7 +337,7 @@ class TrainerRole:
         stats = self.engine.optimizer_step()
         self._step = _Step()
         self.version += 1
-        weights = self.engine.export_weights()
+        weights = self.engine.export_weights() if self.exports_weights else None
         metrics = {
             "loss": st.loss / denom,
             "grad_norm": stats["grad_norm"],

@@ -1,0 +1,242 @@
+"""Ray placement: the node agents of a run's other nodes, started as Ray actors.
+
+`RayAgents` starts one actor per node the controller waits for (`NodeHub.nodes`, i.e. the nodes
+``placement.roles`` names), each requesting what the recipe asks for that node (``num_cpus``,
+``num_gpus``, custom resources such as ``{"NPU": 8}`` or a label that pins it to one machine);
+Ray chooses the machine. The node's workers run inside that reservation: with ``num_gpus``,
+the ``CUDA_VISIBLE_DEVICES`` Ray gives the actor reaches them.
+
+Each actor runs the ordinary agent (the code of ``python -m flowrl.node --controller ...``) as
+its child process, not as a coroutine inside the actor, because:
+
+- it is the same program as an agent started by hand: one code path, tested both ways;
+- the agent installs signal handlers, which only a main thread may do (an async actor's event
+  loop runs in another thread);
+- it forks worker processes and owns shared memory: in its own process it can be stopped
+  politely (SIGTERM: it stops its workers, then removes its segments) whatever state the Ray
+  worker process is in.
+
+Guarantees:
+
+- The run's curve keys reach an actor through its constructor (Ray's own channel, as trusted
+  as the Ray cluster) and its agent through the environment (``FLOWRL_CURVE_KEYS``): never a
+  command line, never a file.
+- No agent outlives its actor, nor its workers the agent: Ray kills the processes of an actor
+  that dies (Ray 2.60 does, with SIGKILL), and the agent asks for a parent-death signal in case
+  Ray does not. An agent killed this way cannot remove its shared-memory segments:
+  ``python -m flowrl.cleanup`` removes those of dead owners. The normal end is polite: the
+  controller's stop broadcast, or `RayAgents.aclose`, lets agents stop their workers and remove
+  their segments before any actor is killed. An agent whose controller vanished leaves on its
+  own after ``orphan_s`` seconds.
+- `RayAgents.aclose` stops every agent (most have left already on the controller's stop
+  broadcast), kills every actor, and shuts Ray down when it was the one that started it.
+
+Ray is optional (``pip install 'flowrl[ray]'``) and imported only here, only when used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import ipaddress
+import os
+import signal
+import sys
+from typing import TYPE_CHECKING, Any, Final
+
+import structlog
+
+from flowrl.recipe import RayConfig, RayResources
+from transport.curve import ENV as KEYS_ENV
+
+if TYPE_CHECKING:
+    from flowrl.controller import Controller
+    from flowrl.node import NodeHub
+
+__all__ = ["RayAgents", "import_ray"]
+
+log = structlog.get_logger("flowrl.ray_placement")
+
+# Set in an agent's environment: the actor's pid, to catch an actor that died before the
+# agent asked to die with it.
+_PARENT_ENV: Final = "FLOWRL_AGENT_PARENT"
+
+
+def import_ray() -> Any:
+    """The ``ray`` module; ImportError saying how to install it when it is missing."""
+    try:
+        return importlib.import_module("ray")
+    except ImportError as exc:
+        raise ImportError("placement.kind='ray' needs Ray: pip install 'flowrl[ray]'") from exc
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _AgentActor:
+    """The Ray actor of one node: starts and stops that node's agent process."""
+
+    def __init__(self, node: str, controller: str, keys: str, host: str | None,
+                 orphan_s: float) -> None:
+        self.node = node
+        self.controller = controller
+        self.keys = keys
+        self.host = host or import_ray().util.get_node_ip_address()
+        self.orphan_s = orphan_s
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> dict[str, Any]:
+        """Start the agent; returns its pid and the address its store binds."""
+        argv = [sys.executable, "-m", "flowrl.ray_placement", "--controller", self.controller,
+                "--node", self.node, "--host", self.host, "--orphan-s", str(self.orphan_s)]
+        env = {**os.environ, KEYS_ENV: self.keys, _PARENT_ENV: str(os.getpid())}
+        self.proc = await asyncio.create_subprocess_exec(
+            *argv, env=env, stdin=asyncio.subprocess.DEVNULL)
+        return {"pid": self.proc.pid, "host": self.host}
+
+    async def stop(self, grace_s: float) -> int | None:
+        """Stop the agent (TERM, then KILL after `grace_s`); its exit code."""
+        proc = self.proc
+        if proc is None:
+            return None
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                async with asyncio.timeout(grace_s):
+                    await proc.wait()
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+        return await proc.wait()
+
+
+class RayAgents:
+    """Node agents as Ray actors for one run (an async context manager).
+
+    ``async with RayAgents(config) as agents``: joins Ray (``ray.init(address=config.address)``
+    unless Ray is initialized already); `host` is then this machine's address as Ray sees it.
+    `start_controller` starts the controller and the agents it waits for together; leaving the
+    context stops the agents and kills their actors. Close the controller first (`run_recipe`
+    does): its stop broadcast lets the agents leave on their own.
+    """
+
+    def __init__(self, config: RayConfig, *, orphan_s: float = 30.0,
+                 stop_s: float = 10.0) -> None:
+        self.config = config
+        self.orphan_s = orphan_s
+        #: how long an agent has to stop before it is killed.
+        self.stop_s = stop_s
+        self._ray: Any = None
+        self._owns_ray = False
+        self._actors: dict[str, Any] = {}
+        #: what each agent reported when it started: node -> {"pid", "host"}.
+        self.started: dict[str, dict[str, Any]] = {}
+
+    async def __aenter__(self) -> RayAgents:
+        ray = self._ray = import_ray()
+        if not ray.is_initialized():
+            # Seconds of blocking work, so off the loop; off the main thread, Ray also leaves the
+            # SIGTERM handler alone (run_recipe's stops the run cleanly, Ray included).
+            await asyncio.to_thread(ray.init, address=self.config.address)
+            self._owns_ray = True
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    @property
+    def host(self) -> str:
+        """This machine's address as Ray's nodes reach it (Ray's own choice)."""
+        return str(self._ray.util.get_node_ip_address())
+
+    def request(self, node: str) -> RayResources:
+        """What `node`'s actor requests."""
+        return self.config.nodes.get(node, self.config.agent)
+
+    async def start_controller(self, ctl: Controller) -> None:
+        """``await ctl.start()`` while the agents it waits for start; the first failure of
+        either is raised (the controller's join timeout bounds the wait for agents Ray
+        cannot place)."""
+        hub = ctl.nodes
+        if hub is None:  # every role on the controller's node: no agent to start
+            await ctl.start()
+            return
+        tasks = [asyncio.ensure_future(ctl.start()),
+                 asyncio.ensure_future(self._start(hub, ctl.run_id))]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in tasks:
+                exc = t.exception() if t.done() else None
+                if exc is not None:
+                    raise exc
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _start(self, hub: NodeHub, run_id: str) -> None:
+        ray = self._ray
+        endpoint = await hub.wait_listening()
+        # A controller on loopback means a one-machine run: the stores stay on loopback too.
+        host = "127.0.0.1" if _is_loopback(hub.config.host) else None
+        actor_cls = ray.remote(_AgentActor)
+        for node in hub.nodes:
+            req = self.request(node)
+            self._actors[node] = actor_cls.options(
+                name=f"flowrl-{run_id}-{node}", num_cpus=req.num_cpus, num_gpus=req.num_gpus,
+                resources=dict(req.resources), max_restarts=0,
+            ).remote(node, endpoint, hub.keys.to_json(), host, self.orphan_s)
+
+        async def start(node: str) -> None:
+            self.started[node] = await self._actors[node].start.remote()
+
+        await asyncio.gather(*(start(n) for n in self._actors))
+        log.info("ray placed node agents", run_id=run_id, agents=self.started)
+
+    async def aclose(self) -> None:
+        """Stop every agent, kill every actor, shut Ray down if this object started it."""
+        ray, actors = self._ray, self._actors
+        self._actors = {}
+        try:
+            # An actor Ray never placed has no agent to stop (and would never answer).
+            started = [n for n in actors if n in self.started]
+            if started:
+                stops = [actors[n].stop.remote(self.stop_s) for n in started]
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.stop_s + 5.0):
+                        codes = await asyncio.gather(*stops, return_exceptions=True)
+                        log.info("node agents stopped", codes=dict(
+                            zip(started, [c if isinstance(c, int | None) else repr(c)
+                                          for c in codes], strict=True)))
+        finally:
+            for a in actors.values():
+                ray.kill(a)  # the agent gets its parent-death signal, if it is still there
+            # A call to a killed actor fails once Ray has it dead (its resources released).
+            dead = [a.__ray_ready__.remote() for a in actors.values()]
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.stop_s):
+                    await asyncio.gather(*dead, return_exceptions=True)
+            if self._owns_ray:
+                self._owns_ray = False
+                await asyncio.to_thread(ray.shutdown)
+
+
+def _agent_main() -> None:
+    """An agent started by its actor: ``python -m flowrl.node`` that dies with the actor."""
+    from flowrl.node import main
+    from workers.lifecycle import die_with_parent
+
+    die_with_parent()
+    if str(os.getppid()) != os.environ.get(_PARENT_ENV, str(os.getppid())):
+        sys.exit("the agent's actor is gone")
+    main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    _agent_main()

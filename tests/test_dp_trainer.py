@@ -1,0 +1,362 @@
+"""Data-parallel trainer ranks: exactness against one process, the controller's sharing of a
+step among the ranks, a real two-rank run, a lost rank, and the recipe's rules.
+
+The rank processes are real (``python tests/test_dp_trainer.py rank ...`` joins a gloo group
+through a file store) and exchange results through safetensors and JSON files, not pickle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import random
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from pydantic import ValidationError
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from flowrl.controller import Controller, RunError
+from flowrl.dp import RankShares, StepDivergence, merge_step_ends, pair_closing
+from flowrl.recipe import (
+    AlgorithmConfig,
+    ClusterSettings,
+    DataConfig,
+    ModelConfig,
+    PlacementConfig,
+    Recipe,
+    RewardConfig,
+    RolloutConfig,
+    TrainerConfig,
+)
+from workers.distributed import DataParallel, for_process
+from workers.engines import TorchTrainerEngine
+from workers.roles.trainer import TrainerRole, TrainSettings
+from workers.tiny_model import build_tiny_model
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parents[1]
+PAD = 1
+MAX_NEW = 8
+LR = 1e-3
+SETTINGS = TrainSettings(algorithm="grpo", loss_agg="token-mean", kl_coef=0.05, tis_cap=1.5,
+                         max_new_tokens=MAX_NEW * 2)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("dp") / "tiny", vocab_size=300)
+
+
+# ---- the exact step: two gloo ranks against one process ------------------------------------------
+
+
+def synthetic_groups(sizes: Sequence[int], seed: int) -> dict[str, list[Any]]:
+    """Groups of varied prompt and response lengths with rewards, rollout and ref logprobs."""
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, list[Any]] = {k: [] for k in ("prompt_ids", "response_ids", "rollout_logprobs",
+                                                 "ref_logprobs", "reward")}
+    for n in sizes:
+        prompt = torch.randint(2, 300, (int(torch.randint(2, 9, (1,), generator=g)),),
+                               generator=g)
+        for _ in range(n):
+            length = int(torch.randint(1, MAX_NEW * 2 + 1, (1,), generator=g))
+            out["prompt_ids"].append(prompt)
+            out["response_ids"].append(torch.randint(2, 300, (length,), generator=g))
+            out["rollout_logprobs"].append(-5.7 + 0.5 * torch.randn(length, generator=g))
+            out["ref_logprobs"].append(-5.7 + 0.3 * torch.randn(length, generator=g))
+            out["reward"].append(float(torch.rand(1, generator=g)))
+    return out
+
+
+#: each rank's micro-batches: (group sizes, data seed); the shares differ in rows and tokens,
+#: so a rank normalising by its own count (or averaging the ranks) is measurably wrong.
+SHARES: dict[int, list[tuple[list[int], int]]] = {0: [([3, 3], 1), ([3], 2)], 1: [([4], 3)]}
+
+
+def micro_batches(rank: int) -> list[tuple[dict[str, list[Any]], list[int]]]:
+    out = []
+    for sizes, seed in SHARES[rank]:
+        row_groups = [g for g, n in enumerate(sizes) for _ in range(n)]
+        out.append((synthetic_groups(sizes, seed), row_groups))
+    return out
+
+
+def train_task(rows: int, row_groups: Sequence[int], *, end: bool) -> Any:
+    return {"task_id": 1, "stage": "train", "rows": list(range(rows)),
+            "groups": sorted(set(row_groups)), "row_groups": list(row_groups), "inputs": {},
+            "params": {"step": 0, "step_end": end}}
+
+
+class SpyEngine(TorchTrainerEngine):
+    """Keeps the gradients the optimizer step sees (normalised, before clipping)."""
+
+    grads: dict[str, Tensor]
+
+    def optimizer_step(self) -> dict[str, float]:
+        self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters()
+                      if p.grad is not None}
+        return super().optimizer_step()
+
+
+async def one_step(role: TrainerRole,
+                   batches: Sequence[tuple[dict[str, list[Any]], list[int]]]) -> dict[str, float]:
+    for i, (inputs, groups) in enumerate(batches):
+        out = await role.run(train_task(len(groups), groups, end=i == len(batches) - 1), inputs)
+    assert out.version == 1
+    return out.metrics
+
+
+def rank_main(rank: int, store: str, model: str, out_dir: str) -> None:
+    """One rank of the exactness test, in its own process."""
+    from workers.roles.dp_trainer import DataParallelTrainerRole
+
+    torch.set_num_threads(1)
+    group = DataParallel(rank=rank, world=2, init_method=f"file://{store}", timeout_s=90)
+    # Another seed on each rank: the role must give every rank rank 0's parameters.
+    engine = SpyEngine(model, lr=LR, device="cpu", dtype=torch.float64, seed=rank)
+    group.join(engine.device)
+    role = DataParallelTrainerRole(engine, SETTINGS, pad_token_id=PAD, group=group)
+    metrics = asyncio.run(one_step(role, micro_batches(rank)))
+    params = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    out = Path(out_dir)
+    save_file(params, str(out / f"params{rank}.safetensors"))
+    save_file(engine.grads, str(out / f"grads{rank}.safetensors"))
+    (out / f"metrics{rank}.json").write_text(json.dumps(metrics))
+    DataParallel.leave()
+
+
+def concat(*parts: Mapping[str, list[Any]]) -> dict[str, list[Any]]:
+    return {k: [v for p in parts for v in p[k]] for k in parts[0]}
+
+
+async def single_process_step(
+    model_dir: Path, batches: Sequence[tuple[dict[str, list[Any]], list[int]]],
+) -> tuple[SpyEngine, dict[str, float]]:
+    """One trainer stepping on ``batches`` concatenated into one micro-batch."""
+    groups: list[int] = []
+    for _, gids in batches:
+        groups += [max(groups, default=-1) + 1 + g for g in gids]
+    engine = SpyEngine(model_dir, lr=LR, device="cpu", dtype=torch.float64)
+    role = TrainerRole(engine, SETTINGS, pad_token_id=PAD)
+    metrics = await one_step(role, [(concat(*(b for b, _ in batches)), groups)])
+    return engine, metrics
+
+
+@pytest.mark.timeout(120)
+async def test_two_gloo_ranks_take_exactly_the_single_process_step(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    ranks = [await asyncio.create_subprocess_exec(
+        sys.executable, __file__, "rank", str(r), str(tmp_path / "store"), str(model_dir),
+        str(tmp_path), cwd=ROOT, env=env, stderr=asyncio.subprocess.PIPE) for r in (0, 1)]
+    try:
+        # The reference steps meanwhile: the same rows, one process, one micro-batch; and
+        # each rank's share alone (for the check below that the test can fail).
+        whole, want = await single_process_step(model_dir, micro_batches(0) + micro_batches(1))
+        own = [await single_process_step(model_dir, micro_batches(r)) for r in (0, 1)]
+        for r in ranks:
+            async with asyncio.timeout(100):
+                _, err = await r.communicate()
+            assert r.returncode == 0, err.decode()[-3000:]
+    finally:
+        for r in ranks:
+            if r.returncode is None:
+                r.kill()
+                await r.wait()
+    params = [load_file(str(tmp_path / f"params{r}.safetensors")) for r in (0, 1)]
+    grads = [load_file(str(tmp_path / f"grads{r}.safetensors")) for r in (0, 1)]
+    metrics = [json.loads((tmp_path / f"metrics{r}.json").read_text()) for r in (0, 1)]
+    # The ranks hold bit-identical parameters after the step, and say so.
+    assert params[0].keys() == params[1].keys()
+    assert all(torch.equal(params[0][n], params[1][n]) for n in params[0])
+    assert metrics[0]["param_checksum"] == metrics[1]["param_checksum"]
+    assert (metrics[0]["rank_tokens"] + metrics[1]["rank_tokens"]) == want["tokens"]
+    # ... and they equal one process's step on the whole batch.
+    reference = dict(whole.model.named_parameters())
+    assert grads[0].keys() == whole.grads.keys()
+    for name, g in whole.grads.items():
+        torch.testing.assert_close(grads[0][name], g, atol=1e-6, rtol=1e-6, msg=name)
+        torch.testing.assert_close(params[0][name], reference[name].detach(), atol=1e-6,
+                                   rtol=1e-6, msg=name)
+    for key in ("loss", "kl", "tis_mean", "grad_norm", "tokens", "seqs", "reward_mean"):
+        assert metrics[0][key] == pytest.approx(want[key], abs=1e-6, rel=1e-6), key
+
+    # The check can fail: averaging the ranks' own normalised gradients (DDP's mean over
+    # per-rank mean losses) is not the step's gradient when the ranks' token counts differ.
+    name = next(iter(whole.grads))
+    naive = (own[0][0].grads[name] + own[1][0].grads[name]) / 2
+    assert float((naive - whole.grads[name]).abs().max()) > 1e-4
+
+
+# ---- the controller's share of a step (pure) ---------------------------------------------------
+
+
+def test_closing_pairs_minimise_the_largest_rank_load() -> None:
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(2, 5)
+        loads = {f"r{i}": rng.randint(0, 50) for i in range(n)}
+        items = [(i, rng.randint(1, 40)) for i in range(n)]
+        placed = dict(pair_closing(loads, items))
+        assert sorted(placed.values()) == list(range(n))  # one item per rank
+        tokens = dict(items)
+        got = max(loads[r] + tokens[i] for r, i in placed.items())
+        best = min(max(loads[r] + tokens[i] for r, i in zip(loads, perm, strict=True))
+                   for perm in itertools.permutations(range(n)))
+        assert got == best
+    with pytest.raises(ValueError, match="one each"):
+        pair_closing({"a": 0, "b": 0}, [(0, 1)])
+
+
+@pytest.mark.parametrize(("ranks", "groups", "micro"), [(2, 4, 2), (2, 8, 3), (3, 9, 1),
+                                                         (4, 4, 1), (2, 16, 8)])
+def test_every_rank_gets_a_share_and_one_step_end(ranks: int, groups: int, micro: int) -> None:
+    rng = random.Random(ranks * 100 + groups)
+    shares: RankShares[int] = RankShares(ranks, groups, micro)
+    names = [f"train-{r}" for r in range(ranks)]
+    for _step in range(5):
+        given: dict[str, list[int]] = {r: [] for r in names}
+        ends: dict[str, int] = dict.fromkeys(names, 0)
+        tokens: dict[str, int] = dict.fromkeys(names, 0)
+        in_step = 0
+        while in_step < groups:
+            k = shares.want(in_step)
+            assert 1 <= k <= micro
+            task_tokens = sum(rng.randint(1, 50) for _ in range(k))
+            if not shares.closing(in_step):
+                rank = shares.choose(names)
+                assert rank is not None
+                assert tokens[rank] == min(tokens.values())  # the least loaded rank
+                shares.add(rank, task_tokens)
+                given[rank].append(k)
+                tokens[rank] += task_tokens
+                in_step += k
+                continue
+            assert k == 1
+            in_step += 1
+            placed = shares.hold(len(shares.held), task_tokens, names)
+            if placed is None:
+                continue
+            assert in_step == groups
+            assert sorted(r for r, _ in placed) == sorted(names)
+            for rank, _item in placed:
+                given[rank].append(1)
+                ends[rank] += 1
+        assert sum(map(sum, given.values())) == groups
+        assert all(given[r] for r in names)
+        assert set(ends.values()) == {1}
+        assert shares.tokens == {}  # the next step starts afresh
+
+
+def test_step_ends_merge_only_when_the_ranks_agree() -> None:
+    def report(version: int, checksum: float, weights: bool, tokens: float) -> dict[str, Any]:
+        return {"version": version, "weights": {"w": [1]} if weights else None,
+                "metrics": {"loss": 0.5, "param_checksum": checksum, "rank_tokens": tokens}}
+
+    merged = merge_step_ends([report(1, 2.5, False, 30.0), report(1, 2.5, True, 10.0)])
+    assert merged["weights"] == {"w": [1]}
+    assert merged["metrics"]["ranks"] == 2.0
+    assert merged["metrics"]["rank_imbalance"] == pytest.approx(1.5)
+    assert "rank_tokens" not in merged["metrics"]
+    with pytest.raises(StepDivergence, match="diverged"):
+        merge_step_ends([report(1, 2.5, True, 1.0), report(1, 2.6, False, 1.0)])
+    with pytest.raises(StepDivergence, match="exactly one"):
+        merge_step_ends([report(1, 2.5, True, 1.0), report(1, 2.5, True, 1.0)])
+    with pytest.raises(StepDivergence, match="versions"):
+        merge_step_ends([report(1, 2.5, True, 1.0), report(2, 2.5, False, 1.0)])
+
+
+def test_a_rank_is_its_process_index() -> None:
+    config = {"data_parallel": {"world": 2}, "seed": 0}
+    got = for_process(config, role="train", name="train.1", run_dir=Path("/tmp/flowrl-x"))
+    group = DataParallel.from_config(got)
+    assert group is not None
+    assert (group.rank, group.world) == (1, 2)
+    assert group.init_method == "file:///tmp/flowrl-x/train-ranks.store"
+    assert for_process(config, role="rollout", name="rollout.0", run_dir=Path("/x")) == config
+    with pytest.raises(ValueError, match=r"train\.<rank>"):
+        for_process(config, role="train", name="trainer", run_dir=Path("/x"))
+    with pytest.raises(ValueError, match="loopback"):
+        DataParallel(rank=0, world=2, init_method="tcp://10.0.0.1:29500")
+
+
+# ---- the recipe --------------------------------------------------------------------------------
+
+
+def test_a_split_that_leaves_a_rank_idle_names_the_field() -> None:
+    with pytest.raises(ValidationError, match=r"micro_batch_groups") as excinfo:
+        TrainerConfig(ranks=4, groups_per_step=8, micro_batch_groups=4)
+    assert "ranks=4" in str(excinfo.value)
+    with pytest.raises(ValidationError, match=r"micro_batch_groups"):
+        TrainerConfig(ranks=3, groups_per_step=2)
+    with pytest.raises(ValidationError, match=r"trainer\.ranks"):
+        Recipe(steps=1, rollout=RolloutConfig(engine="sim"), trainer=TrainerConfig(ranks=2))
+    with pytest.raises(ValidationError, match=r"placement\.roles\.train"):
+        Recipe(steps=1, trainer=TrainerConfig(ranks=2, groups_per_step=4),
+               placement=PlacementConfig(roles={"train": ("a", "b")},
+                                         cluster=ClusterSettings(keys_file="/tmp/keys.json")))
+    spec = Recipe(steps=1, trainer=TrainerConfig(ranks=2, groups_per_step=4,
+                                                 micro_batch_groups=2)).to_pipeline()
+    assert spec.engine_config["data_parallel"]["world"] == 2
+    assert "data_parallel" not in Recipe(steps=1).to_pipeline().engine_config
+
+
+# ---- a real run with two ranks ------------------------------------------------------------------
+
+
+REWARD = """
+def response_length(prompt, response, *, answer, **_):
+    # Responses of one group earn different rewards, so the advantages are not all zero.
+    return float(len(response))
+"""
+
+
+@pytest.mark.timeout(120)
+async def test_a_two_rank_run_stays_in_sync_and_a_lost_rank_stops_it(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "reward.py").write_text(REWARD)
+    recipe = Recipe(
+        steps=3, model=ModelConfig(path=str(model_dir)), data=DataConfig(max_prompt_tokens=16),
+        algorithm=AlgorithmConfig(group_size=2),
+        reward=RewardConfig(fn=f"{tmp_path / 'reward.py'}:response_length"),
+        rollout=RolloutConfig(max_new_tokens=4, groups_per_task=2),
+        trainer=TrainerConfig(lr=1e-3, groups_per_step=4, micro_batch_groups=1, ranks=2),
+    )
+    async with Controller(recipe.to_pipeline()) as ctl:
+        out = await ctl.run(steps=recipe.steps, timeout_s=60)
+        assert out["version"] == 3
+        assert out["rows_trained_twice"] == 0
+        assert ctl.status()["errors"] == []
+        log = ctl.step_log
+        # Each step was committed from both ranks' ends, which agreed on their parameters
+        # (the controller stops the run when they do not), and the parameters moved.
+        assert [s["train_ranks"] for s in log] == [2.0] * 3
+        checksums = [s["train_param_checksum"] for s in log]
+        assert len(set(checksums)) == 3
+        assert all(s["train_rank_imbalance"] >= 1.0 for s in log)
+        assert all(s["train_tokens"] > 0 for s in log)
+        # One weight export per step (the controller refuses a step exported twice).
+        published = [e["version"] for e in ctl.events.recent if e["kind"] == "version"]
+        assert published == [1, 2, 3]
+
+        # A rank that dies mid-run stops it with an error naming the rank, not a hang.
+        rank1 = next(w for w in ctl.registry.of_role("train") if w.name.startswith("train.1"))
+        run = asyncio.ensure_future(ctl.run(steps=2, timeout_s=60))
+        ctl.kill_worker_process(rank1.pid)
+        with pytest.raises(RunError, match=r"rank train\.1"):
+            await run
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["rank"]:
+    rank_main(int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])

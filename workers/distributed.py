@@ -1,0 +1,205 @@
+"""The trainer ranks' process group: rendezvous, one gradient all-reduce per step, checksums.
+
+`DataParallel` describes one rank: its rank and world size, the backend (``gloo`` on a CPU,
+``nccl`` on CUDA, ``hccl`` on Ascend NPUs) and the rendezvous, a ``file://`` store inside the
+run's private directory (``/tmp/flowrl-<run_id>``, mode 0700), so nothing listens on a network
+port and every rank of a run finds the others without a port being chosen in advance. The ranks
+of a run are processes ``train.0 .. train.<N-1>`` on one node; a rank's number is its process
+index (`for_process`).
+
+`all_reduce_step` is what DDP does for a step whose micro-batches are accumulated locally
+(``no_sync`` on every micro-batch but the last): the ranks' gradient sums are added up in one
+collective per dtype, with the step's counts riding in a second (float64, exact for counts
+below 2**53), after which every rank holds the same gradients and counts. A parameter that no
+rank gave a gradient keeps none, as in a single process.
+
+A collective waits at most ``timeout_s``; a peer that dies makes it fail at once (its sockets
+close). Either way the step raises, the rank's task fails and the controller stops the run
+(ranks cannot rejoin a group mid-run; the run resumes from its last checkpoint).
+
+Verified on CPUs with gloo. NCCL and HCCL are named for devices and not exercised here; FSDP2
+(sharded parameters) is not implemented: every rank holds the whole model and optimizer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "RENDEZVOUS_FILE",
+    "DataParallel",
+    "all_reduce_step",
+    "backend_for",
+    "broadcast_parameters",
+    "for_process",
+    "parameter_checksum",
+]
+
+#: how long one collective (or the rendezvous) may wait for the other ranks.
+DEFAULT_TIMEOUT_S = 600.0
+#: the file store's name inside the run directory.
+RENDEZVOUS_FILE = "train-ranks.store"
+
+_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+
+def backend_for(device: torch.device) -> str:
+    """The collective backend of ``device``'s type: gloo, nccl or hccl."""
+    try:
+        return _BACKENDS[device.type]
+    except KeyError:
+        raise ValueError(f"no collective backend for device type {device.type!r}") from None
+
+
+def for_process(config: Mapping[str, Any], *, role: str, name: str,
+                run_dir: Path) -> dict[str, Any]:
+    """``config`` with this process's rank and rendezvous added to its ``data_parallel``
+    section, when ``role`` is ``train`` and the section exists (``trainer.ranks > 1``).
+
+    ``name`` is the process name the controller gives, ``train.<index>``.
+    """
+    section = config.get("data_parallel")
+    if role != "train" or not section:
+        return dict(config)
+    head, _, index = name.rpartition(".")
+    if head != "train" or not index.isdigit():
+        raise ValueError(f"a data-parallel trainer process must be named train.<rank>, "
+                         f"got {name!r}")
+    return {**config, "data_parallel": {
+        **section, "rank": int(index), "init_method": f"file://{run_dir / RENDEZVOUS_FILE}"}}
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """One trainer rank of a data-parallel group."""
+
+    rank: int
+    world: int
+    init_method: str
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    #: None: chosen from the device (`backend_for`).
+    backend: str | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.world >= 2 and 0 <= self.rank < self.world):
+            raise ValueError(f"data_parallel: rank {self.rank} of world {self.world}")
+        if not self.init_method.startswith(("file://", "tcp://127.0.0.1:", "tcp://[::1]:")):
+            raise ValueError(f"data_parallel.init_method must be a file:// store or a loopback "
+                             f"tcp:// address, got {self.init_method!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"data_parallel.timeout_s must be > 0, got {self.timeout_s}")
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> DataParallel | None:
+        """From a worker's config (see `for_process`); None without a ``data_parallel``
+        section."""
+        section = config.get("data_parallel")
+        if not section:
+            return None
+        backend = section.get("backend")
+        return cls(rank=int(section["rank"]), world=int(section["world"]),
+                   init_method=str(section["init_method"]),
+                   timeout_s=float(section.get("timeout_s", DEFAULT_TIMEOUT_S)),
+                   backend=None if backend in (None, "auto") else str(backend))
+
+    def device(self, base: torch.device) -> torch.device:
+        """This rank's device of ``base``'s type: accelerator ``rank % count``, or the CPU."""
+        if base.type == "cpu":
+            return base
+        module = getattr(torch, base.type)
+        return torch.device(base.type, self.rank % max(1, int(module.device_count())))
+
+    def join(self, device: torch.device) -> None:
+        """Meet the other ranks (blocks until all have joined, at most ``timeout_s``)."""
+        backend = self.backend or backend_for(device)
+        if backend == "gloo":
+            # Keep gloo's pairs on loopback: every rank runs on this node.
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        if device.type != "cpu":
+            getattr(torch, device.type).set_device(device)
+        dist.init_process_group(
+            backend, init_method=self.init_method, rank=self.rank, world_size=self.world,
+            timeout=datetime.timedelta(seconds=self.timeout_s))
+
+    @staticmethod
+    def leave() -> None:
+        """Leave the group (a no-op when this process never joined one)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def broadcast_parameters(params: Iterable[torch.nn.Parameter], src: int = 0) -> None:
+    """Give every rank ``src``'s parameter values (one collective per dtype), as DDP does
+    when it wraps a model: the ranks then start identical whatever their seeds."""
+    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    for p in params:
+        by_dtype.setdefault(p.dtype, []).append(p)
+    with torch.no_grad():
+        for group in by_dtype.values():
+            flat = _flat([p.detach() for p in group])
+            dist.broadcast(flat, src=src)
+            offset = 0
+            for p in group:
+                p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+
+def all_reduce_step(params: Sequence[torch.nn.Parameter], counts: Sequence[float]) -> list[float]:
+    """Sum the ranks' gradients of ``params`` in place and return the sums of ``counts``.
+
+    Every rank must pass the same parameters in the same order. Gradients are summed in one
+    flat buffer per dtype (a rank without a gradient for a parameter adds zeros); a parameter
+    left without a gradient on every rank keeps ``grad = None``.
+    """
+    if not params:
+        raise ValueError("no parameters to reduce")
+    device = params[0].device
+    has = [p.grad is not None for p in params]
+    # Counts and which parameters have gradients anywhere: one small float64 collective.
+    head = torch.tensor([*counts, *map(float, has)], dtype=torch.float64, device=device)
+    dist.all_reduce(head)
+    reduced = head.tolist()
+    sums, anywhere = reduced[:len(counts)], reduced[len(counts):]
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, p in enumerate(params):
+        if anywhere[i] > 0:
+            by_dtype.setdefault(p.dtype, []).append(i)
+    with torch.no_grad():
+        for idx in by_dtype.values():
+            grads = [params[i].grad for i in idx]
+            flat = _flat([g if g is not None else torch.zeros_like(params[i])
+                          for i, g in zip(idx, grads, strict=True)])
+            dist.all_reduce(flat)
+            offset = 0
+            for i in idx:
+                p = params[i]
+                value = flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if p.grad is None:
+                    p.grad = value.clone()
+                else:
+                    p.grad.copy_(value)
+    return sums
+
+
+def parameter_checksum(params: Iterable[torch.nn.Parameter]) -> float:
+    """A float64 sum of every parameter: equal on ranks that hold equal parameters (the same
+    kernels on the same values), so the controller can check that no rank drifted."""
+    with torch.no_grad():
+        total = torch.zeros((), dtype=torch.float64)
+        for p in params:
+            total += p.detach().to(torch.float64).sum().cpu()
+    return float(total)
