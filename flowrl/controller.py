@@ -1042,16 +1042,25 @@ class Controller:
         self._restart_q.put_nowait((child.name, delay))
 
     async def _restart_loop(self) -> None:
-        """Restarts dead worker processes after a backoff (bounded by ``max_restarts``)."""
-        while True:
-            name, delay = await self._restart_q.get()
-            await asyncio.sleep(delay)  # backoff timer, not a poll
-            if self._stop.is_set():
-                continue
-            role, proc_no, count, capacity, threads = self._worker_procs[name]
+        """Restarts dead worker processes, each after its own backoff (processes killed
+        together come back together; bounded by ``max_restarts``)."""
+        async with asyncio.TaskGroup() as tg:  # cancelled with the controller: so are these
+            while True:
+                name, delay = await self._restart_q.get()
+                tg.create_task(self._restart(name, delay), name=f"flowrl-restart-{name}")
+
+    async def _restart(self, name: str, delay: float) -> None:
+        await asyncio.sleep(delay)  # backoff timer, not a poll
+        if self._stop.is_set():
+            return
+        role, proc_no, count, capacity, threads = self._worker_procs[name]
+        try:
             await self._spawn_workers(role, proc_no, count, capacity, threads)
-            self.restarts += 1
-            self.events.emit("worker_restart", process=name)
+        except Exception as exc:  # a process that cannot start again ends the run, loudly
+            self._fail_run(RunError(f"could not restart worker process {name}: {exc!r}"))
+            return
+        self.restarts += 1
+        self.events.emit("worker_restart", process=name)
 
     async def _watchdog(self) -> None:
         while True:

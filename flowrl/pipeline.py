@@ -54,8 +54,8 @@ class PipelineSpec:
     prefetch: int = 1
     #: a micro-batch whose task fails this many times stops the run with the last error.
     max_task_failures: int = 3
-    #: a worker process that dies is restarted after ``restart_backoff_s * 2**(n-1)`` seconds,
-    #: at most this many times; one more death stops the run with the exit code.
+    #: a worker process that dies is restarted after ``restart_backoff_s * 2**(n-1)`` seconds
+    #: (at most 30 s), at most this many times; one more death stops the run with the exit code.
     max_restarts: int = 3
     restart_backoff_s: float = 0.5
     #: a worker that has not fetched and loaded a new version this long after reaching a safe

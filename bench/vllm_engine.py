@@ -2,7 +2,8 @@
 
 Runs in the vLLM venv (``make test-vllm`` builds ``.venv-vllm``)::
 
-    .venv-vllm/bin/python bench/vllm.py [--quick] [--threads 2] [--batch 32] [--new-tokens 32]
+    .venv-vllm/bin/python bench/vllm_engine.py [--quick] [--threads 2] [--batch 32]
+                                               [--new-tokens 32]
 
 Prints one JSON line:
 
@@ -33,11 +34,7 @@ from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):
-    # Run as a script, this file's directory comes first on sys.path and its name would
-    # shadow the vllm package: put the repository root there instead.
-    _here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]
-    sys.path.insert(0, str(_here.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _tokens_per_s(engine: Any, prompts: list[list[int]], params: Any, rounds: int) -> float:
