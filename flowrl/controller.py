@@ -53,10 +53,11 @@ from flowrl.procs import Child, Supervisor
 from flowrl.registry import Registry, WorkerInfo
 from flowrl.resume import RunState, TrainedPositions, write_state
 from flowrl.staleness import StalenessGate
-from transport.endpoints import ipc_endpoint, new_run_id, remove_run_dir, run_dir
+from transport.endpoints import ipc_endpoint, new_run_id, remove_run_dir
 from transport.handles import ITEMSIZE, looks_like_handle
 from transport.pubsub import Publisher
 from transport.rpc import RpcClient, RpcServer
+from transport.shm import claim_run_dir
 
 if TYPE_CHECKING:
     from pydantic import SecretStr
@@ -235,7 +236,8 @@ class Controller:
             self._monitor = MonitorServer(self, self.monitor_config)
             url = await self._monitor.start()
             self._log().info("monitor listening", url=url)
-        run_dir(self.run_id)
+        # Marked with this process, so that if it is killed the next start sweeps the directory.
+        claim_run_dir(self.run_id)
         self._server = RpcServer(ipc_endpoint(self.run_id, "ctl"), self._handlers())
         endpoint = self._endpoint = await self._server.start()
         hub = self._hub

@@ -49,6 +49,12 @@ def test_latest_checkpoint_is_the_newest_complete_one(tmp_path: Path) -> None:
         latest_checkpoint(tmp_path)
 
 
+def _run_leftovers() -> set[str]:
+    """flowrl shared-memory segments and run directories that exist now."""
+    return ({f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if n.startswith("flowrl-")}
+            | {f"/tmp/{n}" for n in os.listdir("/tmp") if n.startswith("flowrl-")})
+
+
 def _children(pid: int) -> list[psutil.Process]:
     try:
         return psutil.Process(pid).children(recursive=True)
@@ -60,6 +66,7 @@ def _children(pid: int) -> list[psutil.Process]:
 @pytest.mark.timeout(240)
 def test_sigkilled_launch_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "run"
+    before = _run_leftovers()
     args = [sys.executable, "-m", "flowrl.launch", "recipes/tiny_cpu.py", "--no-monitor",
             "--steps", "6", "--set", "checkpoint_every=2", "--set", "model.tiny.pretrain_steps=0",
             "--set", "trainer.groups_per_step=4", "--set", "trainer.micro_batch_groups=2",
@@ -94,6 +101,9 @@ def test_sigkilled_launch_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     summary = json.loads(lines[-1])
     assert summary["version"] == 6
     assert summary["rows_trained_twice"] == 0
+    # The killed run's shared memory and run directory were reclaimed by the new start; the new
+    # run removed its own.
+    assert _run_leftovers() - before == set()
     final = json.loads((out / "step_6" / STATE_FILE).read_text())
     # Every prompt group of the six steps trained exactly once, across the two controllers.
     assert final["trained_below"] == final["groups_trained"] == 6 * 4
