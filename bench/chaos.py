@@ -434,7 +434,7 @@ async def run_tiny(args: argparse.Namespace) -> dict[str, Any]:
         if out["completed"] and args.resume:
             checkpoint, state = latest_checkpoint(output)
             resumed = fast_restarts(
-                await asyncio.to_thread(compile_recipe, recipe, resume=checkpoint))
+                await asyncio.to_thread(compile_recipe, recipe, resume=(checkpoint, state)))
             out["resume"] = await resume(resumed, state, timeout_s=args.timeout)
         else:
             out["resume"] = {}

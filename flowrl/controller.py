@@ -209,8 +209,8 @@ class Controller:
         from its checkpoint (see `flowrl.run.compile_recipe`)."""
         self.version = self._train_step = state.version
         self._admitted = state.version * self.spec.groups_per_step
-        self._trained_pos = TrainedPositions(state.trained_below, state.trained_above)
-        self._trained_pos.count = state.groups_trained
+        self._trained_pos = TrainedPositions(state.trained_below, state.trained_above,
+                                             state.groups_trained)
         self._redo.extend(state.redo())
         self._data_pos = state.admitted_to
 
@@ -787,13 +787,13 @@ class Controller:
             task = self._assigned_done.pop(task_id)
             staleness.extend(self.version - (v or 0) for v in task.versions)
             self.gate.record_trained(task.versions, self.version)
-            rows_of = collections.Counter(self.index.row_group(r) for r in task.rows)
             for gid in task.groups:
                 self._group_step.pop(gid, None)
                 pos = self._group_pos.pop(gid, None)
                 # A group's dataset position trains once in a run (resumes included).
                 if pos is None or not self._trained_pos.add(pos):
-                    self.rows_trained_twice += rows_of[gid]
+                    self.rows_trained_twice += sum(
+                        1 for r in task.rows if self.index.row_group(r) == gid)
             self.rows_trained += len(task.rows)
             rewards.extend(float(r) for r in task.handles.get("reward", ()))
             samples += len(task.rows)

@@ -35,10 +35,11 @@ class TrainedPositions:
     run ahead), so memory stays bounded however long the run.
     """
 
-    def __init__(self, below: int = 0, above: Iterable[int] = ()) -> None:
+    def __init__(self, below: int = 0, above: Iterable[int] = (), count: int | None = None) -> None:
+        """``count``: positions trained so far, duplicates included (default: the set's size)."""
         self.below = below
         self.above: set[int] = set(above)
-        self.count = below + len(self.above)
+        self.count = below + len(self.above) if count is None else count
         self._compact()
 
     def add(self, position: int) -> bool:

@@ -49,21 +49,23 @@ def prepare_model(recipe: Recipe) -> Path | None:
     )
 
 
-def compile_recipe(recipe: Recipe, *, resume: Path | None = None) -> PipelineSpec:
+def compile_recipe(
+    recipe: Recipe, *, resume: tuple[Path, RunState] | None = None
+) -> PipelineSpec:
     """The recipe's pipeline with its model resolved to a local directory; with ``resume`` (a
-    complete checkpoint directory, `flowrl.resume.latest_checkpoint`), policy workers start
-    from that checkpoint — weights, optimizer state, version — and the reference model stays
-    the recipe's."""
+    complete checkpoint and its state, as `flowrl.resume.latest_checkpoint` returns them),
+    policy workers start from that checkpoint — weights, optimizer state, version — and the
+    reference model stays the recipe's."""
     spec = recipe.to_pipeline()
     model = prepare_model(recipe)
     if model is not None:
         config = dict(spec.engine_config)
         config["model"] = {**config["model"], "path": str(model)}
         if resume is not None:
-            state = latest_checkpoint(resume)[1]
-            config["model"] = {**config["model"], "path": str(resume),
+            checkpoint, state = resume
+            config["model"] = {**config["model"], "path": str(checkpoint),
                                "reference_path": str(model)}
-            config["resume"] = {"checkpoint": str(resume), "version": state.version}
+            config["resume"] = {"checkpoint": str(checkpoint), "version": state.version}
         spec = dataclasses.replace(spec, engine_config=config)
     return spec
 
@@ -118,12 +120,13 @@ async def run_recipe(
     ``monitor`` starts the recipe's HTTP monitor; ``on_start`` is called once the controller
     and its workers are up (the launcher prints the monitor's URL there).
     """
-    checkpoint, state = latest_checkpoint(resume) if resume is not None else (None, None)
+    found = latest_checkpoint(resume) if resume is not None else None
+    state = None if found is None else found[1]
     total = steps or recipe.steps
-    if state is not None and state.version >= total:
-        raise ValueError(f"--resume: {checkpoint} is at step {state.version} of {total}: "
+    if found is not None and found[1].version >= total:
+        raise ValueError(f"--resume: {found[0]} is at step {found[1].version} of {total}: "
                          "nothing left to train (raise --steps to train further)")
-    spec = await asyncio.to_thread(compile_recipe, recipe, resume=checkpoint)
+    spec = await asyncio.to_thread(compile_recipe, recipe, resume=found)
     me = asyncio.current_task()
     loop = asyncio.get_running_loop()
     handled = False

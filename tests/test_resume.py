@@ -3,6 +3,7 @@ mid-run then continued with ``--resume`` (the simulated resume is in test_contro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -49,10 +50,22 @@ def test_latest_checkpoint_is_the_newest_complete_one(tmp_path: Path) -> None:
         latest_checkpoint(tmp_path)
 
 
-def _run_leftovers() -> set[str]:
-    """flowrl shared-memory segments and run directories that exist now."""
-    return ({f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if n.startswith("flowrl-")}
-            | {f"/tmp/{n}" for n in os.listdir("/tmp") if n.startswith("flowrl-")})
+def _leftovers_of(run_ids: set[str]) -> set[str]:
+    """Shared-memory segments and run directories of these runs that exist now."""
+    prefixes = tuple(f"flowrl-{r}" for r in run_ids)
+    return ({f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if n.startswith(prefixes)}
+            | {f"/tmp/{n}" for n in os.listdir("/tmp") if n.startswith(prefixes)})
+
+
+def _run_ids(stderr: str) -> set[str]:
+    """Run ids named by the launcher's JSON log lines."""
+    ids = set()
+    for line in stderr.splitlines():
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            if isinstance(record, dict) and isinstance(record.get("run_id"), str):
+                ids.add(record["run_id"])
+    return ids
 
 
 def _children(pid: int) -> list[psutil.Process]:
@@ -66,12 +79,11 @@ def _children(pid: int) -> list[psutil.Process]:
 @pytest.mark.timeout(240)
 def test_sigkilled_launch_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    before = _run_leftovers()
     args = [sys.executable, "-m", "flowrl.launch", "recipes/tiny_cpu.py", "--no-monitor",
             "--steps", "6", "--set", "checkpoint_every=2", "--set", "model.tiny.pretrain_steps=0",
             "--set", "trainer.groups_per_step=4", "--set", "trainer.micro_batch_groups=2",
             "--set", "rollout.groups_per_task=2", "--set", "algorithm.group_size=4"]
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "FLOWRL_LOG_FORMAT": "json"}
     first = subprocess.Popen([*args, "--output", str(out)], cwd=ROOT, env=env, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     assert first.stdout is not None
@@ -82,6 +94,7 @@ def test_sigkilled_launch_resumes_from_its_checkpoint(tmp_path: Path) -> None:
         else:
             pytest.fail(f"the first run ended early with code {first.wait()}")
         children = _children(first.pid)
+        killed = {c.cmdline()[c.cmdline().index("--run-id") + 1] for c in children}
         first.send_signal(signal.SIGKILL)
     finally:
         first.kill()
@@ -90,6 +103,7 @@ def test_sigkilled_launch_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     # Orphans notice their parent is gone (parent-death signal) and exit.
     _gone, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, [p.pid for p in alive]
+    assert len(killed) == 1
     assert (out / "step_2" / STATE_FILE).is_file()
 
     done = subprocess.run([*args, "--resume", str(out)], cwd=ROOT, env=env, text=True,
@@ -103,7 +117,10 @@ def test_sigkilled_launch_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     assert summary["rows_trained_twice"] == 0
     # The killed run's shared memory and run directory were reclaimed by the new start; the new
     # run removed its own.
-    assert _run_leftovers() - before == set()
+    resumed = _run_ids(done.stderr)
+    assert len(resumed) == 1
+    assert resumed != killed
+    assert _leftovers_of(killed | resumed) == set()
     final = json.loads((out / "step_6" / STATE_FILE).read_text())
     # Every prompt group of the six steps trained exactly once, across the two controllers.
     assert final["trained_below"] == final["groups_trained"] == 6 * 4

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from workers.devices import pick_device
 from workers.engines.hf_rollout import _ForwardNames, load_causal_lm, tied_groups
 from workers.engines.protocols import LossFn, SequenceBatch, TrainerState, token_logprobs
 
-__all__ = ["TorchTrainerEngine"]
+__all__ = ["TorchTrainerEngine", "adamw", "clip_and_step"]
 
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -86,17 +86,8 @@ class TorchTrainerEngine:
         self._grad_clip = grad_clip
         # named_parameters() lists a tied weight once, so each tensor is optimised once.
         self._params = dict(self.model.named_parameters())
-        decay = [p for p in self._params.values() if p.dim() >= 2]
-        no_decay = [p for p in self._params.values() if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=lr,
-            betas=betas,
-            eps=eps,
-        )
+        self.optimizer = adamw(self._params.values(), lr=lr, weight_decay=weight_decay,
+                               betas=betas, eps=eps)
         self._step = 0
         self._skipped = 0
         self._pending = 0  # micro-batches accumulated since the last optimizer step
@@ -175,16 +166,11 @@ class TorchTrainerEngine:
         lr = self.lr_at(self._step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        params = list(self._params.values())
-        max_norm = self._grad_clip if self._grad_clip else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        skipped = not math.isfinite(grad_norm)
+        grad_norm, skipped = clip_and_step(self.optimizer, self._params.values(), self._grad_clip)
         if skipped:
             self._skipped += 1
         else:
-            self.optimizer.step()
             self._step += 1
-        self.optimizer.zero_grad(set_to_none=True)
         self._pending = 0
         return {"grad_norm": grad_norm, "lr": lr, "step": float(self._step),
                 "skipped": float(skipped)}
@@ -256,6 +242,34 @@ class TorchTrainerEngine:
             if src.is_file() and src.resolve() != (out / name).resolve():
                 shutil.copyfile(src, out / name)
         return out
+
+
+def adamw(
+    params: Iterable[torch.nn.Parameter], *, lr: float, weight_decay: float,
+    betas: tuple[float, float], eps: float,
+) -> torch.optim.AdamW:
+    """AdamW whose weight decay applies to matrices only (not biases or norms)."""
+    params = list(params)
+    return torch.optim.AdamW(
+        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+        lr=lr, betas=betas, eps=eps,
+    )
+
+
+def clip_and_step(
+    optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter],
+    grad_clip: float | None,
+) -> tuple[float, bool]:
+    """Clip the accumulated gradients to ``grad_clip`` (None or 0: no clip), step unless their
+    norm is not finite, zero them; returns (grad_norm before clipping, skipped)."""
+    max_norm = grad_clip if grad_clip else math.inf
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(list(params), max_norm))
+    skipped = not math.isfinite(grad_norm)
+    if not skipped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, skipped
 
 
 def _on_device(batch: SequenceBatch, device: torch.device) -> SequenceBatch:

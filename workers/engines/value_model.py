@@ -20,7 +20,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable, Mapping
 
@@ -30,6 +29,7 @@ from torch import Tensor
 from workers.devices import pick_device
 from workers.engines.hf_rollout import load_causal_lm
 from workers.engines.protocols import SequenceBatch
+from workers.engines.torch_trainer import adamw, clip_and_step
 
 __all__ = ["ValueLossFn", "ValueModel", "ValueModelEngine"]
 
@@ -97,13 +97,8 @@ class ValueModelEngine:
         self._lr = lr
         self._grad_clip = grad_clip
         self._params = dict(self.model.named_parameters())
-        decay = [p for p in self._params.values() if p.dim() >= 2]
-        no_decay = [p for p in self._params.values() if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": weight_decay},
-             {"params": no_decay, "weight_decay": 0.0}],
-            lr=lr, betas=betas, eps=eps,
-        )
+        self.optimizer = adamw(self._params.values(), lr=lr, weight_decay=weight_decay,
+                               betas=betas, eps=eps)
         self._step = 0
         self._skipped = 0
         self._pending = 0  # micro-batches accumulated since the last optimizer step
@@ -150,16 +145,11 @@ class ValueModelEngine:
         """Clip, step, zero the gradients; returns grad_norm, lr, step, skipped."""
         if self._pending == 0:
             raise RuntimeError("optimizer_step without any train_micro_batch since the last step")
-        params = list(self._params.values())
-        max_norm = self._grad_clip if self._grad_clip else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        skipped = not math.isfinite(grad_norm)
+        grad_norm, skipped = clip_and_step(self.optimizer, self._params.values(), self._grad_clip)
         if skipped:
             self._skipped += 1
         else:
-            self.optimizer.step()
             self._step += 1
-        self.optimizer.zero_grad(set_to_none=True)
         self._pending = 0
         return {"grad_norm": grad_norm, "lr": self._lr, "step": float(self._step),
                 "skipped": float(skipped)}
