@@ -27,12 +27,14 @@ dispatch to the last optimizer step; process start-up and the model build are no
   ``overhead_node`` and ``overhead_workers``.
 - ``weight_sync_gbps``: one weight publish and load as the workers do it, in this process: the
   trainer's exported weights are written into the node's store through a `StoreClient`
-  (`workers.runtime.publish_weights`: a put into shared memory and its commit round trip to the
-  `StoreServer`), read back as views through a second client (`fetch_weights`) and copied into a
-  rollout engine's model (`HFRolloutEngine.load_weights`); bytes of the weights ÷ time of that
-  round trip, best of the rounds, steady state (each version is freed after the next one is
-  loaded, as the controller retires versions, so puts rewrite pooled shared memory). A round
-  trip is two copies, so 0.5 × ``memcpy_gbps`` is its ceiling.
+  (`workers.runtime.publish_weights`: a put into shared memory and its round trips to the
+  `StoreServer`), read back as read-only views through a second client (`fetch_weights`) and
+  served in place by a rollout engine (`HFRolloutEngine.load_weights(..., shared=True)`, as
+  the rollout role loads a version); bytes of the weights ÷ time of that round trip, best of
+  the rounds, steady state (each version is freed after the next one is loaded, as the
+  controller retires versions, so puts rewrite pooled shared memory). A round trip is one
+  copy plus fixed costs (round trips to the store server, looking the segment up), so
+  ``memcpy_gbps`` is its ceiling; on the recipe's 4 MB the fixed costs dominate.
 - ``memcpy_gbps``: the same tensors copied into preallocated private tensors, best of the rounds.
 - ``weight_sync_gbps_large``, ``memcpy_gbps_large``, ``weight_sync_vs_memcpy_large``,
   ``weight_bytes_large``: the same round trip for a larger model built for the purpose (hidden
@@ -175,7 +177,7 @@ async def weight_sync(model_dir: Path, rounds: int) -> dict[str, float]:
             for version in range(1, rounds + 1):
                 t0 = time.perf_counter()
                 wire = await publish_weights(trainer, weights)
-                rollout.load_weights(await fetch_weights(reader, wire), version)
+                rollout.load_weights(await fetch_weights(reader, wire), version, shared=True)
                 sync.append(time.perf_counter() - t0)
                 # The old version retires once the new one is served (as the controller).
                 await reader.free([h for h, _shape in previous.values()])

@@ -347,6 +347,34 @@ def test_weight_round_trip_is_exact(model_dir: Path, trainer: TorchTrainerEngine
                for t in trainer.export_weights(dtype=torch.bfloat16).values())
 
 
+def test_shared_weights_are_served_in_place_and_never_written(
+    model_dir: Path, trainer: TorchTrainerEngine
+) -> None:
+    engine = HFRolloutEngine(model_dir, device="cpu")
+    copied = HFRolloutEngine(model_dir, device="cpu")
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    shared = trainer.export_weights()
+    snapshot = {k: v.clone() for k, v in shared.items()}
+    engine.load_weights(shared, version=1, shared=True)
+    copied.load_weights(shared, version=1)
+    params = engine.model.state_dict()
+    # The model's tensors are the published ones (a tied head included): nothing was copied.
+    assert all(params[k].data_ptr() == shared[k].data_ptr() for k in shared)
+    assert engine.model.lm_head.weight.data_ptr() == shared["model.embed_tokens.weight"].data_ptr()
+    assert [g.response_ids.tolist() for g in engine.generate(PROMPTS, greedy)] == \
+        [g.response_ids.tolist() for g in copied.generate(PROMPTS, greedy)]
+    # A later version given as a plain copy lands in tensors of the engine's own.
+    other = {k: torch.randn_like(v) for k, v in shared.items()}
+    engine.load_weights(other, version=2)
+    assert all(torch.equal(shared[k], snapshot[k]) for k in shared)
+    assert all(torch.equal(engine.model.state_dict()[k], other[k]) for k in other)
+    assert all(engine.model.state_dict()[k].data_ptr() != other[k].data_ptr() for k in other)
+    # A version of another dtype cannot be served in place: it is converted into own tensors.
+    engine.load_weights({k: v.double() for k, v in shared.items()}, version=3, shared=True)
+    assert all(torch.equal(engine.model.state_dict()[k], shared[k]) for k in shared)
+    assert all(engine.model.state_dict()[k].dtype == torch.float32 for k in shared)
+
+
 def test_bad_weights_are_rejected_atomically(model_dir: Path) -> None:
     engine = HFRolloutEngine(model_dir, device="cpu")
     before = {k: v.clone() for k, v in engine.model.state_dict().items()}

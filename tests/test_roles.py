@@ -168,8 +168,10 @@ class GatedEngine:
         assert self.release.wait(10), "generation blocked the event loop"
         return self.inner.generate(prompts, params)
 
-    def load_weights(self, state: Mapping[str, Tensor], version: int) -> None:
-        self.inner.load_weights(state, version)
+    def load_weights(
+        self, state: Mapping[str, Tensor], version: int, *, shared: bool = False
+    ) -> None:
+        self.inner.load_weights(state, version, shared=shared)
 
 
 async def test_rollout_generates_off_the_event_loop(model_dir: Path) -> None:

@@ -451,3 +451,46 @@ async def test_get_padded_many_reads_a_micro_batch_in_one_call(run_id: str) -> N
             (batch, _) = (await local.get_padded_many({"x": fields["x"]}))["x"]
             assert torch.equal(batch, torch.arange(6).view(3, 2))
         store.free(other)
+
+
+_READONLY_WRITER = """
+import asyncio, json, sys
+from transport.store import Handle
+from transport.store_server import StoreClient
+
+async def main():
+    run_id, endpoint, handle = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    async with StoreClient(run_id, "node0", endpoint) as client:
+        (view,) = await client.get_readonly([Handle.from_wire(handle)])
+        print(float(view.sum()), flush=True)
+        view[0] = 1.0  # through a read-only mapping: the process dies here
+
+asyncio.run(main())
+"""
+
+
+async def test_readonly_views_see_recycled_contents_and_refuse_writes(run_id: str) -> None:
+    async with (
+        served(run_id, ipc_endpoint(run_id, "store")) as (store, server),
+        StoreClient(run_id, "node0", server.endpoint) as writer,
+        StoreClient(run_id, "node0", server.endpoint) as reader,
+    ):
+        seen = []
+        for value in range(4):
+            handles = await writer.put({"w": [torch.full((1000,), float(value))]})
+            (view,) = await reader.get_readonly(handles["w"])
+            assert torch.equal(view, torch.full((1000,), float(value)))
+            seen.append(view.data_ptr())
+            await reader.free(handles["w"])
+        # Recycled segments come back to the reader already mapped: its views are the memory
+        # it mapped before, at most one address per segment the pool rotates through.
+        assert len(set(seen)) <= 2
+        handles = await writer.put({"w": [torch.ones(4)]})
+        async with child(_READONLY_WRITER, run_id, server.endpoint,
+                         json.dumps(_wire(handles)["w"][0])) as proc:
+            assert proc.proc.stdout is not None
+            async with asyncio.timeout(STEP):
+                assert (await proc.proc.stdout.readline()).strip() == b"4.0"
+            assert await proc.finish() == -signal.SIGSEGV
+        assert torch.equal(store.get(handles["w"])[0], torch.ones(4))  # unchanged
+        await writer.free(handles["w"])

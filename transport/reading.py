@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -49,10 +50,11 @@ class MappingCache:
     """This process's mappings of segment files, keyed by inode, least recently used out first.
 
     A cached mapping pins its file's memory until evicted, even after the store unlinked it:
-    `max_bytes` bounds that. Read mappings (``writable=False``) are copy-on-write and the code
-    only ever reads through them (padded copies, remote sends); views handed to callers come
-    from fresh mappings, so a caller writing into its view can never leave a stale private page
-    in the cache. A cached inode cannot be reused by another file: the mapping holds the file.
+    `max_bytes` bounds that. Read mappings (``writable=False``) are shared and read-only: they
+    see what writers put into a recycled segment, and a write through one (a caller writing
+    into a `StoreClient.get_readonly` view) is a segfault, never a stale private page left in
+    the cache. Views a caller may write into come from fresh copy-on-write mappings instead.
+    A cached inode cannot be reused by another file: the mapping holds the file.
 
     It also remembers which inode each name it looked up had. Segment names are never reused
     (a freed segment is renamed away; recycled, it is published under a new name), so while
@@ -105,7 +107,7 @@ class MappingCache:
             self._entries.move_to_end(key)
         else:
             try:  # names are never reused: if it opens, it is the file just looked at
-                mapping = shm.map_shared(name) if self.writable else shm.map_private(name)
+                mapping = shm.map_shared(name) if self.writable else shm.map_readonly(name)
             except FileNotFoundError:
                 raise UnknownSegment(f"segment {name!r} does not exist (freed?)") from None
             hit = self._add(key, mapping)
@@ -120,7 +122,12 @@ class MappingCache:
         return self._add((st.st_dev, st.st_ino), mapping).data
 
     def _add(self, key: tuple[int, int], mapping: mmap.mmap) -> Mapped:
-        entry = Mapped(torch.frombuffer(mapping, dtype=torch.uint8), {}, {})
+        with warnings.catch_warnings():
+            # torch warns that it cannot mark a read-only buffer's tensor read-only: the
+            # mapping's protection is what keeps it unwritten.
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.frombuffer(mapping, dtype=torch.uint8)
+        entry = Mapped(data, {}, {})
         old = self._entries.pop(key, None)
         if old is not None:
             self._bytes -= old.data.numel()

@@ -158,6 +158,17 @@ def map_private(name: str) -> mmap.mmap:
         os.close(fd)
 
 
+def map_readonly(name: str) -> mmap.mmap:
+    """Map an existing segment shared and read-only: reads see the segment's current bytes
+    (a recycled segment's new contents too); a write through it is a segfault, never a
+    silent divergence of this process's copy."""
+    fd = os.open(path_of(name), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+
+
 def size_of(name: str) -> int:
     return os.stat(path_of(name)).st_size
 

@@ -342,8 +342,13 @@ class StoreClient:
 
     # -- writing --------------------------------------------------------------------------------
 
-    async def put(self, fields: Mapping[str, FieldData]) -> dict[str, list[Handle]]:
-        """Write one micro-batch into this node's store; waits while the store is full."""
+    async def put(
+        self, fields: Mapping[str, FieldData], *, spare: bool | None = None
+    ) -> dict[str, list[Handle]]:
+        """Write one micro-batch into this node's store; waits while the store is full.
+        `spare`: ask for a spare grant of this put's size with the commit (default: as the
+        client was made); a put that is not repeated soon (a model's weights) should not hold
+        a second segment of its size reserved meanwhile."""
         plans, nbytes = plan_fields(fields)
         if nbytes == 0:
             self._own()
@@ -367,7 +372,7 @@ class StoreClient:
                 "grant": grant.id,
                 "name": name,
                 "refs": refs,
-                "next": size if self._spare_wanted else 0,
+                "next": size if (self._spare_wanted if spare is None else spare) else 0,
             },
         )
         extra = _grant_from_wire(spare)
@@ -434,6 +439,14 @@ class StoreClient:
         """Per-row tensors: views of shared memory on this node, of received frames otherwise."""
         runs = contiguous_runs(handles)
         return views_from_runs(handles, runs, await self._buffers(runs, None))
+
+    async def get_readonly(self, handles: Sequence[Handle]) -> list[torch.Tensor]:
+        """Per-row tensors like `get`, but this node's rows are views of this process's cached
+        read-only mapping: no copy, and no mapping or page fault for a recycled segment seen
+        before. For readers that never write (an engine serving weights): a write into such
+        a view is a segfault. Other nodes' rows are received frames, as with `get`."""
+        runs = contiguous_runs(handles)
+        return views_from_runs(handles, runs, await self._buffers(runs, self._reads))
 
     async def get_padded(
         self, handles: Sequence[Handle], pad: float | int | bool = 0

@@ -80,17 +80,23 @@ class Role(Protocol):
 
     async def run(self, task: m.TaskMsg, inputs: dict[str, list[Any]]) -> RoleOutput: ...
 
-    async def load_version(self, version: int, weights: dict[str, torch.Tensor]) -> None: ...
+    async def load_version(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        """Serve ``version`` from now on. ``weights`` (empty when there is nothing to load)
+        are read-only views of the store, unchanged and alive until this worker reports
+        serving a later version: a role may keep them rather than copy them."""
+        ...
 
 
 class Store(Protocol):
     """The node store as seen by a worker (see `transport.store_server.StoreClient`)."""
 
     async def put(
-        self, fields: Mapping[str, Sequence[torch.Tensor]]
+        self, fields: Mapping[str, Sequence[torch.Tensor]], *, spare: bool | None = None
     ) -> dict[str, list[Any]]: ...
 
     async def get(self, handles: Sequence[Handle]) -> list[torch.Tensor]: ...
+
+    async def get_readonly(self, handles: Sequence[Handle]) -> list[torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,10 @@ class WorkerConfig:
     weight_sync_timeout_s: float = 60.0
 
 
+#: weights up to this size are published with a spare grant for the next version (see below).
+SPARE_WEIGHTS_MAX = 64 << 20
+
+
 async def publish_weights(
     store: Store, weights: Mapping[str, torch.Tensor]
 ) -> dict[str, list[Any]]:
@@ -127,16 +137,22 @@ async def publish_weights(
     for name, w in weights.items():
         by_dtype.setdefault(w.dtype, []).append(name)
     groups = {f"weights.{i}": names for i, names in enumerate(by_dtype.values())}
+    # A spare grant saves the next version a round trip; for a large model it would keep a
+    # second model-sized segment reserved (and mapped) between steps, while the next version
+    # reuses this one's pooled segment anyway.
+    nbytes = sum(w.numel() * w.element_size() for w in weights.values())
     handles = await store.put(
-        {key: [weights[n].reshape(-1) for n in names] for key, names in groups.items()})
+        {key: [weights[n].reshape(-1) for n in names] for key, names in groups.items()},
+        spare=nbytes <= SPARE_WEIGHTS_MAX)
     return {n: [h, list(weights[n].shape)]
             for key, names in groups.items() for n, h in zip(names, handles[key], strict=True)}
 
 
 async def fetch_weights(store: Store, wire: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """The tensors `publish_weights` wrote, as views of the store's memory (no copy here)."""
+    """The tensors `publish_weights` wrote, as read-only views of the store's memory (no copy,
+    and no page fault once the store recycles weight segments this process has seen)."""
     names = list(wire)
-    flat = await store.get([Handle.from_wire(wire[n][0]) for n in names])
+    flat = await store.get_readonly([Handle.from_wire(wire[n][0]) for n in names])
     return {n: t.view(*wire[n][1]) for n, t in zip(names, flat, strict=True)}
 
 

@@ -167,6 +167,11 @@ def _sample(logits: Tensor, params: SamplingParams, u: Tensor | None) -> tuple[T
     return tokens, token_logprobs(scaled, tokens, 1.0)
 
 
+def _servable_in_place(target: Tensor, source: Tensor) -> bool:
+    return (source.dtype == target.dtype and source.device == target.device
+            and source.is_contiguous())
+
+
 class HFRolloutEngine:
     """`RolloutEngine` over a transformers causal LM, with our own KV-cached decode loop."""
 
@@ -198,6 +203,7 @@ class HFRolloutEngine:
         self._targets = self.model.state_dict(keep_vars=True)
         self._known = {name for group in self._groups for name in group}
         self._version = version
+        self._borrowing = False  # the weights are views of a shared version (load_weights)
 
     @property
     def version(self) -> int:
@@ -205,7 +211,9 @@ class HFRolloutEngine:
 
     # -- weights ---------------------------------------------------------------------------
 
-    def load_weights(self, state: Mapping[str, Tensor], version: int) -> None:
+    def load_weights(
+        self, state: Mapping[str, Tensor], version: int, *, shared: bool = False
+    ) -> None:
         params = self._targets
         unknown = set(state) - self._known
         if unknown:
@@ -221,9 +229,18 @@ class HFRolloutEngine:
                     f"{group[0]}: shape {tuple(source.shape)} != {tuple(target.shape)}"
                 )
             plan.append((target, source))
+        # A shared version of our dtype and device is served in place: no copy, and no second
+        # copy of the weights in this process. All or nothing, so the model never mixes both.
+        borrow = shared and all(_servable_in_place(t, s) for t, s in plan)
         with torch.no_grad():
             for target, source in plan:
-                target.copy_(source)
+                if borrow:
+                    target.data = source
+                elif self._borrowing:  # our tensors are the store's (read-only): own new ones
+                    target.data = source.to(target.device, target.dtype, copy=True)
+                else:
+                    target.copy_(source)
+        self._borrowing = borrow
         self._version = version
 
     # -- generation ------------------------------------------------------------------------

@@ -283,11 +283,17 @@ class RolloutEngine(Protocol):
         """``len(prompts) * params.n`` generations, prompt-major."""
         ...
 
-    def load_weights(self, state: Mapping[str, Tensor], version: int) -> None:
+    def load_weights(
+        self, state: Mapping[str, Tensor], version: int, *, shared: bool = False
+    ) -> None:
         """Replace every weight with ``state`` (names as in ``export_weights``; a tied weight
         may appear under either of its names) and serve ``version`` from now on. All names
         and shapes are checked before anything is written; a bad state leaves the engine as
-        it was."""
+        it was.
+
+        ``shared``: the tensors are a version published in the node store, read-only,
+        unchanged and alive until this engine has loaded another version; an engine may serve
+        from them in place instead of copying them (and must not write into them)."""
         ...
 
 

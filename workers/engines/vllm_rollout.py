@@ -243,7 +243,10 @@ class VLLMRolloutEngine:
             plan.append((name, tensor))
         return plan
 
-    def load_weights(self, state: Mapping[str, Tensor], version: int) -> None:
+    def load_weights(
+        self, state: Mapping[str, Tensor], version: int, *, shared: bool = False
+    ) -> None:
+        # vLLM repacks weights into its own layout: `shared` tensors are copied like any.
         self._enter()
         plan = self.plan_weights(state)
         try:

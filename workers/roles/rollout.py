@@ -141,4 +141,4 @@ class RolloutRole:
         if not weights:  # joining at a version without its weights: nothing to load
             return
         async with self._lock:
-            await asyncio.to_thread(self.engine.load_weights, weights, version)
+            await asyncio.to_thread(self.engine.load_weights, weights, version, shared=True)
