@@ -7,7 +7,13 @@ With ``--seeds`` the pair of runs is repeated per seed and every run figure is t
 seeds (``*_by_seed`` lists the runs): one run's final reward moves by several percent from seed
 to seed, more than the difference between the two modes.
 
-    python bench/e2e.py [--quick] [--seeds 0,1,2] [--steps N] [--set KEY=VALUE ...] [--vs-trl]
+    python bench/e2e.py [--quick] [--small-steps] [--seeds 0,1,2] [--steps N]
+                        [--set KEY=VALUE ...] [--vs-trl]
+
+``--small-steps`` runs the recipe at the scale of TRL's GRPO examples instead: groups of 4,
+16-token completions, 8 completions per optimizer step (2 groups), each step's completions
+generated in one call and trained in one micro-batch — on both sides, so TRL's batching is
+matched (``SMALL_STEPS`` lists the overrides; ``--set`` applies after them).
 
 Keys (every rate is trained samples per second of `Controller.run` wall time, from the first
 dispatch to the last optimizer step; process start-up and the model build are not timed):
@@ -75,6 +81,13 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "tiny_cpu.py"
 WINDOW = 10  # steps averaged for the first and final reward
 QUICK_STEPS = 12
+SMALL_STEPS = (
+    "algorithm.group_size=4",
+    "rollout.max_new_tokens=16",
+    "trainer.groups_per_step=2",
+    "trainer.micro_batch_groups=2",
+    "rollout.groups_per_task=2",
+)
 
 
 # ---- the RL runs -------------------------------------------------------------------------------
@@ -262,7 +275,7 @@ def _overhead(run: dict[str, Any]) -> float:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    overrides = list(args.overrides)
+    overrides = [*(SMALL_STEPS if args.small_steps else ()), *args.overrides]
     if args.steps is not None:
         overrides.append(f"steps={args.steps}")
     elif args.quick:
@@ -314,6 +327,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "steps": recipe.steps,
         "seeds": list(args.seeds),
         "quick": args.quick,
+        "job": "small_steps" if args.small_steps else "recipe",
     }
     if len(args.seeds) > 1:
         for key in ("samples_per_s", "reward_final"):
@@ -344,6 +358,8 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help=f"{QUICK_STEPS} steps per mode (< 60 s once the model is cached)")
+    p.add_argument("--small-steps", action="store_true",
+                   help="groups of 4, 16-token completions, 8 completions per step (TRL's scale)")
     p.add_argument("--seeds", type=_seeds, default=[0], metavar="S[,S...]",
                    help="recipe seeds; each runs both modes and the figures are means (default 0)")
     p.add_argument("--steps", type=int, help="steps per mode (default: the recipe's)")

@@ -1,4 +1,4 @@
-"""Prompt datasets: a built-in arithmetic task and local JSONL files.
+"""Prompt datasets: a built-in arithmetic task and local JSONL and Parquet files.
 
 Pure Python (no torch) so both the controller and workers import it. The controller hands out
 dataset *positions*; a worker turns a position into a prompt and its reference answer. Positions
@@ -7,8 +7,10 @@ maps a position to the same example without any coordination.
 
 A malformed row is skipped and counted, not fatal (`Dataset.skipped` tells how many): a line that
 is not valid UTF-8 JSON, a value that is not an object, a missing prompt or answer key, a prompt
-that is not a non-blank string, or an answer that is neither a string nor a number. A file with
-no usable row raises ValueError.
+that is not a non-blank string, or an answer that is neither a string nor a number (a Parquet
+row's null counts as missing). A file with no usable row raises ValueError; so does a Parquet file
+that is not one, or one without the prompt or answer column, naming the file. Parquet needs
+``pyarrow`` (the ``parquet`` extra), imported only when such a file is read.
 
 A prompt template (``"Question: {prompt}\nAnswer:"``) wraps each prompt; ``{prompt}`` is replaced
 literally, so other braces in the template (``\\boxed{}``) need no escaping.
@@ -19,7 +21,7 @@ from __future__ import annotations
 import json
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,22 +79,53 @@ def jsonl(path: str | Path, *, prompt_key: str = "prompt", answer_key: str = "an
           template: str = PROMPT_PLACEHOLDER, seed: int = 0) -> Dataset:
     """The rows of a JSON-lines file; malformed rows are skipped and counted (module doc)."""
     check_template(template)
+    with open(path, "rb") as f:
+        return _dataset(_json_lines(f), prompt_key, answer_key, template, seed)
+
+
+def parquet(path: str | Path, *, prompt_key: str = "prompt", answer_key: str = "answer",
+            template: str = PROMPT_PLACEHOLDER, seed: int = 0) -> Dataset:
+    """The rows of a Parquet file (its prompt and answer columns only); malformed rows are
+    skipped and counted (module doc)."""
+    check_template(template)
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(
+            f"reading {path} (data.kind 'parquet') needs pyarrow: pip install 'flowrl[parquet]'"
+        ) from None
+    try:
+        table = pq.read_table(path, columns=[prompt_key, answer_key])
+    except (OSError, ValueError, KeyError) as e:  # pyarrow's errors subclass these
+        raise ValueError(f"{path}: not a Parquet file with columns {prompt_key!r} and "
+                         f"{answer_key!r} ({e})") from None
+    rows = (row for batch in table.to_batches() for row in batch.to_pylist())
+    return _dataset(rows, prompt_key, answer_key, template, seed)
+
+
+_MALFORMED = object()  # a row that could not even be parsed
+
+
+def _json_lines(f: Iterable[bytes]) -> Iterator[object]:
+    for raw in f:
+        if not raw.strip():
+            continue
+        try:
+            yield json.loads(raw.decode("utf-8"))
+        except ValueError:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            yield _MALFORMED
+
+
+def _dataset(rows: Iterable[object], prompt_key: str, answer_key: str, template: str,
+             seed: int) -> Dataset:
     examples: list[Example] = []
     skipped = 0
-    with open(path, "rb") as f:
-        for raw in f:
-            if not raw.strip():
-                continue
-            try:
-                row = json.loads(raw.decode("utf-8"))
-            except ValueError:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-                skipped += 1
-                continue
-            example = _example(row, prompt_key, answer_key, template)
-            if example is None:
-                skipped += 1
-            else:
-                examples.append(example)
+    for row in rows:
+        example = _example(row, prompt_key, answer_key, template)
+        if example is None:
+            skipped += 1
+        else:
+            examples.append(example)
     return Dataset(examples, seed=seed, skipped=skipped)
 
 

@@ -30,6 +30,7 @@ Imports nothing heavy (pydantic and the standard library), so `workers` may impo
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import ipaddress
 import math
 import os
@@ -185,6 +186,14 @@ class ArithmeticConfig(_Section):
     """Seed of the prompt generator."""
 
 
+def _importable(module: str) -> bool:
+    """Whether ``module`` can be imported, without importing it."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # ValueError: blocked in sys.modules (set to None)
+        return False
+
+
 class DataConfig(_Section):
     """Where prompts (and the answers the reward function checks) come from."""
 
@@ -218,6 +227,8 @@ class DataConfig(_Section):
             raise _rule("prompt_template", "must contain {prompt} (where the prompt goes)")
         if self.kind == "arithmetic" and "prompt_template" in self.model_fields_set:
             raise _rule("prompt_template", "not used by kind 'arithmetic'")
+        if self.kind == "parquet" and not _importable("pyarrow"):
+            raise _rule("kind", "'parquet' needs pyarrow: pip install 'flowrl[parquet]'")
         return self
 
 

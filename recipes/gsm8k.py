@@ -13,7 +13,9 @@ Data: one JSON object per line, GSM8K's own layout::
     {"question": "Natalia sold clips to 48 of her friends ...", "answer": "... #### 72"}
 
 Malformed lines (not JSON, a missing key, a question that is not a string) are skipped and
-counted in a warning, not fatal. Each question is wrapped in `TEMPLATE`.
+counted in a warning, not fatal. Each question is wrapped in `TEMPLATE`. A Parquet file with
+the same columns (GSM8K as the Hugging Face Hub ships it) works too: ``--set data.kind=parquet``
+(needs pyarrow: ``pip install 'flowrl[parquet]'``).
 
 Reward: ``workers.roles.rewards.gsm8k_numeric_batch``: 1.0 when the response's final number
 (``#### N``, ``\\boxed{N}``, ``the answer is N``, else its last number) equals the number after

@@ -19,7 +19,7 @@ import psutil
 import pytest
 import torch
 
-from flowrl.data import jsonl
+from flowrl.data import jsonl, parquet
 from flowrl.recipe import Recipe
 from flowrl.recipe_file import RecipeError, load_recipe
 from flowrl.run import compile_recipe
@@ -147,6 +147,50 @@ def test_malformed_rows_are_skipped_and_counted(tmp_path: Path) -> None:
         jsonl(path)
 
 
+def write_parquet(path: Path, rows: list[dict[str, Any]]) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=2)  # several row groups
+    return path
+
+
+def test_parquet_rows_are_read_and_malformed_ones_skipped(tmp_path: Path) -> None:
+    bad = [
+        {"question": None, "answer": "#### 1"},  # a null question
+        {"question": "   ", "answer": "#### 5"},  # blank
+        {"question": "q?", "answer": None},  # a null answer
+    ]
+    path = write_parquet(tmp_path / "rows.parquet", [ROWS[0], *bad, *ROWS[1:]])
+    data = parquet(path, prompt_key="question", answer_key="answer", template="Q: {prompt}\nA:")
+    assert len(data) == len(ROWS)
+    assert data.skipped == len(bad)
+    assert sorted(e.prompt for e in data.examples) == sorted(
+        f"Q: {r['question']}\nA:" for r in ROWS)
+    assert {e.answer for e in data.examples} == {r["answer"] for r in ROWS}
+    # Numeric answers are kept as text, as from JSONL.
+    numbers = write_parquet(tmp_path / "n.parquet", [{"prompt": "1+1?", "answer": 2}])
+    assert parquet(numbers).examples[0].answer == "2"
+    # A missing column and a file that is not Parquet are errors naming the file.
+    with pytest.raises(ValueError, match=r"rows\.parquet.*'nope'"):
+        parquet(path, prompt_key="nope")
+    text = tmp_path / "text.parquet"
+    text.write_text(json.dumps(ROWS[0]) + "\n")
+    with pytest.raises(ValueError, match=r"text\.parquet: not a Parquet file"):
+        parquet(text)
+
+
+def test_parquet_without_pyarrow_fails_in_the_recipe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write_parquet(tmp_path / "rows.parquet", ROWS)
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # what Python does for a missing package
+    with pytest.raises(ValueError, match=r"kind[\s\S]*pip install 'flowrl\[parquet\]'"):
+        Recipe.model_validate({"steps": 1, "data": {"kind": "parquet", "path": str(path)}})
+    with pytest.raises(ImportError, match=r"rows\.parquet.*flowrl\[parquet\]"):
+        parquet(path)
+
+
 def test_template_needs_the_prompt_placeholder(tmp_path: Path) -> None:
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps(ROWS[0]) + "\n")
@@ -182,6 +226,14 @@ def data_file(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.fixture(params=["jsonl", "parquet"])
+def data_kind_file(request: pytest.FixtureRequest, data_file: Path) -> tuple[str, Path]:
+    """The GSM8K rows as each supported file kind."""
+    if request.param == "jsonl":
+        return "jsonl", data_file
+    return "parquet", write_parquet(data_file.with_suffix(".parquet"), ROWS)
+
+
 @pytest.fixture
 def no_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FLOWRL_MODEL", raising=False)
@@ -189,8 +241,10 @@ def no_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("no_env")
-def test_recipe_validates_and_compiles(model_dir: Path, data_file: Path) -> None:
-    recipe = load_recipe(ROOT / RECIPE, [f"model.path={model_dir}", f"data.path={data_file}"])
+def test_recipe_validates_and_compiles(model_dir: Path, data_kind_file: tuple[str, Path]) -> None:
+    kind, data_file = data_kind_file
+    recipe = load_recipe(ROOT / RECIPE, [f"model.path={model_dir}", f"data.path={data_file}",
+                                         f"data.kind={kind}"])
     assert recipe.algorithm.group_size == 8
     assert recipe.algorithm.kl_coef == 0.0
     assert not recipe.uses_reference
@@ -282,12 +336,14 @@ def _run_ids(stderr: str) -> set[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_two_steps_through_the_launch_cli_leave_nothing_behind(
-    model_dir: Path, data_file: Path,
+    model_dir: Path, data_kind_file: tuple[str, Path],
 ) -> None:
+    kind, data_file = data_kind_file
     steps = 2
     done = _launch(
         "--steps", str(steps), "--no-monitor",
         "--set", f"model.path={model_dir}", "--set", f"data.path={data_file}",
+        "--set", f"data.kind={kind}",
         "--set", "rollout.max_new_tokens=8", "--set", "data.max_prompt_tokens=64",
         "--set", "trainer.groups_per_step=2", "--set", "trainer.micro_batch_groups=1",
         env={"FLOWRL_LOG_FORMAT": "json"}, timeout=80.0,

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from flowrl.data import Dataset, arithmetic, jsonl
+from flowrl.data import Dataset, arithmetic, jsonl, parquet
 
 if TYPE_CHECKING:
     import torch
@@ -63,16 +63,18 @@ def dataset_from_config(config: dict[str, Any]) -> Dataset:
     if kind == "arithmetic":
         a = data["arithmetic"]
         return arithmetic(int(a["count"]), max_operand=int(a["max_operand"]), seed=int(a["seed"]))
-    if kind == "jsonl":
-        dataset = jsonl(str(data["path"]), prompt_key=str(data["prompt_key"]),
-                        answer_key=str(data["answer_key"]),
-                        template=str(data.get("prompt_template", "{prompt}")),
-                        seed=int(config.get("seed", 0)))
+    if kind in ("jsonl", "parquet"):
+        read = jsonl if kind == "jsonl" else parquet
+        dataset = read(str(data["path"]), prompt_key=str(data["prompt_key"]),
+                       answer_key=str(data["answer_key"]),
+                       template=str(data.get("prompt_template", "{prompt}")),
+                       seed=int(config.get("seed", 0)))
         if dataset.skipped:
             log.warning("malformed dataset rows skipped", path=str(data["path"]),
                         skipped=dataset.skipped, kept=len(dataset))
         return dataset
-    raise ValueError(f"data.kind: {kind!r} is not supported by the hf roles (arithmetic, jsonl)")
+    raise ValueError(
+        f"data.kind: {kind!r} is not supported by the hf roles (arithmetic, jsonl, parquet)")
 
 
 def rollout_dtype(config: dict[str, Any], device: torch.device) -> torch.dtype:
