@@ -383,7 +383,9 @@ def controller_templates() -> tuple[dict[str, Any], set[str]]:
         "register": {"name": "fuzz", "role": "rollout", "node": "node0", "pid": os.getpid(),
                      "capacity": 1},
         "heartbeat": {"worker_id": ghost, "version": 0, "busy": 0},
-        "get_task": {"worker_id": ghost, "wait_s": 0.0},
+        "get_task": {"worker_id": ghost, "wait_s": 0.0,
+                     "done": {"worker_id": ghost, "task_id": 10**12, "fields": {"reward": [0.5]},
+                              "lengths": [1], "version": 0, "metrics": {}}},
         "task_done": {"worker_id": ghost, "task_id": 10**12, "fields": {"reward": [0.5]},
                       "lengths": [1], "version": 0, "metrics": {}},
         "task_failed": {"worker_id": ghost, "task_id": 10**12, "error": "fuzz"},
@@ -718,6 +720,7 @@ class HostileController:
         self.valid_sent: dict[int, float] = {}
         self.valid_done: set[int] = set()
         self.valid_failed: set[int] = set()
+        self.reported: set[Any] = set()  # task ids whose report came (a report may repeat)
         #: called with the handles of each valid task's outputs (to free them)
         self.on_done: Callable[[list[Any]], None] = lambda handles: None
         self.heartbeats = 0
@@ -773,30 +776,38 @@ class HostileController:
                 "row_groups": [0, 0, 0, 0], "inputs": {"prompt": [0, 0, 0, 0]},
                 "params": {"data_pos": [0]}}
 
+    def take_report(self, report: dict[str, Any]) -> None:
+        tid = report.get("task_id")
+        fields = report.get("fields", {})
+        # Free every output, also of the malformed tasks the worker ran: a controller that
+        # never frees would fill the store (its puts would then wait).
+        self.on_done([h for f in fields.values() for h in f])
+        if tid in self.valid_sent and tid not in self.valid_done:
+            self.valid_done.add(tid)
+            ok = all(len(fields.get(f, ())) == GROUP
+                     for f in ("prompt_ids", "response_ids", "rollout_logprobs"))
+            if not ok:
+                self.valid_failed.add(tid)
+
     async def serve(self) -> None:
         while True:
             ident, *frames = await self.router.recv_multipart(copy=False)
             rid, op, payload = decode(frames)
             ident_b = ident.bytes
             self.calls[op] = self.calls.get(op, 0) + 1
+            # A task's report comes with the next poll, and again after a poll that failed.
+            report = payload.get("done") if op == "get_task" and isinstance(payload, dict) \
+                else payload if op == "task_done" else None
+            if isinstance(report, dict) and report.get("task_id") not in self.reported:
+                self.reported.add(report.get("task_id"))
+                self.calls["report"] = self.calls.get("report", 0) + 1
+                self.take_report(report)
             if op == "register":
                 body = self.register_reply or {"worker_id": "w0", "version": 0, "weights": None}
                 await self.reply(ident_b, rid, OK, body)
                 self.registered.set()
                 continue
-            if op == "task_done":
-                tid = payload.get("task_id")
-                fields = payload.get("fields", {})
-                # Free every output, also of the malformed tasks the worker ran: a controller
-                # that never frees would fill the store (its puts would then wait).
-                self.on_done([h for f in fields.values() for h in f])
-                if tid in self.valid_sent and tid not in self.valid_done:
-                    self.valid_done.add(tid)
-                    ok = all(len(fields.get(f, ())) == GROUP
-                             for f in ("prompt_ids", "response_ids", "rollout_logprobs"))
-                    if not ok:
-                        self.valid_failed.add(tid)
-            elif op == "task_failed":
+            if op == "task_failed":
                 tid = payload.get("task_id")
                 if tid in self.valid_sent and tid not in self.valid_done:
                     self.valid_failed.add(tid)

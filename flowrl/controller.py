@@ -710,6 +710,9 @@ class Controller:
         return {"ok": info is not None}
 
     async def _on_get_task(self, p: dict[str, Any], peer: bytes) -> m.TaskMsg | None:
+        done = p.get("done")
+        if done is not None:
+            await self._on_reported(done, peer)
         q = self._queues.get(str(p["worker_id"]))
         if q is None:
             return None
@@ -722,6 +725,21 @@ class Controller:
         if a is not None:
             a.started_at = time.time()
         return msg
+
+    async def _on_reported(self, done: Any, peer: bytes) -> None:
+        """A task's report that came with the worker's next poll: taken as ``task_done``; one
+        that cannot be taken fails its task (its rows go to another worker), not the poll."""
+        if not isinstance(done, dict):
+            self._log().warning("ignored a malformed task report", report=repr(done)[:200])
+            return
+        try:
+            await self._on_task_done(done, peer)
+        except (KeyError, TypeError, ValueError) as exc:
+            task_id = done.get("task_id")
+            if type(task_id) is int:
+                await self._on_task_failed({"worker_id": done.get("worker_id"),
+                                            "task_id": task_id,
+                                            "error": f"malformed task report: {exc!r}"}, peer)
 
     async def _on_task_done(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
         # Checked before the task is finished: a report refused later would lose its rows.

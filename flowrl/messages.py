@@ -9,8 +9,12 @@ Requests (worker -> controller, over the controller's ROUTER socket):
 - ``register``   ``{name, role, node, pid, capacity}`` -> ``{worker_id, version, config}``
 - ``heartbeat``  ``{worker_id, version, busy}`` -> ``{ok}``; an unknown worker gets ``{ok: False}``
   and must exit (the controller has already declared it dead and requeued its rows).
-- ``get_task``   ``{worker_id, wait_s}`` -> a `TaskMsg` map, or ``None`` when nothing came within
-  ``wait_s`` (a long poll: the controller answers the moment a task is assigned).
+- ``get_task``   ``{worker_id, wait_s, done?}`` -> a `TaskMsg` map, or ``None`` when nothing came
+  within ``wait_s`` (a long poll: the controller answers the moment a task is assigned).
+  ``done``, a `DoneMsg`, reports the worker's previous task with its next poll (one round trip
+  per task instead of two); it is handled before the poll waits, exactly like ``task_done``, and
+  a report that cannot be taken fails its task instead of the poll. Reports are idempotent: a
+  worker whose poll failed sends the same report again, and a repeat is ignored.
 - ``task_done``  ``{worker_id, task_id, fields, lengths, version, metrics}`` -> ``{ok}``
 - ``task_failed`` ``{worker_id, task_id, error}`` -> ``{ok}``
 - ``served``     ``{worker_id, version}`` -> ``{ok}``: the worker now serves that policy version.

@@ -221,25 +221,34 @@ class Worker:
 
     async def _pull(self) -> None:
         cfg = self.config
-        while not self._stopped.is_set():
-            try:
-                task = await self._rpc.call(
-                    m.OP_GET_TASK,
-                    {"worker_id": self.worker_id, "wait_s": cfg.poll_s},
-                    timeout=cfg.poll_s + cfg.rpc_timeout_s,
-                )
-            except (ClosedError, DeadlineExceeded):
-                continue
-            except TransportError as exc:  # an error reply: ask again, a little later
-                self._log().warning("get_task failed", error=repr(exc)[:200])
-                await self._rest(RETRY_S)
-                continue
-            if task is None:
-                continue
-            if not _is_task(task):
-                await self._refuse(task)
-                continue
-            await self._execute(task)
+        # The last task's report rides on the next poll (one round trip per task). It is sent
+        # again until a poll went through: the controller ignores a report it already took.
+        done: m.DoneMsg | None = None
+        try:
+            while not self._stopped.is_set():
+                request: dict[str, Any] = {"worker_id": self.worker_id, "wait_s": cfg.poll_s}
+                if done is not None:
+                    request["done"] = done
+                try:
+                    task = await self._rpc.call(m.OP_GET_TASK, request,
+                                                timeout=cfg.poll_s + cfg.rpc_timeout_s)
+                except (ClosedError, DeadlineExceeded):
+                    continue
+                except TransportError as exc:  # an error reply: ask again, a little later
+                    self._log().warning("get_task failed", error=repr(exc)[:200])
+                    await self._rest(RETRY_S)
+                    continue
+                done = None
+                if task is None:
+                    continue
+                if not _is_task(task):
+                    await self._refuse(task)
+                    continue
+                done = await self._execute(task)
+        finally:
+            if done is not None:  # stopping with a report not yet sent: send it on its own
+                with contextlib.suppress(TransportError, asyncio.CancelledError):
+                    await asyncio.shield(self._rpc.call(m.OP_TASK_DONE, done, timeout=2.0))
 
     async def _refuse(self, task: Any) -> None:
         """Drop a malformed task message; if it names a task, report it failed (its rows are
@@ -258,7 +267,8 @@ class Worker:
             async with asyncio.timeout(seconds):
                 await self._stopped.wait()
 
-    async def _execute(self, task: m.TaskMsg) -> None:
+    async def _execute(self, task: m.TaskMsg) -> m.DoneMsg | None:
+        """Run `task`; its report (sent with the next poll), or None if it failed (reported)."""
         await self._gate.wait()  # a version switch in progress finishes first
         self._in_flight += 1
         self._idle.clear()
@@ -266,8 +276,8 @@ class Worker:
             inputs = await self._read_inputs(task["inputs"])
             out = await self.role.run(task, inputs)
             done = await self._write_outputs(task, out)
-            await self._rpc.call(m.OP_TASK_DONE, done)
             self.tasks_done += 1
+            return done
         except (asyncio.CancelledError, ClosedError):
             raise
         except Exception as exc:  # the controller requeues the rows; we keep serving
@@ -278,6 +288,7 @@ class Worker:
                     m.OP_TASK_FAILED,
                     {"worker_id": self.worker_id, "task_id": task["task_id"], "error": repr(exc)},
                 )
+            return None
         finally:
             self._in_flight -= 1
             if self._in_flight == 0:

@@ -1,0 +1,132 @@
+"""A worker reports each task with its next poll (one round trip per task), sends a report
+again after a poll that failed, and sends a report it still holds on its own when it stops.
+
+A real `Worker` over real sockets against a scripted controller (an `RpcServer` and a
+`Publisher` whose handlers the test writes), so every call the worker makes is seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import torch
+
+from flowrl import messages as m
+from transport.endpoints import ipc_endpoint, new_run_id, remove_run_dir, run_dir
+from transport.pubsub import Publisher
+from transport.rpc import RpcServer
+from transport.store_server import StoreClient
+from workers.runtime import RoleOutput, Worker, WorkerConfig
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Echo:
+    """Scores each row with its row id: no store traffic, nothing to load."""
+
+    loads_weights = False
+
+    async def run(self, task: m.TaskMsg, inputs: dict[str, list[Any]]) -> RoleOutput:
+        return RoleOutput(fields={"reward": [float(r) for r in task["rows"]]})
+
+    async def load_version(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        return None
+
+
+def task(task_id: int) -> m.TaskMsg:
+    return {"task_id": task_id, "stage": "reward", "rows": [task_id], "groups": [0],
+            "row_groups": [0], "inputs": {}, "params": {}}
+
+
+class Script:
+    """The controller's side: hands out queued tasks and records every call."""
+
+    def __init__(self) -> None:
+        self.tasks: asyncio.Queue[m.TaskMsg] = asyncio.Queue()
+        self.calls: list[tuple[str, Any]] = []  # (op, the report it carried)
+        self.fail_first_report = True
+        self.changed = asyncio.Event()
+
+    def seen(self, op: str, report: Any) -> None:
+        self.calls.append((op, report["task_id"] if isinstance(report, dict) else None))
+        self.changed.set()
+
+    async def until(self, predicate: Any) -> None:
+        async with asyncio.timeout(10):
+            while not predicate():
+                self.changed.clear()
+                await self.changed.wait()
+
+    def handlers(self) -> dict[str, Any]:
+        async def register(p: Any, peer: bytes) -> Any:
+            return {"worker_id": "w1", "version": 0, "weights": None}
+
+        async def get_task(p: Any, peer: bytes) -> Any:
+            self.seen("get_task", p.get("done"))
+            if p.get("done") is not None and self.fail_first_report:
+                self.fail_first_report = False
+                raise RuntimeError("the poll carrying this report is lost")
+            try:
+                async with asyncio.timeout(p["wait_s"]):
+                    return await self.tasks.get()
+            except TimeoutError:
+                return None
+
+        async def task_done(p: Any, peer: bytes) -> Any:
+            self.seen("task_done", p)
+            return {"ok": True}
+
+        async def ok(p: Any, peer: bytes) -> Any:
+            return {"ok": True}
+
+        return {m.OP_REGISTER: register, m.OP_GET_TASK: get_task, m.OP_TASK_DONE: task_done,
+                m.OP_HEARTBEAT: ok, m.OP_BYE: ok, m.OP_TASK_FAILED: ok}
+
+
+@asynccontextmanager
+async def worker_against(script: Script) -> AsyncIterator[tuple[Worker, asyncio.Task[None]]]:
+    run_id = new_run_id()
+    run_dir(run_id)
+    server = RpcServer(ipc_endpoint(run_id, "ctl"), script.handlers())
+    pub = Publisher(ipc_endpoint(run_id, "pub"))
+    try:
+        await server.start()
+        await pub.start()
+        config = WorkerConfig(name="reward.0", role="reward", node="node0",
+                              controller=server.endpoint, broadcast=pub.endpoint,
+                              heartbeat_s=5.0, poll_s=5.0, rpc_timeout_s=5.0)
+        store = StoreClient(run_id, "node0", ipc_endpoint(run_id, "store"))  # never used
+        worker = Worker(config, Echo(), store)
+        running = asyncio.create_task(worker.run())
+        try:
+            yield worker, running
+        finally:
+            worker.stop()
+            async with asyncio.timeout(10):
+                await running
+            await store.aclose()
+    finally:
+        await pub.aclose()
+        await server.aclose()
+        remove_run_dir(run_id)
+
+
+async def test_reports_ride_on_the_next_poll_and_survive_a_lost_poll() -> None:
+    script = Script()
+    async with worker_against(script) as (_, running):
+        for task_id in (1, 2, 3):
+            script.tasks.put_nowait(task(task_id))
+        # Task 3's report goes out with the fourth task request, which waits for a task.
+        await script.until(lambda: ("get_task", 3) in script.calls)
+        assert not running.done()
+    polls = [report for op, report in script.calls if op == "get_task"]
+    # The first report's poll failed, so it went again; each later one went once.
+    assert polls[:5] == [None, 1, 1, 2, 3]
+    # Nothing went on its own while the worker was polling. Stopping mid-poll, the worker
+    # could not know whether task 3's report arrived, so it sent it once more on its own
+    # (the controller ignores a report it already took).
+    assert [r for op, r in script.calls if op == "task_done"] == [3]
