@@ -7,6 +7,7 @@ simulated and real runs go through a real `Controller` (worker processes, socket
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,14 @@ from flowrl.recipe import (
 from flowrl.recipe_file import RecipeError, load_recipe
 from workers.engines.protocols import SequenceBatch
 from workers.engines.value_model import ValueModelEngine
-from workers.roles.critic import CriticRole, CriticSettings, critic_targets
+from workers.roles.critic import (
+    CRITIC_DIR,
+    CriticRole,
+    CriticSettings,
+    critic_checkpoint,
+    critic_targets,
+)
+from workers.roles.factory import make_hf_role
 from workers.roles.trainer import TrainSettings
 from workers.tiny_model import build_tiny_model
 
@@ -130,6 +138,61 @@ def test_replay_epochs_take_a_step_each_with_the_clipped_loss(model_dir: Path) -
     assert engine.step == 3
     assert out.metrics["critic_step"] == 3.0
     assert math.isfinite(out.metrics["critic_loss"])
+
+
+def _critic_state(engine: ValueModelEngine) -> dict[str, torch.Tensor]:
+    opt = engine.optimizer.state
+    return {**{f"w/{k}": v.clone() for k, v in engine.model.state_dict().items()},
+            **{f"m/{n}": opt[p]["exp_avg"].clone() for n, p in engine.model.named_parameters()}}
+
+
+@pytest.mark.timeout(60)
+def test_a_resumed_run_starts_its_critic_from_the_last_save(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    settings = CriticSettings(rows_per_step=2, gamma=1.0, lam=1.0, output=out, checkpoint_every=2)
+    engine = ValueModelEngine(model_dir, lr=3e-3, device="cpu", seed=0)
+    role = CriticRole(engine, settings, pad_token_id=PAD)
+    prompts, responses = rows(3, [3, 4])
+    role.learn(prompts, responses, [1.0, -1.0])
+    assert critic_checkpoint(out) is None  # one step: not due yet
+    role.learn(prompts, responses, [0.5, 0.0])
+    assert critic_checkpoint(out) == out / CRITIC_DIR
+    saved = _critic_state(engine)
+    # A save cut short between its two renames leaves the previous one to be found.
+    (out / CRITIC_DIR).rename(out / ".critic.old")
+    assert critic_checkpoint(out) == out / ".critic.old"
+    (out / ".critic.old").rename(out / CRITIC_DIR)
+
+    # What `flowrl.launch --resume out` hands the critic worker (`flowrl.run.compile_recipe`).
+    r = Recipe(steps=4, model=ModelConfig(path=str(model_dir)),
+               algorithm=AlgorithmConfig(name="ppo", group_size=1),
+               critic=CriticConfig(lr=3e-3, gamma=1.0, lam=1.0),
+               trainer=TrainerConfig(groups_per_step=2), output=out, checkpoint_every=2)
+    config = dict(r.to_pipeline().engine_config)
+    shutil.copytree(model_dir, out / "step_2")  # stands for the policy checkpoint
+    config["model"] = {**config["model"], "path": str(out / "step_2"),
+                       "reference_path": str(model_dir)}
+    config["resume"] = {"checkpoint": str(out / "step_2"), "version": 2}
+    resumed = make_hf_role("critic", config, seed=5)  # another seed: another head, unless loaded
+    assert isinstance(resumed, CriticRole)
+    assert resumed.steps == 2
+    got = _critic_state(resumed.engine)
+    assert all(torch.equal(got[k], saved[k]) for k in saved)
+    # Both go on identically: the optimizer's moments came back too.
+    a = role.learn(prompts, responses, [1.0, 1.0]).metrics
+    b = resumed.learn(prompts, responses, [1.0, 1.0]).metrics
+    assert a["critic_step"] == b["critic_step"] == 3.0
+    assert a["critic_loss"] == pytest.approx(b["critic_loss"], rel=1e-6)
+    after = _critic_state(resumed.engine)
+    assert all(torch.allclose(after[k], v, atol=1e-7) for k, v in _critic_state(engine).items())
+
+    # Without a critic save a resumed critic starts afresh (and says so in the log).
+    config["resume"] = {"checkpoint": str(tmp_path / "elsewhere" / "step_2"), "version": 2}
+    fresh = make_hf_role("critic", config, seed=5)
+    assert isinstance(fresh, CriticRole)
+    assert fresh.steps == 0
 
 
 # ---- recipe --------------------------------------------------------------------------------------

@@ -185,51 +185,13 @@ class TorchTrainerEngine:
         }
 
     def state_dict(self) -> TrainerState:
-        names = {id(p): n for n, p in self._params.items()}
-        tensors: dict[str, Tensor] = {}
-        for param, st in self.optimizer.state.items():
-            for key, value in st.items():
-                if not isinstance(value, Tensor):
-                    raise TypeError(f"non-tensor optimizer state {key!r}")
-                tensors[f"{names[id(param)]}/{key}"] = value.detach().to("cpu", copy=True)
-        groups = [
-            {**{k: v for k, v in g.items() if k != "params"},
-             "params": [names[id(p)] for p in g["params"]]}
-            for g in self.optimizer.param_groups
-        ]
-        meta = {"step": self._step, "skipped": self._skipped, "param_groups": groups}
-        return TrainerState(tensors, meta)
+        return optimizer_state(self.optimizer, self._params,
+                               {"step": self._step, "skipped": self._skipped})
 
     def load_state_dict(self, state: TrainerState) -> None:
-        meta = state.meta
-        index = {n: i for i, n in enumerate(n for g in meta["param_groups"] for n in g["params"])}
-        if set(index) != set(self._params):
-            raise ValueError("optimizer state names do not match the model's parameters")
-        per_param: dict[int, dict[str, Tensor]] = {}
-        for key, value in state.tensors.items():
-            name, _, field = key.rpartition("/")
-            if name not in index:
-                raise ValueError(f"optimizer state for unknown parameter {name!r}")
-            per_param.setdefault(index[name], {})[field] = value
-        groups = []
-        for g in meta["param_groups"]:
-            group = dict(g)
-            group["params"] = [index[n] for n in g["params"]]
-            if "betas" in group:
-                group["betas"] = tuple(group["betas"])
-            groups.append(group)
-        # torch.optim maps saved ids onto its own param order: match our ordering first.
-        ours = [n for g in self.optimizer.param_groups for n in self._group_names(g)]
-        theirs = [n for g in meta["param_groups"] for n in g["params"]]
-        if ours != theirs:
-            raise ValueError("optimizer parameter order differs from the checkpoint's")
-        self.optimizer.load_state_dict({"state": per_param, "param_groups": groups})
-        self._step = int(meta["step"])
-        self._skipped = int(meta.get("skipped", 0))
-
-    def _group_names(self, group: Mapping[str, Any]) -> list[str]:
-        names = {id(p): n for n, p in self._params.items()}
-        return [names[id(p)] for p in group["params"]]
+        load_optimizer_state(self.optimizer, self._params, state)
+        self._step = int(state.meta["step"])
+        self._skipped = int(state.meta.get("skipped", 0))
 
     def save_pretrained(self, directory: str | os.PathLike[str]) -> Path:
         out = Path(directory)
@@ -255,6 +217,56 @@ def adamw(
          {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
         lr=lr, betas=betas, eps=eps,
     )
+
+
+def optimizer_state(
+    optimizer: torch.optim.Optimizer, params: Mapping[str, Tensor], meta: Mapping[str, Any]
+) -> TrainerState:
+    """``optimizer``'s state by parameter name (CPU copies), with ``meta`` and its groups."""
+    names = {id(p): n for n, p in params.items()}
+    tensors: dict[str, Tensor] = {}
+    for param, st in optimizer.state.items():
+        for key, value in st.items():
+            if not isinstance(value, Tensor):
+                raise TypeError(f"non-tensor optimizer state {key!r}")
+            tensors[f"{names[id(param)]}/{key}"] = value.detach().to("cpu", copy=True)
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"},
+         "params": [names[id(p)] for p in g["params"]]}
+        for g in optimizer.param_groups
+    ]
+    return TrainerState(tensors, {**meta, "param_groups": groups})
+
+
+def load_optimizer_state(
+    optimizer: torch.optim.Optimizer, params: Mapping[str, Tensor], state: TrainerState
+) -> None:
+    """Load what `optimizer_state` saved into ``optimizer`` (over the same named params);
+    ValueError if the names or their order differ."""
+    meta = state.meta
+    index = {n: i for i, n in enumerate(n for g in meta["param_groups"] for n in g["params"])}
+    if set(index) != set(params):
+        raise ValueError("optimizer state names do not match the model's parameters")
+    per_param: dict[int, dict[str, Tensor]] = {}
+    for key, value in state.tensors.items():
+        name, _, field = key.rpartition("/")
+        if name not in index:
+            raise ValueError(f"optimizer state for unknown parameter {name!r}")
+        per_param.setdefault(index[name], {})[field] = value
+    groups = []
+    for g in meta["param_groups"]:
+        group = dict(g)
+        group["params"] = [index[n] for n in g["params"]]
+        if "betas" in group:
+            group["betas"] = tuple(group["betas"])
+        groups.append(group)
+    # torch.optim maps saved ids onto its own param order: match our ordering first.
+    names = {id(p): n for n, p in params.items()}
+    ours = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    theirs = [n for g in meta["param_groups"] for n in g["params"]]
+    if ours != theirs:
+        raise ValueError("optimizer parameter order differs from the checkpoint's")
+    optimizer.load_state_dict({"state": per_param, "param_groups": groups})
 
 
 def clip_and_step(

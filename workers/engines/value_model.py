@@ -7,7 +7,8 @@ exactly where the trainer reads the logits that score token t, so values and log
 are aligned position by position.
 
 `ValueModelEngine` scores rows (`values`), accumulates gradients of a caller's loss over
-micro-batches (`train_micro_batch`), and steps AdamW with gradient clipping (`optimizer_step`).
+micro-batches (`train_micro_batch`), steps AdamW with gradient clipping (`optimizer_step`), and
+saves and loads its weights and optimizer state (`save`, `load`).
 
 Guarantees:
 - `values` and `train_micro_batch` compute the same function (dropout is off, eval mode).
@@ -22,16 +23,25 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from workers.devices import pick_device
 from workers.engines.hf_rollout import load_causal_lm
-from workers.engines.protocols import SequenceBatch
-from workers.engines.torch_trainer import adamw, clip_and_step
+from workers.engines.protocols import SequenceBatch, TrainerState
+from workers.engines.torch_trainer import (
+    adamw,
+    clip_and_step,
+    load_optimizer_state,
+    optimizer_state,
+)
 
 __all__ = ["ValueLossFn", "ValueModel", "ValueModelEngine"]
+
+#: the value model's weights in a directory written by `ValueModelEngine.save`
+VALUE_WEIGHTS = "value_model.safetensors"
 
 ValueLossFn = Callable[[Tensor, SequenceBatch], tuple[Tensor, Mapping[str, float]]]
 """``loss_fn(values [B, L] float32 with grad, batch on the engine's device) -> (loss, metrics)``."""
@@ -153,3 +163,34 @@ class ValueModelEngine:
         self._pending = 0
         return {"grad_norm": grad_norm, "lr": self._lr, "step": float(self._step),
                 "skipped": float(skipped)}
+
+    def save(self, directory: str | os.PathLike[str]) -> Path:
+        """Write the weights (`VALUE_WEIGHTS`) and the optimizer state (`TrainerState`, with
+        ``step`` and ``skipped``) into ``directory``; gradients not yet stepped are not kept."""
+        from safetensors.torch import save_file
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().to("cpu").contiguous()
+                   for k, v in self.model.state_dict().items()}, str(out / VALUE_WEIGHTS))
+        optimizer_state(self.optimizer, self._params,
+                        {"step": self._step, "skipped": self._skipped}).save(out)
+        return out
+
+    def load(self, directory: str | os.PathLike[str]) -> None:
+        """Load what `save` wrote; ValueError if it does not fit this model (nothing changed
+        then), FileNotFoundError if a file is missing."""
+        from safetensors.torch import load_file
+
+        src = Path(directory)
+        state = TrainerState.load(src)
+        weights = load_file(str(src / VALUE_WEIGHTS))
+        mine = self.model.state_dict()
+        if set(weights) != set(mine) or any(
+                weights[k].shape != mine[k].shape for k in mine):
+            raise ValueError(f"{src / VALUE_WEIGHTS}: weights do not fit this value model")
+        load_optimizer_state(self.optimizer, self._params, state)  # checks before it loads
+        self.model.load_state_dict(weights)
+        self._step = int(state.meta["step"])
+        self._skipped = int(state.meta.get("skipped", 0))
+        self._pending = 0

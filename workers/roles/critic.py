@@ -36,16 +36,26 @@ critic is a learned baseline whose training is at-least-once:
 - a restarted critic process starts again from its initial weights (the model directory's
   backbone and the seeded head); gradients accumulated and not yet stepped are lost.
 
+Checkpoints. With the run's ``output`` and ``checkpoint_every``, the critic writes its weights
+and optimizer state to ``{output}/critic`` every ``checkpoint_every`` critic steps, replacing the
+previous save (`save_checkpoint`; `critic_checkpoint` finds it even if a save was cut short).
+A run resumed from ``{output}/step_N`` (``flowrl.launch --resume``) starts its critic from there
+(`workers.roles.factory`): the critic's newest save, at most ``checkpoint_every`` critic steps
+apart from the policy checkpoint, since the two step on their own.
+
 Compute runs in a thread, one task at a time. New policy versions do not concern the critic.
 """
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import structlog
 import torch
 from torch import Tensor
 
@@ -55,7 +65,21 @@ from workers.engines.protocols import SequenceBatch
 from workers.engines.value_model import ValueModelEngine
 from workers.runtime import RoleOutput
 
-__all__ = ["CriticRole", "CriticSettings", "critic_targets"]
+__all__ = ["CRITIC_DIR", "CriticRole", "CriticSettings", "critic_checkpoint", "critic_targets"]
+
+log = structlog.get_logger("flowrl.critic")
+
+#: where in a run's output directory the critic keeps its newest save
+CRITIC_DIR = "critic"
+_OLD = ".critic.old"  # the previous save, while a new one replaces it
+
+
+def critic_checkpoint(output: Path) -> Path | None:
+    """The critic's newest complete save under a run's ``output`` directory, if any."""
+    for name in (CRITIC_DIR, _OLD):  # the old one only exists mid-replacement
+        if (output / name / "trainer_state.json").is_file():
+            return output / name
+    return None
 
 
 @dataclass(frozen=True)
@@ -70,6 +94,9 @@ class CriticSettings:
     value_clip: float | None = 0.2
     #: passes over each batch; passes after the first replay it at step end.
     epochs: int = 1
+    #: the run's output directory, and how many critic steps apart to save there (0: never).
+    output: Path | None = None
+    checkpoint_every: int = 0
 
     def __post_init__(self) -> None:
         if self.rows_per_step < 1:
@@ -86,11 +113,14 @@ class CriticSettings:
         """From a worker's JSON config (`flowrl.recipe.Recipe.engine_config`)."""
         c = config["critic"]
         clip = c.get("value_clip")
+        output = config.get("output")
         return cls(
             rows_per_step=int(config["trainer"]["groups_per_step"])
             * int(config["algorithm"]["group_size"]),
             gamma=float(c["gamma"]), lam=float(c["lam"]),
             value_clip=None if clip is None else float(clip), epochs=int(c.get("epochs", 1)),
+            output=None if output is None else Path(output),
+            checkpoint_every=int(config.get("checkpoint_every", 0)),
         )
 
 
@@ -190,6 +220,13 @@ class CriticRole:
             for _ in range(self.settings.epochs - 1):
                 metrics["critic_loss"] = self._replay_pass()
             metrics["critic_step"] = float(self.engine.step)
+            every = self.settings.checkpoint_every
+            if self.settings.output is not None and every > 0 and self.engine.step % every == 0:
+                try:
+                    self.save_checkpoint()
+                except OSError as e:  # a full disk must not stop training
+                    log.error("critic checkpoint failed", step=self.engine.step, error=repr(e))
+                    metrics["critic_checkpoint_failed"] = 1.0
         self._rows = self._tokens = 0
         self._loss = 0.0
         self._replay.clear()
@@ -210,6 +247,24 @@ class CriticRole:
         self.engine.scale_gradients(1.0 / self._tokens)
         self.engine.optimizer_step()
         return loss / self._tokens
+
+    def save_checkpoint(self) -> Path:
+        """Write ``{output}/critic``, replacing the previous save; built aside, so a reader
+        finds one complete save at any moment (`critic_checkpoint`)."""
+        if self.settings.output is None:
+            raise RuntimeError("no output directory configured")
+        root = self.settings.output
+        root.mkdir(parents=True, exist_ok=True)
+        final, tmp, old = root / CRITIC_DIR, root / ".critic.partial", root / _OLD
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.engine.save(tmp)
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+        log.info("critic checkpoint", step=self.engine.step, path=str(final))
+        return final
 
     async def load_version(self, version: int, weights: dict[str, Tensor]) -> None:
         return None  # policy versions do not concern the critic

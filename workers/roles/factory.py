@@ -194,10 +194,24 @@ def _critic(config: dict[str, Any], path: Path, seed: int) -> Role:
         raise ValueError("critic: the config has no critic section (algorithm.name is not 'ppo')")
     settings = CriticSettings.from_config(config)
     c = config["critic"]
+    resume = config.get("resume")
+    initial = config["model"].get("reference_path")
+    if initial:  # resuming: the critic was built from the initial model, not the checkpoint
+        path = Path(initial)
     engine = ValueModelEngine(
         path, lr=float(c["lr"]), weight_decay=float(c["weight_decay"]),
         grad_clip=None if c.get("grad_clip") is None else float(c["grad_clip"]), seed=seed,
     )
+    if resume:
+        from workers.roles.critic import critic_checkpoint
+
+        saved = critic_checkpoint(Path(resume["checkpoint"]).parent)
+        if saved is None:
+            log.warning("resuming without a critic checkpoint: the critic starts afresh",
+                        output=str(Path(resume["checkpoint"]).parent))
+        else:
+            engine.load(saved)
+            log.info("critic resumed", path=str(saved), critic_step=engine.step)
     return CriticRole(engine, settings, pad_token_id=_pad_id(engine.model.backbone))
 
 

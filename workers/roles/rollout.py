@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -44,6 +45,9 @@ def group_rows(row_groups: Sequence[int]) -> dict[int, list[int]]:
     for i, g in enumerate(row_groups):
         out.setdefault(int(g), []).append(i)
     return out
+
+
+_ENCODED_MAX = 4096  # prompts whose token ids a rollout role keeps
 
 
 class RolloutRole:
@@ -68,12 +72,24 @@ class RolloutRole:
         self.max_prompt_tokens = max_prompt_tokens
         self.sample_seed = sample_seed
         self._lock = asyncio.Lock()  # the engine serves one call at a time
+        # prompt text -> its token ids, least recently used out first: every epoch asks for
+        # the same prompts again, and tokenizing runs on the worker's event loop.
+        self._encoded: OrderedDict[str, tuple[int, ...]] = OrderedDict()
 
     def prompt_ids(self, position: int) -> tuple[list[int], bool]:
         """The token ids of the prompt at ``position`` and whether they were truncated."""
-        ids = [int(t) for t in self.tokenizer(self.dataset.at(position).prompt).input_ids]
-        if not ids:
-            raise ValueError(f"the prompt at dataset position {position} encodes to no tokens")
+        text = self.dataset.at(position).prompt
+        known = self._encoded.get(text)
+        if known is None:
+            known = tuple(int(t) for t in self.tokenizer(text).input_ids)
+            if not known:
+                raise ValueError(f"the prompt at dataset position {position} encodes to no tokens")
+            if len(self._encoded) >= _ENCODED_MAX:
+                self._encoded.popitem(last=False)
+            self._encoded[text] = known
+        else:
+            self._encoded.move_to_end(text)
+        ids = list(known)
         if len(ids) > self.max_prompt_tokens:
             return ids[-self.max_prompt_tokens :], True
         return ids, False
