@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hmac
 import json
 import math
 import sys
@@ -56,7 +57,7 @@ from flowrl.staleness import StalenessGate
 from transport.endpoints import ipc_endpoint, new_run_id, remove_run_dir
 from transport.handles import ITEMSIZE, looks_like_handle
 from transport.pubsub import Publisher
-from transport.rpc import RpcClient, RpcServer
+from transport.rpc import Handler, RpcClient, RpcServer
 from transport.shm import claim_run_dir
 
 if TYPE_CHECKING:
@@ -641,17 +642,33 @@ class Controller:
     # ---- request handlers ------------------------------------------------------------------
 
     def _handlers(self) -> dict[str, Any]:
+        as_worker = self._as_worker
         return {
             m.OP_REGISTER: self._on_register,
-            m.OP_HEARTBEAT: self._on_heartbeat,
-            m.OP_GET_TASK: self._on_get_task,
-            m.OP_TASK_DONE: self._on_task_done,
-            m.OP_TASK_FAILED: self._on_task_failed,
-            m.OP_SERVED: self._on_served,
-            m.OP_BYE: self._on_bye,
-            m.OP_SYNC_FAILED: self._on_sync_failed,
+            m.OP_HEARTBEAT: as_worker(self._on_heartbeat),
+            m.OP_GET_TASK: as_worker(self._on_get_task),
+            m.OP_TASK_DONE: as_worker(self._on_task_done),
+            m.OP_TASK_FAILED: as_worker(self._on_task_failed),
+            m.OP_SERVED: as_worker(self._on_served),
+            m.OP_BYE: as_worker(self._on_bye),
+            m.OP_SYNC_FAILED: as_worker(self._on_sync_failed),
             "node_up": self._on_node_up,
         }
+
+    def _as_worker(self, handler: Handler) -> Handler:
+        """``handler`` for calls in a worker's name: a call naming a registered worker must
+        carry the token of that worker's register reply, so another process that learnt (or
+        guessed) a worker id cannot act as that worker. Unknown ids reach the handler, which
+        answers them as it always has."""
+        async def checked(p: Any, peer: bytes) -> Any:
+            wid = p.get("worker_id") if isinstance(p, dict) else None
+            info = self.registry.get(wid) if type(wid) is str else None
+            if info is not None:
+                token = p.get("token")
+                if type(token) is not bytes or not hmac.compare_digest(token, info.token):
+                    raise PermissionError(f"a call for worker {wid} without its token")
+            return await handler(p, peer)
+        return checked
 
     def _now(self) -> float:
         return asyncio.get_running_loop().time()
@@ -703,7 +720,8 @@ class Controller:
         self.events.emit("worker_up", worker=info.worker_id, role=role, node=info.node,
                          name=info.name)
         self._notify()  # `wait_for` predicates may ask for a worker (a restarted one)
-        return {"worker_id": info.worker_id, "version": self.version, "weights": latest}
+        return {"worker_id": info.worker_id, "token": info.token, "version": self.version,
+                "weights": latest}
 
     async def _on_heartbeat(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
         info = self.registry.heartbeat(str(p["worker_id"]), self._now())
@@ -712,7 +730,7 @@ class Controller:
     async def _on_get_task(self, p: dict[str, Any], peer: bytes) -> m.TaskMsg | None:
         done = p.get("done")
         if done is not None:
-            await self._on_reported(done, peer)
+            await self._on_reported(done, p.get("worker_id"), peer)
         q = self._queues.get(str(p["worker_id"]))
         if q is None:
             return None
@@ -726,10 +744,11 @@ class Controller:
             a.started_at = time.time()
         return msg
 
-    async def _on_reported(self, done: Any, peer: bytes) -> None:
+    async def _on_reported(self, done: Any, poller: Any, peer: bytes) -> None:
         """A task's report that came with the worker's next poll: taken as ``task_done``; one
-        that cannot be taken fails its task (its rows go to another worker), not the poll."""
-        if not isinstance(done, dict):
+        that cannot be taken fails its task (its rows go to another worker), not the poll. A
+        worker reports only its own tasks (its poll carried its token, not the report)."""
+        if not isinstance(done, dict) or done.get("worker_id") != poller:
             self._log().warning("ignored a malformed task report", report=repr(done)[:200])
             return
         try:

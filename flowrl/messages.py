@@ -6,7 +6,10 @@ only store handles (lists) and small scalars.
 
 Requests (worker -> controller, over the controller's ROUTER socket):
 
-- ``register``   ``{name, role, node, pid, capacity}`` -> ``{worker_id, version, config}``
+- ``register``   ``{name, role, node, pid, capacity}`` -> ``{worker_id, token, version, weights}``;
+  every later call in the worker's name carries ``worker_id`` and that ``token`` (16 random
+  bytes, never logged or shown): a call naming a registered worker without its token is
+  refused (``PermissionError``), so no other process can act as that worker.
 - ``heartbeat``  ``{worker_id, version, busy}`` -> ``{ok}``; an unknown worker gets ``{ok: False}``
   and must exit (the controller has already declared it dead and requeued its rows).
 - ``get_task``   ``{worker_id, wait_s, done?}`` -> a `TaskMsg` map, or ``None`` when nothing came

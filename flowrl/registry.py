@@ -9,6 +9,7 @@ are redone elsewhere.
 from __future__ import annotations
 
 import itertools
+import secrets
 from dataclasses import dataclass, field
 
 
@@ -27,6 +28,8 @@ class WorkerInfo:
     deadline: float = 0.0
     done: int = 0
     failed: int = 0
+    #: the secret its register reply carried; every later call of the worker carries it
+    token: bytes = field(default=b"", repr=False)
 
     @property
     def in_flight(self) -> int:
@@ -51,7 +54,8 @@ class Registry:
     ) -> WorkerInfo:
         worker_id = f"{role}-{next(self._ids)}"
         info = WorkerInfo(worker_id, name, role, node, pid, max(1, capacity), version,
-                          deadline=now + self.heartbeat_timeout_s)
+                          deadline=now + self.heartbeat_timeout_s,
+                          token=secrets.token_bytes(16))
         self._workers[worker_id] = info
         self._by_role.setdefault(role, {})[worker_id] = info
         self._open.setdefault(role, {})[worker_id] = info

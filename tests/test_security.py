@@ -1,5 +1,6 @@
 """Secure by default: no pickle reachable from any entry point, every default bind on loopback,
-and the monitor's token in no log line and no `/status` answer.
+the monitor's token in no log line and no `/status` answer, and no process acting as a worker
+without that worker's token.
 
 Covered elsewhere and not repeated here: the source scan for pickle (`test_no_pickle`),
 `check_bind` refusing non-loopback addresses (`test_endpoints`), control without or with a wrong
@@ -23,10 +24,13 @@ import psutil
 import pytest
 from test_no_pickle import BANNED_MODULES, violations
 
+from flowrl import messages as m
 from flowrl.controller import Controller
 from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages
 from flowrl.recipe import MonitorConfig
-from transport.endpoints import run_dir
+from transport.endpoints import ipc_endpoint, run_dir
+from transport.errors import RemoteError
+from transport.rpc import RpcClient
 
 ROOT = Path(__file__).resolve().parent.parent
 INSTALLED = ("flowrl", "workers", "transport")
@@ -200,3 +204,27 @@ def test_the_monitor_token_is_in_no_log_line_and_no_status(tmp_path: Path) -> No
     assert all(json.loads(line) for line in lines if line.startswith("{"))
     for text in (proc.stdout, proc.stderr, *bodies.values()):
         assert token not in text
+
+
+async def test_no_other_process_can_act_as_a_worker() -> None:
+    """Worker ids are guessable (``rollout-1``); a call in a registered worker's name without
+    the token of its register reply is refused and changes nothing."""
+    async with Controller(sim_spec()) as ctl:
+        await ctl.wait_for(lambda: len(ctl.registry.of_role("rollout")) == 1)
+        (victim,) = [w.worker_id for w in ctl.registry.of_role("rollout")]
+        async with RpcClient(ipc_endpoint(ctl.run_id, "ctl"), timeout=10.0) as intruder:
+            for op, payload in [
+                (m.OP_BYE, {"worker_id": victim}),
+                (m.OP_HEARTBEAT, {"worker_id": victim, "version": 0, "busy": 0,
+                                  "token": b"\0" * 16}),
+                (m.OP_GET_TASK, {"worker_id": victim, "wait_s": 0.0, "token": "guess"}),
+                (m.OP_TASK_FAILED, {"worker_id": victim, "task_id": 1, "error": "x"}),
+            ]:
+                with pytest.raises(RemoteError) as excinfo:
+                    await intruder.call(op, payload)
+                assert excinfo.value.kind == "PermissionError", op
+        # The worker is still registered and the run trains as usual.
+        assert ctl.registry.get(victim) is not None
+        out = await ctl.run(steps=2, timeout_s=30)
+        assert out["version"] == 2
+        assert ctl.status()["worker_deaths"] == 0

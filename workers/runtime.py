@@ -162,6 +162,8 @@ class Worker:
         self.role = role
         self.store = store
         self.worker_id = ""
+        # worker_id and the token of the register reply: what every later call carries
+        self._me: dict[str, Any] = {}
         self.version = 0
         self._rpc = RpcClient(config.controller, timeout=config.rpc_timeout_s,
                               curve=for_endpoint(config.curve, config.controller))
@@ -187,6 +189,7 @@ class Worker:
         if not _is_register_reply(reply):
             raise ProtocolError(f"the controller sent an invalid register reply: {reply!r:.200}")
         self.worker_id = reply["worker_id"]
+        self._me = {"worker_id": self.worker_id, "token": reply.get("token")}
         if reply.get("weights"):  # join at the version everyone else serves
             await self._switch_version(int(reply["version"]), reply["weights"])
         elif int(reply["version"]) > 0:
@@ -205,7 +208,7 @@ class Worker:
             pass
         finally:
             with contextlib.suppress(TransportError):
-                await self._rpc.call(m.OP_BYE, {"worker_id": self.worker_id}, timeout=2.0)
+                await self._rpc.call(m.OP_BYE, self._me, timeout=2.0)
             await self.aclose()
 
     def _log(self) -> Any:
@@ -226,7 +229,7 @@ class Worker:
         done: m.DoneMsg | None = None
         try:
             while not self._stopped.is_set():
-                request: dict[str, Any] = {"worker_id": self.worker_id, "wait_s": cfg.poll_s}
+                request: dict[str, Any] = {**self._me, "wait_s": cfg.poll_s}
                 if done is not None:
                     request["done"] = done
                 try:
@@ -248,7 +251,8 @@ class Worker:
         finally:
             if done is not None:  # stopping with a report not yet sent: send it on its own
                 with contextlib.suppress(TransportError, asyncio.CancelledError):
-                    await asyncio.shield(self._rpc.call(m.OP_TASK_DONE, done, timeout=2.0))
+                    await asyncio.shield(self._rpc.call(m.OP_TASK_DONE, {**done, **self._me},
+                                                        timeout=2.0))
 
     async def _refuse(self, task: Any) -> None:
         """Drop a malformed task message; if it names a task, report it failed (its rows are
@@ -258,7 +262,7 @@ class Worker:
         if type(task_id) is int:
             with contextlib.suppress(TransportError):
                 await self._rpc.call(m.OP_TASK_FAILED, {
-                    "worker_id": self.worker_id, "task_id": task_id,
+                    **self._me, "task_id": task_id,
                     "error": "malformed task message"})
 
     async def _rest(self, seconds: float) -> None:
@@ -286,7 +290,7 @@ class Worker:
             with contextlib.suppress(TransportError):
                 await self._rpc.call(
                     m.OP_TASK_FAILED,
-                    {"worker_id": self.worker_id, "task_id": task["task_id"], "error": repr(exc)},
+                    {**self._me, "task_id": task["task_id"], "error": repr(exc)},
                 )
             return None
         finally:
@@ -328,7 +332,7 @@ class Worker:
             try:
                 reply = await self._rpc.call(
                     m.OP_HEARTBEAT,
-                    {"worker_id": self.worker_id, "version": self.version,
+                    {**self._me, "version": self.version,
                      "busy": self._in_flight},
                     timeout=cfg.rpc_timeout_s,
                 )
@@ -394,11 +398,11 @@ class Worker:
                                   deadline_s=deadline)
                 with contextlib.suppress(TransportError):
                     await self._rpc.call(m.OP_SYNC_FAILED, {
-                        "worker_id": self.worker_id, "version": version, "error": error},
+                        **self._me, "version": version, "error": error},
                         timeout=min(5.0, self.config.rpc_timeout_s))
                 raise WeightSyncError(error) from None
             self.version = version
-            await self._rpc.call(m.OP_SERVED, {"worker_id": self.worker_id, "version": version})
+            await self._rpc.call(m.OP_SERVED, {**self._me, "version": version})
         finally:
             self._gate.set()
 
@@ -410,6 +414,7 @@ class _Stop(Exception):
 def _is_register_reply(reply: Any) -> bool:
     return (isinstance(reply, dict) and type(reply.get("worker_id")) is str
             and type(reply.get("version")) is int and reply["version"] >= 0
+            and (reply.get("token") is None or type(reply["token"]) is bytes)
             and (reply.get("weights") is None or isinstance(reply["weights"], dict)))
 
 
