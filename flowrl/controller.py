@@ -125,6 +125,8 @@ class Controller:
         self._step_attempt = 0  # bumped whenever a step's micro-batches are given back
         self._train_groups_in_step = 0
         self._step_tasks: list[int] = []  # train tasks done but not yet committed
+        # other stages' task metrics since the last step commit (see `_fold_metrics`)
+        self._stage_metrics: dict[str, float] = {}
         train_pool = spec.pool(self._train_stage.role) if self._train_stage else None
         #: how a step is shared among data-parallel trainer ranks (None: one trainer).
         self._dp: RankShares[Task] | None = None
@@ -788,8 +790,25 @@ class Controller:
                                           lengths=lengths or None)
             if retired:
                 self._free_q.put_nowait(retired)
+            self._fold_metrics(p.get("metrics"))
         self._wake()
         return {"ok": True}
+
+    def _fold_metrics(self, metrics: Any) -> None:
+        """What the step log shows of other stages' task metrics: reward failures
+        (``reward_failed``, ``reward_failed_<kind>``) summed over the step, and the critic's
+        step figures (``critic_*``, reported by the task whose rows completed a critic step)
+        as last reported. Values that are not finite numbers are ignored."""
+        if not isinstance(metrics, dict):
+            return
+        acc = self._stage_metrics
+        for key, value in metrics.items():
+            if type(value) not in (int, float) or not math.isfinite(value):
+                continue
+            if type(key) is str and key.startswith("reward_failed"):
+                acc[key] = acc.get(key, 0.0) + value
+            elif type(key) is str and key.startswith("critic_"):
+                acc[key] = float(value)
 
     def _rank_done(self, a: _Assigned, p: dict[str, Any]) -> None:
         """A data-parallel rank trained a micro-batch. A step commits once every rank reported
@@ -857,8 +876,11 @@ class Controller:
             "served_versions": sorted(
                 {w.version for w in self.registry.of_role(self._source_stage.role)}),
             "wall_s": wall,
+            "reward_failed": 0.0,
+            **self._stage_metrics,
             **{f"train_{k}": v for k, v in (p.get("metrics") or {}).items()},
         }
+        self._stage_metrics = {}
         self._last_step_at = now
         self._save_run_state()
         self.step_log.append(entry)

@@ -45,12 +45,14 @@ def _format_step(entry: dict[str, Any]) -> str:
     reward = entry.get("reward_mean")
     served = ",".join(str(v) for v in entry.get("served_versions", []))
     loss = entry.get("train_loss")
+    failed = int(entry.get("reward_failed") or 0)
     return (
         f"step {entry['step']:>4}  reward {'   -  ' if reward is None else f'{reward:6.3f}'}"
         f"  samples/s {entry['samples_per_s']:7.1f}"
         f"  staleness {entry['staleness_mean']:.2f} (max {entry['staleness_max']})"
         f"  served v{served}"
         + ("" if loss is None else f"  loss {loss:+.4f}")
+        + (f"  reward failed {failed}" if failed else "")
     )
 
 

@@ -266,3 +266,6 @@ async def test_a_short_real_ppo_run_completes(model_dir: Path) -> None:
     assert out["rows_trained_twice"] == 0
     assert status["errors"] == []
     assert all(math.isfinite(s["train_loss"]) for s in ctl.step_log)
+    # The critic's step figures reach the step log: a step's rows need the critic's targets,
+    # so by its commit the critic has stepped on at least one batch.
+    assert all(s["critic_step"] >= 1 and math.isfinite(s["critic_loss"]) for s in ctl.step_log)
