@@ -30,7 +30,8 @@ dispatch to the last optimizer step; process start-up and the model build are no
   compute runs in other threads (rollout generation, training, reward calls). (c) also counts
   the little role code that runs on a worker's loop (tokenizing prompts, detokenizing
   responses), so it is an upper bound. The parts are ``overhead_controller``,
-  ``overhead_node`` and ``overhead_workers``.
+  ``overhead_node`` and ``overhead_workers``; ``overhead_cpu_ms_per_sample`` is the same CPU
+  time per trained sample (a share of wall time grows with throughput; this does not).
 - ``weight_sync_gbps``: one weight publish and load as the workers do it, in this process: the
   trainer's exported weights are written into the node's store through a `StoreClient`
   (`workers.runtime.publish_weights`: a put into shared memory and its round trips to the
@@ -315,6 +316,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "overhead_node": round(_mean(async_, "overhead_node"), 4),
         "overhead_workers": round(_mean(async_, "overhead_workers"), 4),
         "overhead_share_sync": round(statistics.fmean(map(_overhead, sync)), 4),
+        "overhead_cpu_ms_per_sample": round(statistics.fmean(
+            1000 * _overhead(r) * r["wall_s"] / r["samples"] for r in async_), 3),
         "weight_sync_gbps": round(ws["weight_sync_gbps"], 3),
         "memcpy_gbps": round(ws["memcpy_gbps"], 3),
         "weight_sync_vs_memcpy": round(ws["weight_sync_gbps"] / ws["memcpy_gbps"], 3),
