@@ -432,6 +432,11 @@ class TrainerConfig(_Section):
     """Global gradient-norm clip; None disables it."""
     warmup_steps: int = Field(default=0, ge=0)
     """Linear learning-rate warm-up, in optimizer steps."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After the warm-up: ``constant``, or ``cosine`` decay to ``lr * min_lr_ratio`` at the
+    run's last step (``steps``; a resumed run continues the same curve)."""
+    min_lr_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Where ``cosine`` ends, as a fraction of ``lr``."""
     groups_per_step: int = Field(default=8, ge=1, le=1 << 20)
     """Prompts (groups) per optimizer step: the global batch is ``groups_per_step *
     group_size`` responses."""

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from flowrl.recipe import ModelConfig, Recipe, TrainerConfig
 from workers.devices import pick_device, set_threads
 from workers.engines import (
     Generation,
@@ -25,6 +26,8 @@ from workers.engines import (
 )
 from workers.engines.hf_rollout import _sample
 from workers.engines.protocols import counter_uniforms, mix_seed, stream_keys_of
+from workers.roles.factory import make_hf_role
+from workers.roles.trainer import TrainerRole
 from workers.tiny_model import build_tiny_model
 
 set_threads(2)
@@ -455,6 +458,28 @@ def test_warmup_schedule_and_misuse(model_dir: Path) -> None:
     empty = SequenceBatch.from_rows([[3, 4]], [[]])
     with pytest.raises(ValueError, match="no response tokens"):
         engine.train_micro_batch(empty, nll)
+
+
+def test_cosine_schedule_after_warmup(model_dir: Path) -> None:
+    engine = TorchTrainerEngine(model_dir, lr=1.0, warmup_steps=2, schedule="cosine",
+                                min_lr_ratio=0.1, total_steps=10, device="cpu")
+    # Warm-up 0.5, 1; then cosine over steps 2..9 from 1 down to 0.1; held there after.
+    mid = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 3 / 7))
+    assert [engine.lr_at(s) for s in (0, 1, 2, 5, 9, 12)] == pytest.approx(
+        [0.5, 1.0, 1.0, mid, 0.1, 0.1])
+    assert all(engine.lr_at(s) > engine.lr_at(s + 1) for s in range(2, 9))
+    with pytest.raises(ValueError, match="total_steps"):
+        TorchTrainerEngine(model_dir, schedule="cosine", device="cpu")
+    with pytest.raises(ValueError, match="schedule"):
+        TorchTrainerEngine(model_dir, schedule="linear", device="cpu")
+
+
+def test_the_recipe_schedule_reaches_the_trainer(model_dir: Path) -> None:
+    r = Recipe(steps=5, model=ModelConfig(path=str(model_dir)),
+               trainer=TrainerConfig(lr=1e-3, lr_schedule="cosine", min_lr_ratio=0.5))
+    role = make_hf_role("train", r.engine_config(), seed=0)
+    assert isinstance(role, TrainerRole)
+    assert [role.engine.lr_at(s) for s in (0, 4)] == pytest.approx([1e-3, 5e-4])
 
 
 def test_non_finite_gradient_skips_the_step(trainer: TorchTrainerEngine) -> None:

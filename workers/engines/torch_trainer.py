@@ -65,6 +65,9 @@ class TorchTrainerEngine:
         eps: float = 1e-8,
         grad_clip: float | None = 1.0,
         warmup_steps: int = 0,
+        schedule: str = "constant",
+        min_lr_ratio: float = 0.0,
+        total_steps: int | None = None,
         device: str | torch.device | None = None,
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
@@ -72,6 +75,11 @@ class TorchTrainerEngine:
     ) -> None:
         if lr <= 0 or warmup_steps < 0 or (grad_clip is not None and grad_clip < 0):
             raise ValueError("need lr > 0, warmup_steps >= 0, grad_clip >= 0 or None")
+        if schedule not in ("constant", "cosine") or not 0.0 <= min_lr_ratio <= 1.0:
+            raise ValueError(f"schedule must be 'constant' or 'cosine' and 0 <= min_lr_ratio "
+                             f"<= 1, got {schedule!r}, {min_lr_ratio}")
+        if schedule == "cosine" and (total_steps is None or total_steps < 1):
+            raise ValueError("a cosine schedule needs total_steps >= 1")
         torch.manual_seed(seed)
         self.device = pick_device(device)
         self.model_dir = Path(model_dir)
@@ -83,6 +91,9 @@ class TorchTrainerEngine:
         self._groups = tied_groups(self.model)
         self._lr = lr
         self._warmup = warmup_steps
+        self._schedule = schedule
+        self._min_lr = lr * min_lr_ratio
+        self._total = total_steps or 0
         self._grad_clip = grad_clip
         # named_parameters() lists a tied weight once, so each tensor is optimised once.
         self._params = dict(self.model.named_parameters())
@@ -97,10 +108,16 @@ class TorchTrainerEngine:
         return self._step
 
     def lr_at(self, step: int) -> float:
-        """Constant learning rate after a linear warmup over the first ``warmup_steps``."""
+        """The learning rate of optimizer step ``step`` (0-based): a linear warmup over the
+        first ``warmup_steps``, then constant, or cosine from ``lr`` down to ``lr *
+        min_lr_ratio`` at the last of ``total_steps`` (and there after it)."""
         if step < self._warmup:
             return self._lr * (step + 1) / self._warmup
-        return self._lr
+        if self._schedule == "constant":
+            return self._lr
+        span = max(1, self._total - 1 - self._warmup)
+        done = min(1.0, (step - self._warmup) / span)
+        return self._min_lr + (self._lr - self._min_lr) * 0.5 * (1.0 + math.cos(math.pi * done))
 
     # -- scoring and training ----------------------------------------------------------------
 

@@ -229,7 +229,9 @@ def _trainer(config: dict[str, Any], path: Path, seed: int) -> Role:
         path, lr=float(t["lr"]), weight_decay=float(t["weight_decay"]),
         betas=(float(betas[0]), float(betas[1])),
         grad_clip=None if t.get("grad_clip") is None else float(t["grad_clip"]),
-        warmup_steps=int(t["warmup_steps"]), seed=seed,
+        warmup_steps=int(t["warmup_steps"]), schedule=str(t.get("lr_schedule", "constant")),
+        min_lr_ratio=float(t.get("min_lr_ratio", 0.0)),
+        total_steps=None if config.get("steps") is None else int(config["steps"]), seed=seed,
         device=None if group is None else group.device(pick_device()),
     )
     resume = config.get("resume")
