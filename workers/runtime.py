@@ -4,7 +4,8 @@ A worker registers (role, node, capacity), then runs three owned loops until sto
 
 - *pull*: ``capacity`` long-poll ``get_task`` calls; each task's inputs are read from the store
   (zero-copy on the same node, through the owning node's store server otherwise), the role runs,
-  its outputs go into this node's store, and ``task_done`` reports the new fields' handles;
+  its outputs go into this node's store, and the next ``get_task`` carries the report of the new
+  fields' handles (``task_done`` on its own only when the worker stops holding one);
 - *heartbeat*: one small request per ``heartbeat_s``, so a worker that is busy computing is never
   mistaken for a dead one (compute runs off the event loop, in the role's own thread or engine);
 - *broadcast*: listens for new policy versions and for ``stop``.
@@ -14,8 +15,10 @@ and loading waits for tasks in flight to finish, so no task ever sees two versio
 
 Several workers may share one process (simulation mode hosts many); each has its own sockets.
 
+Every call after ``register`` carries the worker id and the token of the register reply.
+
 A controller that sends malformed messages: a register reply that is not
-``{worker_id: str, version: int, weights}`` is fatal (`ProtocolError`: the worker cannot take
+``{worker_id: str, token?: bytes, version: int, weights}`` is fatal (`ProtocolError`: the worker cannot take
 part without an id); anything later is logged and dropped, and the worker goes on — a task
 message of the wrong shape (reported ``task_failed`` when it carries a task id, so its rows are
 redone), an error reply to ``get_task`` (asked again after `RETRY_S`), a heartbeat reply other
