@@ -20,12 +20,11 @@ Every call after ``register`` carries the worker id and the token of the registe
 A controller that sends malformed messages: a register reply that is not
 ``{worker_id: str, token?: bytes, version: int, weights}`` is fatal (`ProtocolError`: the
 worker cannot take part without an id); anything later is logged and dropped, and the worker
-goes on — a task
-message of the wrong shape (reported ``task_failed`` when it carries a task id, so its rows are
-redone), an error reply to ``get_task`` (asked again after `RETRY_S`), a heartbeat reply other
-than ``{ok: bool}``, a broadcast of the wrong shape, a version whose weights cannot be loaded
-(the worker keeps serving its version, which its heartbeats report). Only ``{ok: False}`` or a
-``stop`` broadcast ends it.
+goes on — a task message of the wrong shape (reported ``task_failed`` when it carries a task
+id, so its rows are redone), an error reply to ``get_task`` (asked again after `RETRY_S`), a
+heartbeat reply other than ``{ok: bool}``, a broadcast of the wrong shape, a version whose
+weights cannot be loaded (the worker keeps serving its version, which its heartbeats report).
+Only ``{ok: False}`` or a ``stop`` broadcast ends it.
 """
 
 from __future__ import annotations
