@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
+import time
 from collections.abc import Iterator
 
 import psutil
@@ -55,16 +57,44 @@ def _made_by(name: str, pids: set[int]) -> bool:
 
 def _live_children() -> dict[int, psutil.Process]:
     found: dict[int, psutil.Process] = {}
+    exiting: list[psutil.Process] = []
     for child in psutil.Process().children(recursive=True):
         try:
             if child.status() == psutil.STATUS_ZOMBIE:
                 continue
-            if any(h in " ".join(child.cmdline()) for h in _PERSISTENT_HELPERS):
+            cmdline = child.cmdline()
+            if not cmdline:  # its memory is released: it is exiting (a killed Ray worker)
+                exiting.append(child)
+                continue
+            if any(h in " ".join(cmdline) for h in _PERSISTENT_HELPERS):
                 continue
         except psutil.NoSuchProcess:
             continue
         found[child.pid] = child
+    found.update((p.pid, p) for p in _still_running(exiting, timeout=10.0))
     return found
+
+
+def _still_running(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Those of ``procs`` that have not terminated within ``timeout`` (they need not be our
+    children: a pidfd becomes readable when its process terminates, zombie or not)."""
+    fds: dict[int, psutil.Process] = {}
+    for p in procs:
+        try:
+            fds[os.pidfd_open(p.pid)] = p
+        except ProcessLookupError:
+            continue
+    try:
+        pending = dict(fds)
+        deadline = time.monotonic() + timeout
+        while pending and (left := deadline - time.monotonic()) > 0:
+            ready, _, _ = select.select(list(pending), [], [], left)
+            for fd in ready:
+                pending.pop(fd)
+        return list(pending.values())
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 @pytest.fixture(autouse=True)
