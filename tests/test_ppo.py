@@ -151,7 +151,8 @@ def test_a_resumed_run_starts_its_critic_from_the_last_save(
     model_dir: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "run"
-    settings = CriticSettings(rows_per_step=2, gamma=1.0, lam=1.0, output=out, checkpoint_every=2)
+    settings = CriticSettings(rows_per_step=2, gamma=1.0, lam=1.0, output=out, checkpoint_every=2,
+                              run_id="run-1")
     engine = ValueModelEngine(model_dir, lr=3e-3, device="cpu", seed=0)
     role = CriticRole(engine, settings, pad_token_id=PAD)
     prompts, responses = rows(3, [3, 4])
@@ -193,6 +194,19 @@ def test_a_resumed_run_starts_its_critic_from_the_last_save(
     fresh = make_hf_role("critic", config, seed=5)
     assert isinstance(fresh, CriticRole)
     assert fresh.steps == 0
+
+    # A critic process restarted within the run starts from the run's save; another run
+    # writing to the same directory never loads it.
+    del config["resume"]
+    config["model"] = {**config["model"], "path": str(model_dir), "reference_path": None}
+    restarted = make_hf_role("critic", {**config, "run_id": "run-1"}, seed=5)
+    assert isinstance(restarted, CriticRole)
+    assert restarted.steps == 2  # the last save (every 2 critic steps; step 3 made none)
+    assert all(torch.equal(_critic_state(restarted.engine)[k], saved[k]) for k in saved)
+    other = make_hf_role("critic", {**config, "run_id": "run-2"}, seed=5)
+    assert isinstance(other, CriticRole)
+    assert other.steps == 0
+
 
 
 # ---- recipe --------------------------------------------------------------------------------------

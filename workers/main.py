@@ -76,6 +76,8 @@ async def serve(args: argparse.Namespace) -> None:
 
     config = for_process(json.loads(args.engine_config), role=args.role, name=args.name,
                          run_dir=run_dir(args.run_id))
+    if args.engine != "sim":  # a simulation's config is its cost model, nothing else
+        config["run_id"] = args.run_id  # e.g. a restarted critic finds its own run's last save
     keys = CurveKeys.from_env()  # the run's keys, when it spans nodes
     store = StoreClient(args.run_id, args.node, args.store, peers=json.loads(args.peers),
                         curve=keys)

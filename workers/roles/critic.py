@@ -33,15 +33,18 @@ critic is a learned baseline whose training is at-least-once:
   been learned from; its rows come back and are learned from a second time;
 - a train step aborted by the controller redoes its rows with the advantages already stored:
   the critic does not see them again; rows dropped as stale after scoring stay learned from;
-- a restarted critic process starts again from its initial weights (the model directory's
-  backbone and the seeded head); gradients accumulated and not yet stepped are lost.
+- a restarted critic process starts again from its run's last save (below), else from its
+  initial weights (the model directory's backbone and the seeded head); gradients accumulated
+  and not yet stepped, and steps after the save, are lost.
 
 Checkpoints. With the run's ``output`` and ``checkpoint_every``, the critic writes its weights
 and optimizer state to ``{output}/critic`` every ``checkpoint_every`` critic steps, replacing the
 previous save (`save_checkpoint`; `critic_checkpoint` finds it even if a save was cut short).
 A run resumed from ``{output}/step_N`` (``flowrl.launch --resume``) starts its critic from there
 (`workers.roles.factory`): the critic's newest save, at most ``checkpoint_every`` critic steps
-apart from the policy checkpoint, since the two step on their own.
+apart from the policy checkpoint, since the two step on their own. A critic process restarted
+within a run starts from that run's newest save (a save records its run id: another run's
+save in the same directory is never loaded without ``--resume``).
 
 Compute runs in a thread, one task at a time. New policy versions do not concern the critic.
 """
@@ -49,6 +52,7 @@ Compute runs in a thread, one task at a time. New policy versions do not concern
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -74,12 +78,28 @@ CRITIC_DIR = "critic"
 _OLD = ".critic.old"  # the previous save, while a new one replaces it
 
 
-def critic_checkpoint(output: Path) -> Path | None:
-    """The critic's newest complete save under a run's ``output`` directory, if any."""
+_RUN_FILE = "run.json"  # in a save: the run that wrote it
+
+
+def critic_checkpoint(output: Path, *, run_id: str | None = None) -> Path | None:
+    """The critic's newest complete save under a run's ``output`` directory, if any; with
+    ``run_id``, only a save that run wrote."""
     for name in (CRITIC_DIR, _OLD):  # the old one only exists mid-replacement
-        if (output / name / "trainer_state.json").is_file():
-            return output / name
+        found = output / name
+        if (found / _RUN_FILE).is_file() and (found / "trainer_state.json").is_file():
+            if run_id is None or _saved_by(found) == run_id:
+                return found
+            return None
     return None
+
+
+def _saved_by(save: Path) -> str | None:
+    try:
+        meta = json.loads((save / _RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    run = meta.get("run_id") if isinstance(meta, dict) else None
+    return run if isinstance(run, str) else None
 
 
 @dataclass(frozen=True)
@@ -97,6 +117,8 @@ class CriticSettings:
     #: the run's output directory, and how many critic steps apart to save there (0: never).
     output: Path | None = None
     checkpoint_every: int = 0
+    #: the run the saves belong to (a restarted critic process loads only its own run's save)
+    run_id: str | None = None
 
     def __post_init__(self) -> None:
         if self.rows_per_step < 1:
@@ -121,6 +143,7 @@ class CriticSettings:
             value_clip=None if clip is None else float(clip), epochs=int(c.get("epochs", 1)),
             output=None if output is None else Path(output),
             checkpoint_every=int(config.get("checkpoint_every", 0)),
+            run_id=None if config.get("run_id") is None else str(config["run_id"]),
         )
 
 
@@ -258,6 +281,7 @@ class CriticRole:
         final, tmp, old = root / CRITIC_DIR, root / ".critic.partial", root / _OLD
         shutil.rmtree(tmp, ignore_errors=True)
         self.engine.save(tmp)
+        (tmp / _RUN_FILE).write_text(json.dumps({"run_id": self.settings.run_id}) + "\n")
         shutil.rmtree(old, ignore_errors=True)
         if final.exists():
             final.rename(old)

@@ -202,9 +202,9 @@ def _critic(config: dict[str, Any], path: Path, seed: int) -> Role:
         path, lr=float(c["lr"]), weight_decay=float(c["weight_decay"]),
         grad_clip=None if c.get("grad_clip") is None else float(c["grad_clip"]), seed=seed,
     )
-    if resume:
-        from workers.roles.critic import critic_checkpoint
+    from workers.roles.critic import critic_checkpoint
 
+    if resume:
         saved = critic_checkpoint(Path(resume["checkpoint"]).parent)
         if saved is None:
             log.warning("resuming without a critic checkpoint: the critic starts afresh",
@@ -212,6 +212,13 @@ def _critic(config: dict[str, Any], path: Path, seed: int) -> Role:
         else:
             engine.load(saved)
             log.info("critic resumed", path=str(saved), critic_step=engine.step)
+    elif settings.output is not None and settings.run_id is not None:
+        # A restarted critic process: its run's newest save, if it made one.
+        saved = critic_checkpoint(settings.output, run_id=settings.run_id)
+        if saved is not None:
+            engine.load(saved)
+            log.info("critic restarted from its last save", path=str(saved),
+                     critic_step=engine.step)
     return CriticRole(engine, settings, pad_token_id=_pad_id(engine.model.backbone))
 
 
