@@ -55,7 +55,7 @@ from flowrl.registry import Registry, WorkerInfo
 from flowrl.resume import RunState, TrainedPositions, write_state
 from flowrl.staleness import StalenessGate
 from transport.endpoints import ipc_endpoint, new_run_id, remove_run_dir
-from transport.handles import ITEMSIZE, looks_like_handle
+from transport.handles import Handle, looks_like_handle
 from transport.pubsub import Publisher
 from transport.rpc import Handler, RpcClient, RpcServer
 from transport.shm import claim_run_dir
@@ -803,11 +803,11 @@ class Controller:
             return
         acc = self._stage_metrics
         for key, value in metrics.items():
-            if type(value) not in (int, float) or not math.isfinite(value):
+            if type(key) is not str or type(value) not in (int, float) or not math.isfinite(value):
                 continue
-            if type(key) is str and key.startswith("reward_failed"):
+            if key.startswith("reward_failed"):
                 acc[key] = acc.get(key, 0.0) + value
-            elif type(key) is str and key.startswith("critic_"):
+            elif key.startswith("critic_"):
                 acc[key] = float(value)
 
     def _rank_done(self, a: _Assigned, p: dict[str, Any]) -> None:
@@ -1136,9 +1136,8 @@ class Controller:
 
     def _store_admits(self) -> bool:
         """Whether the store has room for one more group (always for the next step's)."""
-        untrained = self._admitted - self.version * self.spec.groups_per_step
         was_paused = self._store_bp.paused
-        if self._store_bp.admits(untrained, time.perf_counter()):
+        if self._store_bp.admits(self._untrained_groups(), time.perf_counter()):
             if was_paused:
                 self.events.emit("store_resumed", version=self.version)
             return True
@@ -1147,6 +1146,10 @@ class Controller:
                              **self._store_bp.statistics(time.perf_counter()))
         self._want_store_stats()  # the refresh wakes the scheduler if there is room by then
         return False
+
+    def _untrained_groups(self) -> int:
+        """Groups admitted for steps not yet committed (their data is or will be in the store)."""
+        return self._admitted - self.version * self.spec.groups_per_step
 
     def _want_store_stats(self) -> None:
         """Have `_free_loop` refresh `store_stats` (at most one refresh queued)."""
@@ -1164,8 +1167,8 @@ class Controller:
         landed = self._landed_groups()  # before the call: bytes per group err high
         self.store_stats = await self._store.call("stats", {}, timeout=10.0)
         self._store_bp.observe(self.store_stats, landed)
-        untrained = self._admitted - self.version * self.spec.groups_per_step
-        if self._store_bp.room(untrained) and self.gate.can_admit(self._admitted, self.version):
+        if (self._store_bp.room(self._untrained_groups())
+                and self.gate.can_admit(self._admitted, self.version)):
             self._wake()  # admission waited for this
 
     def _progress_mark(self) -> tuple[int, ...]:
@@ -1190,7 +1193,7 @@ class Controller:
         if (self._store_bp.stalled(mark, self._started_tasks(), now)
                 and mark == self._progress_mark()):
             latest = self._weights.get(self.version) or {}
-            weights = sum(_handle_bytes(h) for h, _shape in latest.values()) or None
+            weights = sum(Handle.from_wire(h).nbytes for h, _shape in latest.values()) or None
             self._fail_run(RunError(self._store_bp.too_small(weights_bytes=weights, now=now)))
 
     async def _free_loop(self) -> None:
@@ -1306,13 +1309,6 @@ class Controller:
 #: run stuck on a too-small store within seconds (`StoreBackpressure.stall_s` after the first
 #: look), and one ``stats`` call a second costs nothing.
 _STORE_CHECK_S = 1.0
-
-
-def _handle_bytes(h: Any) -> int:
-    """Bytes of one store handle as it travels ([node, segment, offset, dtype, shape])."""
-    if not looks_like_handle(h):
-        return 0
-    return math.prod(int(d) for d in h[4]) * ITEMSIZE.get(str(h[3]), 1)
 
 
 # ---- request validation (a malformed request is answered with an error and changes nothing) --
