@@ -204,21 +204,19 @@ def _critic(config: dict[str, Any], path: Path, seed: int) -> Role:
     )
     from workers.roles.critic import critic_checkpoint
 
+    saved = None
     if resume:
         saved = critic_checkpoint(Path(resume["checkpoint"]).parent)
         if saved is None:
             log.warning("resuming without a critic checkpoint: the critic starts afresh",
                         output=str(Path(resume["checkpoint"]).parent))
-        else:
-            engine.load(saved)
-            log.info("critic resumed", path=str(saved), critic_step=engine.step)
     elif settings.output is not None and settings.run_id is not None:
         # A restarted critic process: its run's newest save, if it made one.
         saved = critic_checkpoint(settings.output, run_id=settings.run_id)
-        if saved is not None:
-            engine.load(saved)
-            log.info("critic restarted from its last save", path=str(saved),
-                     critic_step=engine.step)
+    if saved is not None:
+        engine.load(saved)
+        log.info("critic resumed" if resume else "critic restarted from its last save",
+                 path=str(saved), critic_step=engine.step)
     return CriticRole(engine, settings, pad_token_id=_pad_id(engine.model.backbone))
 
 

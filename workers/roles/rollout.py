@@ -23,8 +23,8 @@ Guarantees:
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -72,27 +72,21 @@ class RolloutRole:
         self.max_prompt_tokens = max_prompt_tokens
         self.sample_seed = sample_seed
         self._lock = asyncio.Lock()  # the engine serves one call at a time
-        # prompt text -> its token ids, least recently used out first: every epoch asks for
-        # the same prompts again, and tokenizing runs on the worker's event loop.
-        self._encoded: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        # Every epoch asks for the same prompts again, and tokenizing runs on the worker's
+        # event loop: keep the token ids of recent prompts.
+        self._encode = functools.lru_cache(maxsize=_ENCODED_MAX)(self._tokenize)
 
     def prompt_ids(self, position: int) -> tuple[list[int], bool]:
         """The token ids of the prompt at ``position`` and whether they were truncated."""
-        text = self.dataset.at(position).prompt
-        known = self._encoded.get(text)
-        if known is None:
-            known = tuple(int(t) for t in self.tokenizer(text).input_ids)
-            if not known:
-                raise ValueError(f"the prompt at dataset position {position} encodes to no tokens")
-            if len(self._encoded) >= _ENCODED_MAX:
-                self._encoded.popitem(last=False)
-            self._encoded[text] = known
-        else:
-            self._encoded.move_to_end(text)
-        ids = list(known)
+        ids = list(self._encode(self.dataset.at(position).prompt))
+        if not ids:
+            raise ValueError(f"the prompt at dataset position {position} encodes to no tokens")
         if len(ids) > self.max_prompt_tokens:
             return ids[-self.max_prompt_tokens :], True
         return ids, False
+
+    def _tokenize(self, text: str) -> tuple[int, ...]:
+        return tuple(int(t) for t in self.tokenizer(text).input_ids)
 
     async def run(self, task: m.TaskMsg, inputs: dict[str, list[Any]]) -> RoleOutput:
         positions = [int(p) for p in inputs["prompt"]]
