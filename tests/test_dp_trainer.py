@@ -21,6 +21,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
+from test_roles import synthetic_groups
 from torch import Tensor
 
 from flowrl.controller import Controller, RunError
@@ -59,24 +60,6 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # ---- the exact step: two gloo ranks against one process ------------------------------------------
 
 
-def synthetic_groups(sizes: Sequence[int], seed: int) -> dict[str, list[Any]]:
-    """Groups of varied prompt and response lengths with rewards, rollout and ref logprobs."""
-    g = torch.Generator().manual_seed(seed)
-    out: dict[str, list[Any]] = {k: [] for k in ("prompt_ids", "response_ids", "rollout_logprobs",
-                                                 "ref_logprobs", "reward")}
-    for n in sizes:
-        prompt = torch.randint(2, 300, (int(torch.randint(2, 9, (1,), generator=g)),),
-                               generator=g)
-        for _ in range(n):
-            length = int(torch.randint(1, MAX_NEW * 2 + 1, (1,), generator=g))
-            out["prompt_ids"].append(prompt)
-            out["response_ids"].append(torch.randint(2, 300, (length,), generator=g))
-            out["rollout_logprobs"].append(-5.7 + 0.5 * torch.randn(length, generator=g))
-            out["ref_logprobs"].append(-5.7 + 0.3 * torch.randn(length, generator=g))
-            out["reward"].append(float(torch.rand(1, generator=g)))
-    return out
-
-
 #: each rank's micro-batches: (group sizes, data seed); the shares differ in rows and tokens,
 #: so a rank normalising by its own count (or averaging the ranks) is measurably wrong.
 SHARES: dict[int, list[tuple[list[int], int]]] = {0: [([3, 3], 1), ([3], 2)], 1: [([4], 3)]}
@@ -86,7 +69,8 @@ def micro_batches(rank: int) -> list[tuple[dict[str, list[Any]], list[int]]]:
     out = []
     for sizes, seed in SHARES[rank]:
         row_groups = [g for g, n in enumerate(sizes) for _ in range(n)]
-        out.append((synthetic_groups(sizes, seed), row_groups))
+        # -ln 300: the dp model's vocabulary is smaller than test_roles'.
+        out.append((synthetic_groups(sizes, seed, logprob_mean=-5.7), row_groups))
     return out
 
 

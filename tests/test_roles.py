@@ -274,8 +274,12 @@ class SpyEngine(TorchTrainerEngine):
         return super().optimizer_step()
 
 
-def synthetic_groups(sizes: Sequence[int], seed: int) -> dict[str, list[Any]]:
-    """Groups of varied prompt/response lengths with rewards, rollout and ref logprobs."""
+def synthetic_groups(
+    sizes: Sequence[int], seed: int, *, logprob_mean: float = -6.9
+) -> dict[str, list[Any]]:
+    """Groups of varied prompt/response lengths with rewards, rollout and ref logprobs. The
+    default ``logprob_mean`` is near a random model's logprobs (about -ln 1024), so TIS weights
+    straddle the cap."""
     g = torch.Generator().manual_seed(seed)
     out: dict[str, list[Any]] = {k: [] for k in ("prompt_ids", "response_ids", "rollout_logprobs",
                                                  "ref_logprobs", "reward")}
@@ -286,9 +290,8 @@ def synthetic_groups(sizes: Sequence[int], seed: int) -> dict[str, list[Any]]:
             length = int(torch.randint(1, MAX_NEW * 2 + 1, (1,), generator=g))
             out["prompt_ids"].append(prompt)
             out["response_ids"].append(torch.randint(2, 300, (length,), generator=g))
-            # Near the random model's logprobs (about -ln 1024), so TIS weights straddle the cap.
-            out["rollout_logprobs"].append(-6.9 + 0.5 * torch.randn(length, generator=g))
-            out["ref_logprobs"].append(-6.9 + 0.3 * torch.randn(length, generator=g))
+            out["rollout_logprobs"].append(logprob_mean + 0.5 * torch.randn(length, generator=g))
+            out["ref_logprobs"].append(logprob_mean + 0.3 * torch.randn(length, generator=g))
             out["reward"].append(float(torch.rand(1, generator=g)))
     return out
 
