@@ -33,6 +33,7 @@ import collections
 import hmac
 import json
 import math
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -136,6 +137,11 @@ class Controller:
                                  f"(per_process=1), got per_process={train_pool.per_process}")
             self._dp = RankShares(train_pool.count, spec.groups_per_step,
                                   self._train_stage.micro_batch)
+        #: restarts of the data-parallel trainer group; it meets anew each time (`flowrl.dp`)
+        self._dp_generation = 0
+        #: set from a rank's death until the whole group has been started again: the other
+        #: ranks going down meanwhile are part of the same restart.
+        self._dp_restarting = False
         #: step -> (its train tasks done, its ranks' step-end reports), until it commits.
         self._dp_done: dict[int, tuple[list[int], list[dict[str, Any]]]] = {}
         self._assigned_done: dict[int, Task] = {}
@@ -313,7 +319,7 @@ class Controller:
             self._hub.spawn(node, {
                 "name": f"{role}.{proc_no}", "role": role, "count": count,
                 "capacity": capacity, "threads": threads, "engine": self.spec.engine,
-                "engine_config": self.spec.engine_config,
+                "engine_config": self._engine_config(),
                 "seed": self.spec.seed * 1000 + proc_no, "heartbeat": self.spec.heartbeat_s})
             return None
         argv = [
@@ -322,7 +328,7 @@ class Controller:
             "--store", self._store_endpoint, "--role", role, "--count", str(count),
             "--capacity", str(capacity), "--threads", str(threads),
             "--engine", self.spec.engine,
-            "--engine-config", json.dumps(self.spec.engine_config),
+            "--engine-config", json.dumps(self._engine_config()),
             "--seed", str(self.spec.seed * 1000 + proc_no),
             "--heartbeat", str(self.spec.heartbeat_s), "--name", f"{role}.{proc_no}",
             "--weight-sync-timeout", str(self.spec.weight_sync_timeout_s),
@@ -332,6 +338,15 @@ class Controller:
         argv += ["--peers", json.dumps(self._hub.peers_for(self.node))]
         return await self._supervisor.spawn(f"{role}.{proc_no}", argv,
                                             env=self._hub.keys.to_env())
+
+    def _engine_config(self) -> dict[str, Any]:
+        """What worker processes are configured with: the spec's, plus the generation of a
+        restarted data-parallel trainer group (its ranks meet in a fresh rendezvous)."""
+        config = self.spec.engine_config
+        section = config.get("data_parallel")
+        if not self._dp_generation or not section:
+            return config
+        return {**config, "data_parallel": {**section, "generation": self._dp_generation}}
 
     async def aclose(self) -> None:
         """Stop workers, the node agent and the sockets; leaves no process or file behind."""
@@ -603,13 +618,14 @@ class Controller:
                 dp.add(w.worker_id, task.tokens)
                 self._assign(w, task, self._train_params(False))
                 continue
+            passes = dp.passes()
             placed = dp.hold(task, task.tokens, [r.worker_id for r in ranks])
             if placed is None:
                 continue
             for worker_id, held in placed:
                 info = self.registry.get(worker_id)
                 assert info is not None  # listed above, in this same pass
-                self._assign(info, held, self._train_params(True))
+                self._assign(info, held, {**self._train_params(True), "passes": passes})
             self._train_step += 1
             self._train_groups_in_step = 0
 
@@ -938,16 +954,18 @@ class Controller:
             self.events.emit("error", **record)
             key = (a.task.stage, a.task.rows[0] if a.task.rows else -1)
             self._failures[key] += 1
-            if self._dp is not None and self._is_train(a):
-                self._fail_run(RunError(
-                    f"data-parallel trainer rank {_name_of(self.registry.get(a.worker))} failed "
-                    f"a micro-batch of step {a.params.get('step')}: {error}"))
             if self._failures[key] >= self.spec.max_task_failures:
                 self._fail_run(RunError(
                     f"stage {a.task.stage!r} failed {self._failures[key]} times on rows "
                     f"starting at {key[1]} (last on worker {a.worker}, policy version "
                     f"{self.version}): {error}"))
             self._give_back(a)
+            rank = self.registry.get(a.worker)
+            if self._dp is not None and self._is_train(a) and rank is not None:
+                # The group's collectives may be out of step now (a pass that failed half-way,
+                # a peer that died): only a fresh group is sure to pair them up again.
+                self._train_group_down(rank, f"failed a micro-batch of step "
+                                             f"{a.params.get('step')}: {error}")
         self._wake()
         return {"ok": True}
 
@@ -1063,11 +1081,33 @@ class Controller:
         if self._train_stage is not None and info.role == self._train_stage.role:
             self._abort_step(lost_train)
             if self._dp is not None and not self._stop.is_set():
-                self._fail_run(RunError(
-                    f"data-parallel trainer rank {info.name} went down ({why}); the other ranks "
-                    "cannot step without it and a rank does not rejoin a running group: resume "
-                    "the run from its last checkpoint"))
+                self._train_group_down(info, why)
         self._wake()
+
+    def _train_group_down(self, info: WorkerInfo, why: str) -> None:
+        """A data-parallel trainer rank went down or failed a micro-batch. The others cannot
+        step without it and a rank cannot rejoin a running group, so the whole group is
+        restarted (its step redone, every rank loading the current version), counted against
+        ``max_restarts``."""
+        if self._dp_restarting or self._fatal is not None:
+            return  # another rank of a group already being restarted
+        pool = self.spec.pool(info.role)
+        remote = pool is not None and any(n != self.node for n in pool.nodes)
+        n = self._restarts[_TRAIN_GROUP] = self._restarts[_TRAIN_GROUP] + 1
+        if remote or n > self.spec.max_restarts:
+            reason = ("its ranks run on another node, whose processes the controller cannot "
+                      "stop" if remote else f"the group was restarted {n - 1} times; "
+                      f"max_restarts is {self.spec.max_restarts}")
+            self._fail_run(RunError(
+                f"data-parallel trainer rank {info.name} went down ({why}) and the group is not "
+                f"restarted: {reason}. Resume the run from its last checkpoint"))
+            return
+        self._dp_restarting = True
+        self._dp_generation += 1
+        delay = min(self.spec.restart_backoff_s * 2 ** (n - 1), _MAX_RESTART_BACKOFF_S)
+        self._log().warning("restarting the data-parallel trainer group", rank=info.name,
+                            why=why, attempt=n, delay_s=delay)
+        self._restart_q.put_nowait((_TRAIN_GROUP, delay))
 
     def _fail_run(self, error: RunError) -> None:
         """Stop the run with ``error``: every waiter wakes up and raises it."""
@@ -1087,8 +1127,8 @@ class Controller:
         for info in self.registry.by_pid(child.pid):
             self._worker_gone(info.worker_id, f"process {child.pid} exited with code {code}")
         if (self._stop.is_set() or child.expected_exit or child.name not in self._worker_procs
-                or self._fatal is not None):
-            return
+                or self._fatal is not None or self._is_rank_process(child.name)):
+            return  # (a data-parallel rank's group is restarted as a whole: _train_group_down)
         n = self._restarts[child.name] = self._restarts[child.name] + 1
         if n > self.spec.max_restarts:
             last = self._last_error.get(child.name)
@@ -1110,7 +1150,14 @@ class Controller:
                 name, delay = await self._restart_q.get()
                 tg.create_task(self._restart(name, delay), name=f"flowrl-restart-{name}")
 
+    def _is_rank_process(self, name: str) -> bool:
+        return (self._dp is not None and self._train_stage is not None
+                and name.rpartition(".")[0] == self._train_stage.role)
+
     async def _restart(self, name: str, delay: float) -> None:
+        if name == _TRAIN_GROUP:
+            await self._restart_train_group(delay)
+            return
         await asyncio.sleep(delay)  # backoff timer, not a poll
         if self._stop.is_set():
             return
@@ -1122,6 +1169,27 @@ class Controller:
             return
         self.restarts += 1
         self.events.emit("worker_restart", process=name)
+
+    async def _restart_train_group(self, delay: float) -> None:
+        """Stop every rank process still running (a broken group cannot recover), wait out the
+        backoff, start all ranks again."""
+        await self._supervisor.stop_all(0.0, only=lambda c: self._is_rank_process(c.name),
+                                        signals=(signal.SIGKILL,))
+        await asyncio.sleep(delay)  # backoff timer, not a poll
+        if self._stop.is_set() or self._fatal is not None:
+            return
+        ranks = sorted((p for p in self._worker_procs.values() if self._is_rank_process(
+            f"{p[0]}.{p[1]}")), key=lambda p: p[1])
+        try:
+            for role, proc_no, count, capacity, threads in ranks:
+                await self._spawn_workers(role, proc_no, count, capacity, threads)
+        except Exception as exc:  # a group that cannot start again ends the run, loudly
+            self._fail_run(RunError(f"could not restart the data-parallel trainer group: "
+                                    f"{exc!r}"))
+            return
+        self._dp_restarting = False
+        self.restarts += 1
+        self.events.emit("worker_restart", process=_TRAIN_GROUP)
 
     async def _watchdog(self) -> None:
         while True:
@@ -1317,12 +1385,10 @@ _STORE_CHECK_S = 1.0
 _MAX_CAPACITY = 1024
 #: the longest long poll a worker may ask for.
 _MAX_WAIT_S = 600.0
+#: the restart counter's (and restart queue's) name for the data-parallel trainer group.
+_TRAIN_GROUP = "train ranks"
 #: the longest wait before a dead worker process is restarted.
 _MAX_RESTART_BACKOFF_S = 30.0
-
-
-def _name_of(info: WorkerInfo | None) -> str:
-    return "(gone)" if info is None else info.name
 
 
 def _str(p: Any, key: str) -> str:

@@ -14,6 +14,11 @@ step. The controller's side is this module, a pure state machine (no sockets, no
   to every rank, the largest to the rank with the fewest tokens (pairing sorted lists this way
   minimises the step's largest rank load for the given loads). Each of them carries
   ``step_end``: every rank gets exactly one step end per step, and at least one micro-batch.
+- **Equal passes.** Sharded ranks (``trainer.sharding="fsdp2"``) gather parameters in every
+  forward and scatter gradients in every backward, collectives that pair up only if every rank
+  runs as many passes as every other. The step's end tells each rank the step's largest count
+  of micro-batches on any rank (`passes`); a rank with fewer runs that many empty passes
+  (no gradient) first.
 - **Commit.** A step is committed once all N ranks reported its end (`merge_step_ends`): they
   must agree on the new version and on a checksum of their parameters, and exactly one of
   them (rank 0) exported the weights.
@@ -75,6 +80,8 @@ class RankShares(Generic[T]):
         self.micro_batch = micro_batch
         #: tokens given to each rank in the current step.
         self.tokens: dict[str, int] = {}
+        #: streamed micro-batches given to each rank in the current step.
+        self.streamed: dict[str, int] = {}
         self._held: list[tuple[T, int]] = []
 
     def closing(self, groups_in_step: int) -> bool:
@@ -96,6 +103,12 @@ class RankShares(Generic[T]):
     def add(self, rank: str, tokens: int) -> None:
         """A streamed micro-batch of ``tokens`` went to ``rank``."""
         self.tokens[rank] = self.tokens.get(rank, 0) + tokens
+        self.streamed[rank] = self.streamed.get(rank, 0) + 1
+
+    def passes(self) -> int:
+        """The current step's micro-batches on its busiest rank, counting the closing round
+        (ask before the round is placed: placing it starts the next step)."""
+        return 1 + max(self.streamed.values(), default=0)
 
     def hold(self, item: T, tokens: int, ranks: Sequence[str]) -> list[tuple[str, T]] | None:
         """Keep one closing-round micro-batch; with one per rank held, return where each goes
@@ -119,6 +132,7 @@ class RankShares(Generic[T]):
         held = self.held
         self._held.clear()
         self.tokens.clear()
+        self.streamed.clear()
         return held
 
 

@@ -78,12 +78,14 @@ class Supervisor:
                 child.proc.send_signal(sig)
 
     async def stop_all(
-        self, grace_s: float = 5.0, *, only: Callable[[Child], bool] | None = None
+        self, grace_s: float = 5.0, *, only: Callable[[Child], bool] | None = None,
+        signals: Sequence[int] = (signal.SIGTERM, signal.SIGKILL),
     ) -> None:
-        """Wait ``grace_s`` for children to exit on their own, then TERM, then KILL.
+        """Wait ``grace_s`` for children to exit on their own, then send each of ``signals``
+        (TERM, then KILL) in turn, 5 s apart, until they have exited.
 
         With ``grace_s = 0`` children are sent SIGTERM at once (for those that do not listen
-        to broadcasts, like the node agent)."""
+        to broadcasts, like the node agent); ``signals=(SIGKILL,)`` ends them at once."""
         children = [c for c in self._children.values() if only is None or only(c)]
         for c in children:
             c.expected_exit = True
@@ -93,7 +95,7 @@ class Supervisor:
         pending = set(watchers)
         if grace_s > 0:
             _, pending = await asyncio.wait(watchers, timeout=grace_s)
-        for sig in (signal.SIGTERM, signal.SIGKILL):
+        for sig in signals:
             if not pending:
                 break
             for c in children:

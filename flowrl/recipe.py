@@ -448,6 +448,12 @@ class TrainerConfig(_Section):
     """Data-parallel trainer processes on the controller's node (gloo on CPUs, NCCL/HCCL on
     devices): each trains a token-balanced share of every step and the ranks take each
     optimizer step together (`flowrl.dp`, `workers.roles.dp_trainer`)."""
+    sharding: Literal["replicate", "fsdp2"] = "replicate"
+    """How the ranks hold the model: ``replicate``, every rank a whole copy of the parameters,
+    gradients and optimizer state (gradients all-reduced once per step); ``fsdp2``, each rank
+    a 1/ranks shard of all three (torch FSDP2 ``fully_shard`` per decoder layer: parameters
+    gathered for each pass, gradients reduce-scattered after it), for models whose training
+    state does not fit one device."""
 
     @model_validator(mode="after")
     def _micro_fits(self) -> TrainerConfig:
@@ -459,6 +465,9 @@ class TrainerConfig(_Section):
                         f"on ranks={self.ranks} need groups_per_step >= "
                         f"{self.micro_batch_groups * self.ranks} (every rank trains a share of "
                         f"every step), got {self.groups_per_step}")
+        if self.sharding != "replicate" and self.ranks < 2:
+            raise _rule("sharding", f"{self.sharding!r} shards the model over trainer ranks; "
+                        f"set ranks >= 2 (got {self.ranks})")
         return self
 
 
@@ -894,9 +903,11 @@ class Recipe(_Section):
             },
             "rollout": {"dtype": self.rollout.dtype},
             "reward": self.reward.model_dump(mode="json", exclude={"workers"}),
-            "trainer": self.trainer.model_dump(mode="json", exclude={"threads", "ranks"}),
-            **({"data_parallel": {"world": self.trainer.ranks}} if self.trainer.ranks > 1
-               else {}),
+            "trainer": self.trainer.model_dump(mode="json",
+                                               exclude={"threads", "ranks", "sharding"}),
+            **({"data_parallel": {"world": self.trainer.ranks,
+                                  "sharding": self.trainer.sharding}}
+               if self.trainer.ranks > 1 else {}),
             **({"critic": self.critic.model_dump(mode="json", exclude={"threads"})}
                if self.uses_critic else {}),
             "max_staleness": self.max_staleness,

@@ -15,7 +15,7 @@ import random
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 from test_roles import synthetic_groups
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from flowrl.controller import Controller, RunError
 from flowrl.dp import RankShares, StepDivergence, merge_step_ends, pair_closing
@@ -37,8 +38,9 @@ from flowrl.recipe import (
     RolloutConfig,
     TrainerConfig,
 )
-from workers.distributed import DataParallel, for_process
+from workers.distributed import DataParallel, for_process, full_tensor
 from workers.engines import TorchTrainerEngine
+from workers.engines.protocols import TrainerState
 from workers.roles.trainer import TrainerRole, TrainSettings
 from workers.tiny_model import build_tiny_model
 
@@ -74,10 +76,14 @@ def micro_batches(rank: int) -> list[tuple[dict[str, list[Any]], list[int]]]:
     return out
 
 
+#: the step's most micro-batches on one rank (a sharded rank with fewer runs empty passes).
+PASSES = max(len(share) for share in SHARES.values())
+
+
 def train_task(rows: int, row_groups: Sequence[int], *, end: bool) -> Any:
     return {"task_id": 1, "stage": "train", "rows": list(range(rows)),
             "groups": sorted(set(row_groups)), "row_groups": list(row_groups), "inputs": {},
-            "params": {"step": 0, "step_end": end}}
+            "params": {"step": 0, "step_end": end, "passes": PASSES}}
 
 
 class SpyEngine(TorchTrainerEngine):
@@ -86,7 +92,7 @@ class SpyEngine(TorchTrainerEngine):
     grads: dict[str, Tensor]
 
     def optimizer_step(self) -> dict[str, float]:
-        self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters()
+        self.grads = {n: full_tensor(p.grad).clone() for n, p in self.model.named_parameters()
                       if p.grad is not None}
         return super().optimizer_step()
 
@@ -99,18 +105,32 @@ async def one_step(role: TrainerRole,
     return out.metrics
 
 
-def rank_main(rank: int, store: str, model: str, out_dir: str) -> None:
+def rank_main(rank: int, store: str, model: str, out_dir: str, sharding: str) -> None:
     """One rank of the exactness test, in its own process."""
     from workers.roles.dp_trainer import DataParallelTrainerRole
 
     torch.set_num_threads(1)
-    group = DataParallel(rank=rank, world=2, init_method=f"file://{store}", timeout_s=90)
+    group = DataParallel(rank=rank, world=2, init_method=f"file://{store}", timeout_s=90,
+                         sharding=sharding)
     # Another seed on each rank: the role must give every rank rank 0's parameters.
     engine = SpyEngine(model, lr=LR, device="cpu", dtype=torch.float64, seed=rank)
     group.join(engine.device)
     role = DataParallelTrainerRole(engine, SETTINGS, pad_token_id=PAD, group=group)
     metrics = asyncio.run(one_step(role, micro_batches(rank)))
-    params = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    # The optimizer state gathers whole and loads back into this rank's shards (as a resumed
+    # rank loads its checkpoint's).
+    state = engine.state_dict()
+    again = TorchTrainerEngine(model, lr=LR, device="cpu", dtype=torch.float64)
+    if group.sharded:
+        again.shard()
+    again.load_state_dict(state)
+    back = again.state_dict()
+    metrics["state_round_trip"] = float(all(torch.equal(back.tensors[k], v)
+                                            for k, v in state.tensors.items()))
+    # What this rank holds of the parameters: everything, or its shard.
+    metrics["held"] = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+                          for p in engine.model.parameters())
+    params = {n: full_tensor(p.detach()).clone() for n, p in engine.model.named_parameters()}
     out = Path(out_dir)
     save_file(params, str(out / f"params{rank}.safetensors"))
     save_file(engine.grads, str(out / f"grads{rank}.safetensors"))
@@ -136,13 +156,15 @@ async def single_process_step(
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("sharding", ["replicate", "fsdp2"])
 async def test_two_gloo_ranks_take_exactly_the_single_process_step(
-    model_dir: Path, tmp_path: Path
+    model_dir: Path, tmp_path: Path, sharding: str
 ) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     ranks = [await asyncio.create_subprocess_exec(
         sys.executable, __file__, "rank", str(r), str(tmp_path / "store"), str(model_dir),
-        str(tmp_path), cwd=ROOT, env=env, stderr=asyncio.subprocess.PIPE) for r in (0, 1)]
+        str(tmp_path), sharding, cwd=ROOT, env=env, stderr=asyncio.subprocess.PIPE)
+        for r in (0, 1)]
     try:
         # The reference steps meanwhile: the same rows, one process, one micro-batch; and
         # each rank's share alone (for the check below that the test can fail).
@@ -160,10 +182,17 @@ async def test_two_gloo_ranks_take_exactly_the_single_process_step(
     params = [load_file(str(tmp_path / f"params{r}.safetensors")) for r in (0, 1)]
     grads = [load_file(str(tmp_path / f"grads{r}.safetensors")) for r in (0, 1)]
     metrics = [json.loads((tmp_path / f"metrics{r}.json").read_text()) for r in (0, 1)]
+    total = sum(p.numel() for p in whole.model.parameters())
+    if sharding == "fsdp2":  # each rank holds about half (FSDP2 pads uneven shards)
+        assert metrics[0]["held"] + metrics[1]["held"] == pytest.approx(total, rel=0.01)
+        assert max(metrics[0]["held"], metrics[1]["held"]) < 0.6 * total
+    else:
+        assert metrics[0]["held"] == metrics[1]["held"] == total
     # The ranks hold bit-identical parameters after the step, and say so.
     assert params[0].keys() == params[1].keys()
     assert all(torch.equal(params[0][n], params[1][n]) for n in params[0])
     assert metrics[0]["param_checksum"] == metrics[1]["param_checksum"]
+    assert metrics[0]["state_round_trip"] == metrics[1]["state_round_trip"] == 1.0
     assert (metrics[0]["rank_tokens"] + metrics[1]["rank_tokens"]) == want["tokens"]
     # ... and they equal one process's step on the whole batch.
     reference = dict(whole.model.named_parameters())
@@ -228,6 +257,7 @@ def test_every_rank_gets_a_share_and_one_step_end(ranks: int, groups: int, micro
                 continue
             assert k == 1
             in_step += 1
+            passes = shares.passes()
             placed = shares.hold(len(shares.held), task_tokens, names)
             if placed is None:
                 continue
@@ -236,6 +266,8 @@ def test_every_rank_gets_a_share_and_one_step_end(ranks: int, groups: int, micro
             for rank, _item in placed:
                 given[rank].append(1)
                 ends[rank] += 1
+            # The step's end tells every rank the busiest rank's micro-batches.
+            assert passes == max(len(g) for g in given.values())
         assert sum(map(sum, given.values())) == groups
         assert all(given[r] for r in names)
         assert set(ends.values()) == {1}
@@ -283,6 +315,8 @@ def test_a_split_that_leaves_a_rank_idle_names_the_field() -> None:
     assert "ranks=4" in str(excinfo.value)
     with pytest.raises(ValidationError, match=r"micro_batch_groups"):
         TrainerConfig(ranks=3, groups_per_step=2)
+    with pytest.raises(ValidationError, match=r"sharding: 'fsdp2' shards the model"):
+        TrainerConfig(sharding="fsdp2")
     with pytest.raises(ValidationError, match=r"trainer\.ranks"):
         Recipe(steps=1, rollout=RolloutConfig(engine="sim"), trainer=TrainerConfig(ranks=2))
     with pytest.raises(ValidationError, match=r"placement\.roles\.train"):
@@ -306,8 +340,9 @@ def response_length(prompt, response, *, answer, **_):
 
 
 @pytest.mark.timeout(120)
-async def test_a_two_rank_run_stays_in_sync_and_a_lost_rank_stops_it(
-    model_dir: Path, tmp_path: Path
+@pytest.mark.parametrize("sharding", ["replicate", "fsdp2"])
+async def test_a_two_rank_run_stays_in_sync_and_a_lost_rank_restarts_the_group(
+    model_dir: Path, tmp_path: Path, sharding: Literal["replicate", "fsdp2"]
 ) -> None:
     (tmp_path / "reward.py").write_text(REWARD)
     recipe = Recipe(
@@ -315,7 +350,10 @@ async def test_a_two_rank_run_stays_in_sync_and_a_lost_rank_stops_it(
         algorithm=AlgorithmConfig(group_size=2),
         reward=RewardConfig(fn=f"{tmp_path / 'reward.py'}:response_length"),
         rollout=RolloutConfig(max_new_tokens=4, groups_per_task=2),
-        trainer=TrainerConfig(lr=1e-3, groups_per_step=4, micro_batch_groups=1, ranks=2),
+        trainer=TrainerConfig(lr=1e-3, groups_per_step=4, micro_batch_groups=1, ranks=2,
+                              sharding=sharding),
+        output=str(tmp_path / "out"), checkpoint_every=3,
+        placement=PlacementConfig(max_restarts=1),
     )
     async with Controller(recipe.to_pipeline()) as ctl:
         out = await ctl.run(steps=recipe.steps, timeout_s=60)
@@ -333,14 +371,37 @@ async def test_a_two_rank_run_stays_in_sync_and_a_lost_rank_stops_it(
         # One weight export per step (the controller refuses a step exported twice).
         published = [e["version"] for e in ctl.events.recent if e["kind"] == "version"]
         assert published == [1, 2, 3]
+        # Rank 0 wrote the checkpoint: whole weights and optimizer state (gathered when
+        # sharded), loadable as one model.
+        saved = TrainerState.load(tmp_path / "out" / "step_3")
+        moments = {k: v for k, v in saved.tensors.items() if k.endswith("/exp_avg")}
+        reloaded = TorchTrainerEngine(tmp_path / "out" / "step_3", device="cpu")
+        shapes = {n: p.shape for n, p in reloaded.model.named_parameters()}
+        assert {k.rpartition("/")[0]: v.shape for k, v in moments.items()} == shapes
 
-        # A rank that dies mid-run stops it with an error naming the rank, not a hang.
-        rank1 = next(w for w in ctl.registry.of_role("train") if w.name.startswith("train.1"))
+        # A rank that dies mid-run takes the group down: every rank is started again (in a
+        # fresh rendezvous), loads the current version, and the step is redone; nothing is
+        # trained twice and the ranks agree again.
+        def rank(n: int) -> int:
+            return next(w.pid for w in ctl.registry.of_role("train")
+                        if w.name.startswith(f"train.{n}"))
+
+        old = ctl.worker_pids("train")
+        run = asyncio.ensure_future(ctl.run(steps=2, timeout_s=90))
+        ctl.kill_worker_process(rank(1))
+        out = await run
+        assert out["version"] == 5
+        assert out["rows_trained_twice"] == 0
+        assert ctl.restarts == 1
+        assert not set(old) & set(ctl.worker_pids("train"))  # rank 0 was restarted too
+        assert [s["train_ranks"] for s in ctl.step_log[3:]] == [2.0] * 2
+
+        # One more death than max_restarts stops the run with an error naming the rank.
         run = asyncio.ensure_future(ctl.run(steps=2, timeout_s=60))
-        ctl.kill_worker_process(rank1.pid)
-        with pytest.raises(RunError, match=r"rank train\.1"):
+        ctl.kill_worker_process(rank(0))
+        with pytest.raises(RunError, match=r"rank train\.0.*max_restarts is 1"):
             await run
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["rank"]:
-    rank_main(int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5])
+    rank_main(int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6])

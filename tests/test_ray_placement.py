@@ -224,8 +224,10 @@ async def test_an_agent_ray_cannot_place_fails_the_start_naming_the_node(
     ray_run: Any,
 ) -> None:
     ray = ray_run
+    # Long enough for a's actor and agent to start on two busy cores (seen: over 3 s), so
+    # that only b, which Ray cannot place, is missing.
     recipe = sim_recipe(1, {
-        "kind": "ray", "roles": SPLIT, "cluster": {"join_timeout_s": 3.0},
+        "kind": "ray", "roles": SPLIT, "cluster": {"join_timeout_s": 20.0},
         "ray": {"nodes": {**PINNED, "b": {"resources": {"node_c": 1}}}}})
     with pytest.raises(RunError, match=r"did not join .*missing \['b'\]"):
         await run_recipe(recipe, monitor=False)

@@ -499,3 +499,20 @@ async def test_a_failed_checkpoint_does_not_undo_the_step(model_dir: Path, tmp_p
     assert done.version == 1
     assert done.weights is not None
     assert done.metrics["checkpoint_failed"] == 1.0
+
+
+async def test_a_trainer_joining_a_run_continues_its_learning_rate_schedule(
+    model_dir: Path,
+) -> None:
+    engine = TorchTrainerEngine(model_dir, lr=1e-3, warmup_steps=10, device="cpu")
+    trainer = TrainerRole(engine, TrainSettings(), pad_token_id=0)
+    # A restarted trainer joins at the run's version 5 with its weights: the warm-up goes on
+    # from step 5 instead of starting over.
+    await trainer.load_version(5, engine.export_weights())
+    assert (trainer.version, engine.step) == (5, 5)
+    assert engine.lr_at(engine.step) == pytest.approx(1e-3 * 6 / 10)
+    # A resume at a version (no weights: the checkpoint's optimizer state has its own step)
+    # leaves the schedule alone.
+    other = TorchTrainerEngine(model_dir, lr=1e-3, warmup_steps=10, device="cpu")
+    await TrainerRole(other, TrainSettings(), pad_token_id=0).load_version(5, {})
+    assert other.step == 0

@@ -17,8 +17,17 @@ A collective waits at most ``timeout_s``; a peer that dies makes it fail at once
 close). Either way the step raises, the rank's task fails and the controller stops the run
 (ranks cannot rejoin a group mid-run; the run resumes from its last checkpoint).
 
-Verified on CPUs with gloo. NCCL and HCCL are named for devices and not exercised here; FSDP2
-(sharded parameters) is not implemented: every rank holds the whole model and optimizer.
+With ``sharding="fsdp2"`` (`shard_model`) the ranks hold 1/N shards of the parameters,
+gradients and optimizer state instead (torch FSDP2: every decoder layer, and then the whole
+model, is a ``fully_shard`` unit). Each pass gathers a unit's parameters before it runs and
+each backward reduce-scatters its gradients (averaged over the ranks, since gloo has no
+pre-scaled sum: the step multiplies by N again), so only the step's counts need
+`all_reduce_counts`. Every rank must run the same number of passes (`flowrl.dp`: the step's
+end says how many). `full_tensor` and `shard_like` move between a shard and the whole tensor
+for weight export, checkpoints and loads.
+
+Verified on CPUs with gloo, both ways of holding the model. NCCL and HCCL are named for
+devices and not exercised here.
 """
 
 from __future__ import annotations
@@ -32,22 +41,31 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "RENDEZVOUS_FILE",
+    "SHARDINGS",
     "DataParallel",
+    "all_reduce_counts",
     "all_reduce_step",
     "backend_for",
     "broadcast_parameters",
     "for_process",
+    "full_tensor",
     "parameter_checksum",
+    "shard_like",
+    "shard_model",
 ]
 
 #: how long one collective (or the rendezvous) may wait for the other ranks.
 DEFAULT_TIMEOUT_S = 600.0
 #: the file store's name inside the run directory.
 RENDEZVOUS_FILE = "train-ranks.store"
+
+#: how the ranks hold the model: whole copies, or FSDP2 shards.
+SHARDINGS = ("replicate", "fsdp2")
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
@@ -74,8 +92,12 @@ def for_process(config: Mapping[str, Any], *, role: str, name: str,
     if head != "train" or not index.isdigit():
         raise ValueError(f"a data-parallel trainer process must be named train.<rank>, "
                          f"got {name!r}")
+    # A group the controller restarted (``generation``) meets in a fresh store: the old one
+    # holds the dead group's keys.
+    generation = int(section.get("generation", 0))
+    store = RENDEZVOUS_FILE if not generation else f"{RENDEZVOUS_FILE}.{generation}"
     return {**config, "data_parallel": {
-        **section, "rank": int(index), "init_method": f"file://{run_dir / RENDEZVOUS_FILE}"}}
+        **section, "rank": int(index), "init_method": f"file://{run_dir / store}"}}
 
 
 @dataclass(frozen=True)
@@ -88,8 +110,12 @@ class DataParallel:
     timeout_s: float = DEFAULT_TIMEOUT_S
     #: None: chosen from the device (`backend_for`).
     backend: str | None = None
+    sharding: str = "replicate"
 
     def __post_init__(self) -> None:
+        if self.sharding not in SHARDINGS:
+            raise ValueError(f"data_parallel.sharding must be one of {SHARDINGS}, got "
+                             f"{self.sharding!r}")
         if not (self.world >= 2 and 0 <= self.rank < self.world):
             raise ValueError(f"data_parallel: rank {self.rank} of world {self.world}")
         if not self.init_method.startswith(("file://", "tcp://127.0.0.1:", "tcp://[::1]:")):
@@ -109,7 +135,12 @@ class DataParallel:
         return cls(rank=int(section["rank"]), world=int(section["world"]),
                    init_method=str(section["init_method"]),
                    timeout_s=float(section.get("timeout_s", DEFAULT_TIMEOUT_S)),
-                   backend=None if backend in (None, "auto") else str(backend))
+                   backend=None if backend in (None, "auto") else str(backend),
+                   sharding=str(section.get("sharding", "replicate")))
+
+    @property
+    def sharded(self) -> bool:
+        return self.sharding != "replicate"
 
     def device(self, base: torch.device) -> torch.device:
         """This rank's device of ``base``'s type: accelerator ``rank % count``, or the CPU."""
@@ -195,11 +226,54 @@ def all_reduce_step(params: Sequence[torch.nn.Parameter], counts: Sequence[float
     return sums
 
 
+def all_reduce_counts(counts: Sequence[float], device: torch.device) -> list[float]:
+    """The ranks' sums of ``counts`` (one float64 collective, exact below 2**53)."""
+    flat = torch.tensor(list(counts), dtype=torch.float64, device=device)
+    dist.all_reduce(flat)
+    return [float(v) for v in flat.tolist()]
+
+
 def parameter_checksum(params: Iterable[torch.nn.Parameter]) -> float:
     """A float64 sum of every parameter: equal on ranks that hold equal parameters (the same
-    kernels on the same values), so the controller can check that no rank drifted."""
+    kernels on the same values), so the controller can check that no rank drifted. Sharded
+    parameters add up their shards across the ranks (a collective: every rank must call)."""
+    sharded, device = False, torch.device("cpu")
     with torch.no_grad():
         total = torch.zeros((), dtype=torch.float64)
         for p in params:
-            total += p.detach().to(torch.float64).sum().cpu()
+            local = p.detach()
+            if isinstance(local, DTensor):
+                sharded, local = True, local.to_local()
+            device = local.device
+            total += local.to(torch.float64).sum().cpu()
+    if sharded:
+        return all_reduce_counts([float(total)], device)[0]
     return float(total)
+
+
+def shard_model(model: torch.nn.Module) -> None:
+    """Shard ``model`` over the joined group with FSDP2, in place: each module class the model
+    names in ``_no_split_modules`` (its decoder layers, for a transformers model) is one unit,
+    the rest of the model the root unit. Build the optimizer afterwards: the parameters are
+    replaced by sharded ones."""
+    from torch.distributed.fsdp import fully_shard
+
+    layers = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if module is not model and type(module).__name__ in layers:
+            fully_shard(module)
+    fully_shard(model)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a shard (a collective: every rank must call), or ``t`` itself."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``full``, laid out as ``like`` (no communication: every rank
+    holds ``full``); ``full`` itself when ``like`` is not sharded."""
+    if not isinstance(like, DTensor):
+        return full
+    return distribute_tensor(full.detach().to(like.device, like.dtype), like.device_mesh,
+                             like.placements, src_data_rank=None)

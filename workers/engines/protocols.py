@@ -326,6 +326,11 @@ class TrainerEngine(Protocol):
         """Clip, step, zero the gradients; returns grad_norm, lr, step, skipped."""
         ...
 
+    def join_at(self, steps: int) -> None:
+        """Continue the learning-rate schedule after ``steps`` optimizer steps taken by a
+        predecessor (a trainer started within a run, joining at the run's version)."""
+        ...
+
     def export_weights(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
         """A snapshot of the weights: contiguous CPU tensors, a tied weight once."""
         ...
@@ -336,6 +341,10 @@ class TrainerEngine(Protocol):
 
     def load_state_dict(self, state: TrainerState) -> None: ...
 
-    def save_pretrained(self, directory: str | Path) -> Path:
-        """Weights (safetensors), HF config and tokenizer, loadable by ``from_pretrained``."""
+    def save_pretrained(
+        self, directory: str | Path, *, state_dict: Mapping[str, Tensor] | None = None
+    ) -> Path:
+        """Weights (safetensors), HF config and tokenizer, loadable by ``from_pretrained``;
+        ``state_dict``: the weights to write instead of the model's own (a sharded model's
+        whole tensors, gathered beforehand)."""
         ...

@@ -13,12 +13,16 @@ Guarantees:
 - Checkpoints carry no pickle: `state_dict` is flat tensors plus JSON metadata
   (`TrainerState.save` writes safetensors + JSON); weights go through `save_pretrained`.
 
-Data parallelism over several ranks wraps this engine in `workers.roles.dp_trainer` (one
-gradient all-reduce per step, every rank holding the whole model); FSDP is not implemented.
+Data parallelism over several ranks wraps this engine in `workers.roles.dp_trainer`: either
+every rank holds the whole model (one gradient all-reduce per step), or `shard` makes it FSDP2
+shards. Sharded, `export_weights`, `state_dict` and `save_pretrained` gather whole tensors and
+are collectives (every rank calls them, in the same order); `load_state_dict` takes whole
+tensors and keeps this rank's shards.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import shutil
@@ -30,6 +34,7 @@ import torch
 from torch import Tensor
 
 from workers.devices import pick_device
+from workers.distributed import full_tensor, shard_like, shard_model
 from workers.engines.hf_rollout import _ForwardNames, load_causal_lm, tied_groups
 from workers.engines.protocols import LossFn, SequenceBatch, TrainerState, token_logprobs
 
@@ -97,8 +102,10 @@ class TorchTrainerEngine:
         self._grad_clip = grad_clip
         # named_parameters() lists a tied weight once, so each tensor is optimised once.
         self._params = dict(self.model.named_parameters())
-        self.optimizer = adamw(self._params.values(), lr=lr, weight_decay=weight_decay,
-                               betas=betas, eps=eps)
+        self._adamw = functools.partial(adamw, lr=lr, weight_decay=weight_decay, betas=betas,
+                                        eps=eps)
+        self.optimizer = self._adamw(self._params.values())
+        self.sharded = False
         self._step = 0
         self._skipped = 0
         self._pending = 0  # micro-batches accumulated since the last optimizer step
@@ -106,6 +113,23 @@ class TorchTrainerEngine:
     @property
     def step(self) -> int:
         return self._step
+
+    def shard(self) -> None:
+        """Shard the model over the joined process group (FSDP2, `shard_model`) and build the
+        optimizer over the shards. Call before any step and before `load_state_dict`."""
+        if self._step or self._pending or self.optimizer.state:
+            raise RuntimeError("shard() must come before the first step and any state load")
+        shard_model(self.model)
+        self._params = dict(self.model.named_parameters())
+        self.optimizer = self._adamw(self._params.values())
+        self.sharded = True
+
+    def empty_pass(self) -> None:
+        """A forward and backward that adds nothing to the gradients: a sharded rank with
+        fewer micro-batches than its peers runs these so that its collectives pair up."""
+        ids = torch.zeros((1, 2), dtype=torch.long, device=self.device)
+        logits = self.model(input_ids=ids, use_cache=False).logits
+        torch.autograd.backward(logits.sum() * 0.0)
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step ``step`` (0-based): a linear warmup over the
@@ -172,6 +196,11 @@ class TorchTrainerEngine:
         out.update({k: float(v) for k, v in metrics.items()})
         return out
 
+    def join_at(self, steps: int) -> None:
+        # The optimizer's moments start afresh; the schedule must not (a restarted trainer
+        # would warm up again, or climb back to the peak of a cosine).
+        self._step = max(self._step, steps)
+
     def discard_gradients(self) -> None:
         """Forget what the micro-batches since the last optimizer step accumulated."""
         self.optimizer.zero_grad(set_to_none=True)
@@ -197,9 +226,15 @@ class TorchTrainerEngine:
     def export_weights(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
         state = self.model.state_dict()
         return {
-            group[0]: state[group[0]].detach().to("cpu", dtype=dtype, copy=True).contiguous()
+            group[0]: full_tensor(state[group[0]].detach()).to(
+                "cpu", dtype=dtype, copy=True).contiguous()
             for group in self._groups
         }
+
+    def whole_state(self) -> dict[str, Tensor]:
+        """The model's state dict as whole CPU tensors, a tied weight shared by its names."""
+        weights = self.export_weights()
+        return {name: weights[group[0]] for group in self._groups for name in group}
 
     def state_dict(self) -> TrainerState:
         return optimizer_state(self.optimizer, self._params,
@@ -210,10 +245,15 @@ class TorchTrainerEngine:
         self._step = int(state.meta["step"])
         self._skipped = int(state.meta.get("skipped", 0))
 
-    def save_pretrained(self, directory: str | os.PathLike[str]) -> Path:
+    def save_pretrained(
+        self, directory: str | os.PathLike[str], *, state_dict: Mapping[str, Tensor] | None = None
+    ) -> Path:
+        # Sharded: gather first (a collective) and only then touch the disk, so a failed write
+        # on one rank cannot leave the others waiting in a gather.
+        state = self.whole_state() if state_dict is None and self.sharded else state_dict
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(out)
+        self.model.save_pretrained(out, state_dict=state)
         # Tokenizer files are copied byte for byte: re-saving through a tokenizer class can
         # rewrite them (class name, normalisation) and the policy must keep its tokenizer.
         for name in _TOKENIZER_FILES:
@@ -246,7 +286,8 @@ def optimizer_state(
         for key, value in st.items():
             if not isinstance(value, Tensor):
                 raise TypeError(f"non-tensor optimizer state {key!r}")
-            tensors[f"{names[id(param)]}/{key}"] = value.detach().to("cpu", copy=True)
+            tensors[f"{names[id(param)]}/{key}"] = full_tensor(value.detach()).to(
+                "cpu", copy=True)
     groups = [
         {**{k: v for k, v in g.items() if k != "params"},
          "params": [names[id(p)] for p in g["params"]]}
@@ -269,6 +310,8 @@ def load_optimizer_state(
         name, _, field = key.rpartition("/")
         if name not in index:
             raise ValueError(f"optimizer state for unknown parameter {name!r}")
+        if value.shape == params[name].shape:  # a moment, sharded as its parameter is
+            value = shard_like(value, params[name])
         per_param.setdefault(index[name], {})[field] = value
     groups = []
     for g in meta["param_groups"]:
@@ -293,7 +336,7 @@ def clip_and_step(
     """Clip the accumulated gradients to ``grad_clip`` (None or 0: no clip), step unless their
     norm is not finite, zero them; returns (grad_norm before clipping, skipped)."""
     max_norm = grad_clip if grad_clip else math.inf
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(list(params), max_norm))
+    grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(list(params), max_norm)))
     skipped = not math.isfinite(grad_norm)
     if not skipped:
         optimizer.step()

@@ -12,22 +12,35 @@ values. The step's metrics cover the whole global batch on every rank.
 Only rank 0 exports the new weights (one export per step) and writes checkpoints. Every rank
 reports ``param_checksum`` (`workers.distributed.parameter_checksum`) and ``rank_tokens`` (its
 own share), which the controller compares and summarises (`flowrl.dp.merge_step_ends`).
+
+Sharded (``sharding="fsdp2"``), each backward already reduce-scatters the ranks' gradients
+(averaged: the step multiplies them by N, so the sum of the ranks' sums is the same
+``Σ_ranks Σ_k ∇S_k``), and only the counts are all-reduced at the step's end. Before that a rank
+that trained fewer micro-batches than the step's busiest (``params["passes"]``) runs empty
+passes, so that every rank's gathers pair up. Exporting and checkpointing gather whole tensors
+on every rank; rank 0 alone publishes and writes them. The step equals one process's as well
+(``tests/test_dp_trainer.py``, both ways).
 """
 
 from __future__ import annotations
 
 from dataclasses import fields
+from pathlib import Path
+from typing import Any
 
 import torch
 
+from flowrl import messages as m
 from workers.distributed import (
     DataParallel,
+    all_reduce_counts,
     all_reduce_step,
     broadcast_parameters,
     parameter_checksum,
 )
 from workers.engines.protocols import TrainerEngine
-from workers.roles.trainer import TrainerRole, TrainSettings, _Step
+from workers.engines.torch_trainer import TorchTrainerEngine
+from workers.roles.trainer import TrainerRole, TrainSettings, _Step, scale_gradients
 from workers.runtime import RoleOutput
 
 __all__ = ["DataParallelTrainerRole"]
@@ -40,7 +53,9 @@ class DataParallelTrainerRole(TrainerRole):
     """`TrainerRole` on one rank of a joined group (`DataParallel.join`).
 
     The engine must expose its torch ``model``; its parameters are set to rank 0's here, so
-    the ranks start identical whatever their seeds.
+    the ranks start identical whatever their seeds. A sharded group needs a
+    `TorchTrainerEngine` that has not stepped yet (it is sharded here); load optimizer state
+    after.
     """
 
     def __init__(
@@ -52,26 +67,55 @@ class DataParallelTrainerRole(TrainerRole):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"{type(engine).__name__} has no torch model to all-reduce")
         self.group = group
-        #: the base class's switch: one export per step, from rank 0.
-        self.exports_weights = group.rank == 0
+        #: the base class's switch: one export per step, from rank 0 (sharded, every rank
+        #: takes part in gathering it).
+        self.exports_weights = group.rank == 0 or group.sharded
+        broadcast_parameters([p for p in model.parameters() if p.requires_grad])
+        if group.sharded:
+            if not isinstance(engine, TorchTrainerEngine):
+                raise TypeError(f"sharding {group.sharding!r} needs a TorchTrainerEngine, got "
+                                f"{type(engine).__name__}")
+            engine.shard()
+        self._engine = engine if isinstance(engine, TorchTrainerEngine) else None
         self._params = [p for p in model.parameters() if p.requires_grad]
-        broadcast_parameters(self._params)
+        #: passes every rank runs in the current step (its end task says; sharded only).
+        self._passes = 0
+
+    def _train(self, task: m.TaskMsg, inputs: dict[str, list[Any]]) -> RoleOutput:
+        self._passes = int(task["params"].get("passes", 0))
+        return super()._train(task, inputs)
 
     def finish_step(self) -> RoleOutput:
         """All-reduce the step's gradient sums and counts, then step as one trainer would."""
         st = self._step
         own_tokens = st.tokens
         local = [float(getattr(st, name)) for name in _SUMS]
-        for name, value in zip(_SUMS, all_reduce_step(self._params, local), strict=True):
+        if self._engine is not None and self._engine.sharded:
+            for _ in range(self._passes - st.micro_batches):
+                self._engine.empty_pass()
+            sums = all_reduce_counts(local, self._engine.device)
+            scale_gradients(self.engine, float(self.group.world))  # the backward averaged
+        else:
+            sums = all_reduce_step(self._params, local)
+        for name, value in zip(_SUMS, sums, strict=True):
             # The integer counts are exact in float64 (below 2**53).
             setattr(st, name, round(value) if isinstance(getattr(st, name), int) else value)
         out = super().finish_step()
-        if not self.exports_weights:
+        if self.group.rank != 0:
             out.weights = None
         out.metrics["param_checksum"] = parameter_checksum(self._params)
         out.metrics["rank_tokens"] = float(own_tokens)
         return out
 
     def _checkpoint_due(self) -> bool:
-        # Every rank holds the same state; rank 0 writes it, once.
-        return self.group.rank == 0 and super()._checkpoint_due()
+        # Replicated, every rank holds the same state and rank 0 writes it, once; sharded,
+        # every rank gathers it and rank 0 writes it.
+        return (self.group.rank == 0 or self.group.sharded) and super()._checkpoint_due()
+
+    def save_checkpoint(self) -> Path | None:
+        if self._engine is None or not self._engine.sharded:
+            return super().save_checkpoint()
+        # Every gather before any disk write: a failed write on rank 0 must not leave the
+        # other ranks waiting in a gather.
+        state, weights = self._engine.state_dict(), self._engine.whole_state()
+        return self._write_checkpoint(state, weights) if self.group.rank == 0 else None

@@ -239,19 +239,23 @@ def _trainer(config: dict[str, Any], path: Path, seed: int) -> Role:
         total_steps=None if config.get("steps") is None else int(config["steps"]), seed=seed,
         device=None if group is None else group.device(pick_device()),
     )
-    resume = config.get("resume")
-    if resume:  # the checkpoint's optimizer state (its weights are the model path already)
-        from workers.engines.protocols import TrainerState
-
-        engine.load_state_dict(TrainerState.load(resume["checkpoint"]))
+    role: TrainerRole
     if group is not None:
         from workers.roles.dp_trainer import DataParallelTrainerRole
 
         group.join(engine.device)  # waits for every rank (at most the group's timeout)
-        return DataParallelTrainerRole(engine, settings, pad_token_id=_pad_id(engine.model),
+        role = DataParallelTrainerRole(engine, settings, pad_token_id=_pad_id(engine.model),
                                        group=group, version=start_version(config))
-    return TrainerRole(engine, settings, pad_token_id=_pad_id(engine.model),
-                       version=start_version(config))
+    else:
+        role = TrainerRole(engine, settings, pad_token_id=_pad_id(engine.model),
+                           version=start_version(config))
+    resume = config.get("resume")
+    if resume:  # the checkpoint's optimizer state (its weights are the model path already),
+        # loaded once the role has sharded the model if it shards it
+        from workers.engines.protocols import TrainerState
+
+        engine.load_state_dict(TrainerState.load(resume["checkpoint"]))
+    return role
 
 
 def start_version(config: dict[str, Any]) -> int:

@@ -45,6 +45,7 @@ from typing import Any, Literal, cast, get_args
 import structlog
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from flowrl import messages as m
 from flowrl.algorithms import (
@@ -368,18 +369,24 @@ class TrainerRole:
             return False
         return self.version % s.checkpoint_every == 0 or self.version == s.steps
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self) -> Path | None:
         """Write ``{output}/step_{version}``: weights, config and tokenizer (``save_pretrained``)
         plus the optimizer state. Built aside and renamed, so a directory named ``step_N``
-        is always complete."""
+        is always complete. Returns its path (None on a data-parallel rank that only takes
+        part in the gathers)."""
+        return self._write_checkpoint(self.engine.state_dict())
+
+    def _write_checkpoint(self, state: TrainerState,
+                          weights: Mapping[str, Tensor] | None = None) -> Path:
+        """`save_checkpoint`'s writes, given the optimizer ``state`` and, when the model's own
+        state dict is not what to save (sharded ranks gather it first), its ``weights``."""
         if self.settings.output is None:
             raise RuntimeError("no output directory configured")
         root = self.settings.output
         root.mkdir(parents=True, exist_ok=True)
         final, tmp = root / f"step_{self.version}", root / f".step_{self.version}.partial"
         shutil.rmtree(tmp, ignore_errors=True)
-        self.engine.save_pretrained(tmp)
-        state = self.engine.state_dict()
+        self.engine.save_pretrained(tmp, state_dict=weights)
         TrainerState(state.tensors, {**state.meta, "version": self.version}).save(tmp)
         if final.exists():
             shutil.rmtree(final)
@@ -390,9 +397,10 @@ class TrainerRole:
     async def load_version(self, version: int, weights: dict[str, Tensor]) -> None:
         if version <= self.version:
             return  # our own step coming back through the broadcast
-        if weights:
+        if weights:  # joining a running job: its weights, and its place in the schedule
             async with self._lock:
                 await asyncio.to_thread(_load_into, self.engine, weights)
+            self.engine.join_at(version)
         self.version = version
 
 
@@ -413,6 +421,12 @@ def _load_into(engine: TrainerEngine, weights: Mapping[str, Tensor]) -> None:
         if tuple(value.shape) != tuple(params[name].shape):
             raise ValueError(f"{name}: shape {tuple(value.shape)} != "
                              f"{tuple(params[name].shape)}")
+    from workers.distributed import shard_like
+
     with torch.no_grad():
         for name, value in weights.items():
-            params[name].copy_(value)
+            target = params[name]
+            # A sharded parameter (FSDP2) takes this rank's shard of the whole tensor.
+            shard = shard_like(value, target)
+            (target.to_local() if isinstance(target, DTensor) else target).copy_(
+                shard.to_local() if isinstance(shard, DTensor) else shard)
