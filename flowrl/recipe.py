@@ -599,7 +599,7 @@ _NODE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012
 
 class ClusterSettings(_Section):
     """Where the controller meets the node agents of other nodes (``flowrl.node.ClusterConfig``);
-    every tcp link is encrypted with the run's CurveZMQ keys."""
+    every tcp link is encrypted with the run's CurveZMQ keys (but see `data_plane`)."""
 
     host: str = Field(default="127.0.0.1", min_length=1)
     """Address the controller binds and agents connect to."""
@@ -613,7 +613,7 @@ class ClusterSettings(_Section):
     data_plane: DataPlane = "encrypted"
     """How sample bytes travel between nodes. ``encrypted``: over CurveZMQ, like every other
     link. ``plaintext``: the sample bytes of cross-node store reads travel unencrypted (anyone
-    on the network path can read them), for trusted fabrics (InfiniBand/RoCE inside a
+    on the network path can read, or alter, them), for trusted fabrics (InfiniBand/RoCE inside a
     datacenter, where NCCL traffic is unencrypted too) on which encryption would bound the
     read rate. Those read requests remain authenticated with the run's keys (a peer without
     them gets nothing and can change nothing; a captured request cannot be replayed), and all

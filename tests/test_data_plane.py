@@ -13,6 +13,7 @@ import torch
 import zmq
 import zmq.asyncio
 
+from flowrl.node import parse
 from flowrl.recipe import ClusterSettings, PlacementConfig, Recipe
 from flowrl.recipe_file import RecipeError, load_recipe
 from flowrl.run import cluster_config
@@ -222,16 +223,34 @@ async def test_refused_requests_get_nothing_and_the_server_keeps_serving(
 async def test_the_default_binds_no_plaintext_endpoint(
     store: SampleStore, keys: CurveKeys, zmq_ctx: zmq.asyncio.Context
 ) -> None:
+    def port(endpoint: str | None) -> int:
+        assert endpoint is not None
+        return int(endpoint.rsplit(":", 1)[1])
+
+    # Ports listening before each server starts are left out: a closed one's may linger.
     before = listening_tcp_ports()
     async with StoreServer(store, tcp_endpoint(), ctx=zmq_ctx, curve=keys) as server:
-        assert listening_tcp_ports() - before == {int(server.endpoint.rsplit(":", 1)[1])}
+        assert listening_tcp_ports() - before == {port(server.endpoint)}
         assert server.plaintext_endpoint is None
         assert server.plaintext_statistics() is None
         async with RpcClient(server.endpoint, ctx=zmq_ctx, curve=keys) as rpc:
             assert (await rpc.call("hello"))["plaintext"] is None
             assert "plaintext" not in await rpc.call("stats")
+    before = listening_tcp_ports()
     async with plain_server(store, keys, zmq_ctx) as server:
-        assert len(listening_tcp_ports() - before) == 2
+        assert listening_tcp_ports() - before == {
+            port(server.endpoint),
+            port(server.plaintext_endpoint),
+        }
+
+
+def test_the_agent_beside_the_controller_takes_the_data_plane_with_its_peer_store() -> None:
+    base = ["--controller", "ipc:///x", "--node", "n", "--run-id", "r", "--store", "ipc:///y",
+            "--capacity", "1"]
+    args = parse([*base, "--peer-store", "tcp://127.0.0.1:0", "--data-plane", "plaintext"])
+    assert args.data_plane == "plaintext"
+    with pytest.raises(SystemExit):
+        parse([*base, "--data-plane", "plaintext"])
 
 
 def test_plaintext_needs_keys_and_tcp(store: SampleStore, keys: CurveKeys) -> None:

@@ -26,6 +26,7 @@ from flowrl.node import ClusterConfig
 from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages
 from transport.curve import CurveKeys
 from transport.endpoints import remove_run_dir
+from transport.rpc import RpcClient
 
 FAST = {
     "prompt_len": 8, "max_new_tokens": 64, "log_mean": 2.5, "log_sigma": 0.8,
@@ -114,10 +115,14 @@ async def test_a_run_across_two_node_agents_reads_across_nodes(
             out = await ctl.run(steps=4, timeout_s=60)
             status = ctl.status()
             stats = ctl.store_stats
+            # The controller's own node's agent (started with --data-plane) advertises too.
+            async with RpcClient(ctl.nodes.peers["node0"], curve=keys) as rpc:
+                own = (await rpc.call("hello"))["plaintext"]
         finally:
             await ctl.aclose()
         codes = [await wait_exit(p, logs[n]) for p, n in zip(procs, "ab", strict=True)]
     assert codes == [0, 0]  # both left on the stop broadcast
+    assert (own is not None) == (data_plane == "plaintext")
     assert out["version"] == 4
     assert out["samples"] == 4 * 4 * 4
     assert out["rows_trained_twice"] == 0

@@ -19,7 +19,8 @@ Guarantees of `RequestAuth.verify`:
 - only a request with a right tag is remembered: a peer without the key cannot fill the memory;
 - it never raises on hostile input: every refusal is counted by reason (`statistics`).
 
-It gives no confidentiality: replies, and requests, can be read by anyone on the path.
+It gives no confidentiality, and replies no integrity: anyone on the path can read requests
+and replies, and alter replies.
 """
 
 from __future__ import annotations
