@@ -10,9 +10,11 @@ measure the cores, not the system. ``scaling_4n`` = samples_per_s_4n / samples_p
 
 Transport (``cross_node_get_gbps``): a `StoreClient` configured as another node reads 16 MiB
 tensors from a `StoreServer` over tcp+curve (loopback), two reads in flight;
+``cross_node_get_plaintext_gbps``: the same with the plaintext data plane (the server's second
+endpoint: sample bytes unencrypted, each request HMAC-authenticated);
 ``zmq_tcp_gbps``: raw ZeroMQ frames of the same sizes over plain loopback tcp, two in flight;
 ``zmq_tcp_curve_gbps``: the same with curve on (the encryption's own cost). Both sides of
-these three run in this process (one event loop; zmq's I/O threads do the socket work).
+these run in this process (one event loop; zmq's I/O threads do the socket work).
 
     python bench/scale.py [--quick]
 """
@@ -106,7 +108,7 @@ READ_BYTES = 16 << 20
 IN_FLIGHT = 2
 
 
-async def cross_node_get(rounds: int) -> float:
+async def cross_node_get(rounds: int, *, plaintext: bool = False) -> float:
     run_id = new_run_id()
     keys = CurveKeys.generate()
     store = SampleStore(run_id, "n0", capacity_bytes=256 << 20)
@@ -114,7 +116,7 @@ async def cross_node_get(rounds: int) -> float:
         rows = [torch.randn(READ_BYTES // 4 // 4) for _ in range(4)]  # one 16 MiB field
         handles = (await store.put({"x": rows}))["x"]
         async with (
-            StoreServer(store, tcp_endpoint(), curve=keys) as server,
+            StoreServer(store, tcp_endpoint(), curve=keys, plaintext=plaintext) as server,
             StoreClient(run_id, "n1", "ipc:///unused", peers={"n0": server.endpoint},
                         curve=keys) as reader,
         ):
@@ -173,10 +175,14 @@ async def main(quick: bool) -> dict[str, Any]:
     result: dict[str, Any] = {}
     rounds = 16 if quick else 128
     result["cross_node_get_gbps"] = round(await cross_node_get(rounds), 3)
+    result["cross_node_get_plaintext_gbps"] = round(
+        await cross_node_get(rounds, plaintext=True), 3)
     result["zmq_tcp_gbps"] = round(await raw_zmq(rounds, None), 3)
     result["zmq_tcp_curve_gbps"] = round(await raw_zmq(rounds, CurveKeys.generate()), 3)
     result["cross_node_get_vs_zmq"] = round(
         result["cross_node_get_gbps"] / result["zmq_tcp_gbps"], 3)
+    result["cross_node_get_plaintext_vs_zmq"] = round(
+        result["cross_node_get_plaintext_gbps"] / result["zmq_tcp_gbps"], 3)
     steps = 3 if quick else 10
     for k in (1, 2, 4):
         result[f"samples_per_s_{k}n"] = round(await throughput(k, steps), 1)

@@ -264,7 +264,7 @@ class Controller:
             # Other nodes' agents and workers reach this controller over tcp+curve.
             await hub.start(self._handlers())
             self._owned.append(loop.create_task(hub.run(), name="flowrl-nodes"))
-            peer_store = ["--peer-store", hub.store_bind()]
+            peer_store = hub.store_args()
             self._log().info("listening for node agents", endpoint=hub.endpoint,
                              nodes=hub.nodes)
         store = ipc_endpoint(self.run_id, f"store-{self.node}")

@@ -34,7 +34,7 @@ Broadcasts (controller -> everyone, PUB/SUB topics):
 
 from __future__ import annotations
 
-from typing import Any, Final, NotRequired, TypedDict
+from typing import Any, Final, Literal, NotRequired, TypedDict
 
 OP_REGISTER: Final = "register"
 OP_HEARTBEAT: Final = "heartbeat"
@@ -47,6 +47,10 @@ OP_SYNC_FAILED: Final = "sync_failed"
 
 TOPIC_VERSION: Final = "version"
 TOPIC_STOP: Final = "stop"
+
+DataPlane = Literal["encrypted", "plaintext"]
+"""How sample bytes of cross-node store reads travel (``ClusterSettings.data_plane``; node
+agents learn it from the controller)."""
 
 
 class TaskMsg(TypedDict):

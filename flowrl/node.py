@@ -10,7 +10,7 @@ Two ways to run one:
 - beside the controller (the controller starts it)::
 
       python -m flowrl.node --run-id R --node N --controller EP --store EP --capacity BYTES
-                            [--peer-store tcp://HOST:0]
+                            [--peer-store tcp://HOST:0 [--data-plane plaintext]]
 
   It says ``node_up``; the controller starts that node's workers itself. With ``--peer-store``
   it also serves the store over tcp+curve (keys from ``FLOWRL_CURVE_KEYS``) to other nodes.
@@ -19,11 +19,15 @@ Two ways to run one:
 
       python -m flowrl.node --controller tcp://HOST:PORT --node NAME [--keys FILE] [--host ADDR]
 
-  It joins the run (``node_join`` gives the run id, the store capacity and the broadcast
-  endpoint), serves its store on ipc to its own workers and on ``tcp://ADDR`` (curve) to other
-  nodes (``node_ready``), then long-polls ``node_poll`` for worker processes to start and reports
-  their exits (``node_exit``). Cross-node data never goes through the controller: workers read
-  other nodes' handles from those nodes' store servers.
+  It joins the run (``node_join`` gives the run id, the store capacity, the broadcast endpoint
+  and the data plane), serves its store on ipc to its own workers and on ``tcp://ADDR``
+  (curve) to other nodes (``node_ready``), then long-polls ``node_poll`` for worker processes
+  to start and reports their exits (``node_exit``). Cross-node data never goes through the
+  controller: workers read other nodes' handles from those nodes' store servers.
+
+With the ``plaintext`` data plane (``ClusterConfig.data_plane``), every agent's tcp store
+server also serves reads unencrypted, their requests authenticated with the run's keys
+(`transport.store_server`); readers find that endpoint themselves.
 
 Lifetime guarantees: an agent exits on SIGTERM/SIGINT, when the controller broadcasts ``stop``
 or answers a poll with stop, when its parent dies (beside the controller: Linux parent-death
@@ -55,6 +59,7 @@ import structlog
 
 from flowrl import messages as m
 from flowrl.logs import bind, configure
+from flowrl.messages import DataPlane
 from transport.curve import CurveKeys, for_endpoint
 from transport.endpoints import ipc_endpoint, tcp_endpoint
 from transport.errors import DeadlineExceeded, TransportError
@@ -108,10 +113,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--capacity", type=int, help="beside the controller: store bytes")
     p.add_argument("--peer-store", help="beside the controller: also serve the store here "
                    "(tcp, curve) to other nodes")
+    p.add_argument("--data-plane", choices=["encrypted", "plaintext"],
+                   help="with --peer-store: how other nodes' reads travel (default encrypted; "
+                   "an agent on another node gets this from the controller)")
     args = p.parse_args(argv)
     beside = [args.run_id, args.store, args.capacity]
     if any(v is not None for v in beside) and not all(v is not None for v in beside):
         p.error("--run-id, --store and --capacity go together")
+    if args.data_plane is not None and args.peer_store is None:
+        p.error("--data-plane goes with --peer-store")
     return args
 
 
@@ -136,7 +146,9 @@ async def serve_beside(args: argparse.Namespace) -> None:
             server = await stack.enter_async_context(StoreServer(store, args.store))
             up: dict[str, Any] = {"node": args.node, "store": server.endpoint}
             if args.peer_store:
-                peer = await stack.enter_async_context(_peer_server(store, args.peer_store, keys))
+                peer = await stack.enter_async_context(
+                    _peer_server(store, args.peer_store, keys,
+                                 plaintext=args.data_plane == "plaintext"))
                 up["peer_store"] = peer.endpoint
             async with RpcClient(args.controller) as ctl:
                 await ctl.call("node_up", up)
@@ -146,9 +158,12 @@ async def serve_beside(args: argparse.Namespace) -> None:
         store.close()
 
 
-def _peer_server(store: SampleStore, endpoint: str, keys: CurveKeys | None) -> StoreServer:
+def _peer_server(store: SampleStore, endpoint: str, keys: CurveKeys | None, *,
+                 plaintext: bool) -> StoreServer:
     curve = for_endpoint(keys, endpoint)
-    return StoreServer(store, endpoint, curve=curve, allow_remote=curve is not None)
+    # Without keys (loopback only) the store is plain already, and there is nothing to sign with.
+    return StoreServer(store, endpoint, curve=curve, allow_remote=curve is not None,
+                       plaintext=plaintext and curve is not None)
 
 
 class _Agent:
@@ -192,8 +207,9 @@ class _Agent:
                 local = await stack.enter_async_context(
                     StoreServer(store, ipc_endpoint(self.run_id, f"store-{self.node}")))
                 self.local_store = local.endpoint
-                peer = await stack.enter_async_context(
-                    _peer_server(store, tcp_endpoint(self.args.host), self.keys))
+                peer = await stack.enter_async_context(_peer_server(
+                    store, tcp_endpoint(self.args.host), self.keys,
+                    plaintext=join.get("data_plane") == "plaintext"))
                 sub = Subscriber(self.broadcast, [m.TOPIC_STOP],
                                  curve=for_endpoint(self.keys, self.broadcast))
                 stack.push_async_callback(sub.aclose)
@@ -201,7 +217,8 @@ class _Agent:
                 if await self._call(OP_READY, {"node": self.node,
                                                "peer_store": peer.endpoint}) is None:
                     raise TransportError("the controller stopped answering")
-                log.info("node agent up", node=self.node, store=peer.endpoint)
+                log.info("node agent up", node=self.node, store=peer.endpoint,
+                         plaintext_reads=peer.plaintext_endpoint)
                 try:
                     async with asyncio.TaskGroup() as tg:
                         tasks = [tg.create_task(self._poll()), tg.create_task(self._report()),
@@ -314,6 +331,8 @@ class ClusterConfig:
     join_timeout_s: float = 120.0
     #: a remote agent not heard from for this long is lost, and the run fails.
     node_timeout_s: float = 15.0
+    #: how sample bytes of cross-node reads travel (``ClusterSettings.data_plane``).
+    data_plane: DataPlane = "encrypted"
 
 
 @dataclass
@@ -436,9 +455,10 @@ class NodeHub:
         self._pub = FanOutPublisher(local_endpoint, remote)
         return self._pub
 
-    def store_bind(self) -> str:
-        """Where the controller node's agent serves its store to other nodes."""
-        return tcp_endpoint(self.config.host)
+    def store_args(self) -> list[str]:
+        """The controller node's agent's arguments that serve its store to other nodes."""
+        return ["--peer-store", tcp_endpoint(self.config.host),
+                "--data-plane", self.config.data_plane]
 
     async def start(self, handlers: Mapping[str, Handler]) -> str:
         """Bind the request endpoint (the controller's `handlers` and the agents' ops)."""
@@ -498,7 +518,7 @@ class NodeHub:
         remote.last_seen = time.monotonic()
         assert self._pub is not None
         return {"run_id": self.run_id, "capacity": self.capacity,
-                "broadcast": self._pub.remote.endpoint}
+                "broadcast": self._pub.remote.endpoint, "data_plane": self.config.data_plane}
 
     async def _ready_op(self, payload: Any, peer: bytes) -> dict[str, Any]:
         remote = self._node(payload)

@@ -52,6 +52,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from flowrl.messages import DataPlane
 from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages, ppo_stages
 
 __all__ = [
@@ -607,7 +608,7 @@ _NODE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012
 
 class ClusterSettings(_Section):
     """Where the controller meets the node agents of other nodes (``flowrl.node.ClusterConfig``);
-    every tcp link is encrypted with the run's CurveZMQ keys."""
+    every tcp link is encrypted with the run's CurveZMQ keys (but see `data_plane`)."""
 
     host: str = Field(default="127.0.0.1", min_length=1)
     """Address the controller binds and agents connect to."""
@@ -618,6 +619,15 @@ class ClusterSettings(_Section):
     agents started by hand; Ray-placed agents get them from the controller directly."""
     join_timeout_s: float = Field(default=120.0, gt=0.0, le=86400.0)
     """How long the start waits for every agent to join."""
+    data_plane: DataPlane = "encrypted"
+    """How sample bytes travel between nodes. ``encrypted``: over CurveZMQ, like every other
+    link. ``plaintext``: the sample bytes of cross-node store reads travel unencrypted (anyone
+    on the network path can read, or alter, them), for trusted fabrics (InfiniBand/RoCE inside a
+    datacenter, where NCCL traffic is unencrypted too) on which encryption would bound the
+    read rate. Those read requests remain authenticated with the run's keys (a peer without
+    them gets nothing and can change nothing; a captured request cannot be replayed), and all
+    other traffic (controller links, store bookkeeping, puts and frees) stays CurveZMQ. Nodes'
+    clocks must agree within 30 s."""
 
 
 class RayResources(_Section):

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Literal
 
 import psutil
 import pytest
@@ -25,6 +26,7 @@ from flowrl.node import ClusterConfig
 from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages
 from transport.curve import CurveKeys
 from transport.endpoints import remove_run_dir
+from transport.rpc import RpcClient
 
 FAST = {
     "prompt_len": 8, "max_new_tokens": 64, "log_mean": 2.5, "log_sigma": 0.8,
@@ -90,10 +92,14 @@ async def agents_reaped(procs: list[asyncio.subprocess.Process]) -> AsyncIterato
 
 
 @pytest.mark.timeout(120)
-async def test_a_run_across_two_node_agents_reads_across_nodes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("data_plane", ["encrypted", "plaintext"])
+async def test_a_run_across_two_node_agents_reads_across_nodes(
+    tmp_path: Path, data_plane: Literal["encrypted", "plaintext"]
+) -> None:
     keys = CurveKeys.generate()
     keys_file = keys.save(tmp_path / "keys.json")
-    ctl = Controller(split_spec(), cluster=ClusterConfig(keys=keys), start_timeout_s=60)
+    ctl = Controller(split_spec(), cluster=ClusterConfig(keys=keys, data_plane=data_plane),
+                     start_timeout_s=60)
     assert ctl.nodes is not None
     procs: list[asyncio.subprocess.Process] = []
     logs = {n: tmp_path / f"{n}.log" for n in "ab"}
@@ -109,10 +115,14 @@ async def test_a_run_across_two_node_agents_reads_across_nodes(tmp_path: Path) -
             out = await ctl.run(steps=4, timeout_s=60)
             status = ctl.status()
             stats = ctl.store_stats
+            # The controller's own node's agent (started with --data-plane) advertises too.
+            async with RpcClient(ctl.nodes.peers["node0"], curve=keys) as rpc:
+                own = (await rpc.call("hello"))["plaintext"]
         finally:
             await ctl.aclose()
         codes = [await wait_exit(p, logs[n]) for p, n in zip(procs, "ab", strict=True)]
     assert codes == [0, 0]  # both left on the stop broadcast
+    assert (own is not None) == (data_plane == "plaintext")
     assert out["version"] == 4
     assert out["samples"] == 4 * 4 * 4
     assert out["rows_trained_twice"] == 0
@@ -120,6 +130,15 @@ async def test_a_run_across_two_node_agents_reads_across_nodes(tmp_path: Path) -
     assert placed == {("rollout", "a"), ("reward", "b"), ("train", "b")}
     assert status["worker_deaths"] == 0
     assert set(stats["nodes"]) == {"node0", "a", "b"}  # every node's store answered frees
+    if data_plane == "encrypted":
+        assert not any("plaintext" in node for node in stats["nodes"].values())
+    else:
+        # Train and reward on b read a's rollouts, rollout on a reads b's weights: unencrypted,
+        # every request authenticated.
+        for node in "ab":
+            reads = stats["nodes"][node]["plaintext"]
+            assert reads["accepted"] > 0
+            assert sum(reads.values()) == reads["accepted"], reads
 
 
 @pytest.mark.timeout(60)

@@ -109,7 +109,8 @@ def _is_loopback(host: str) -> bool:
 
 def check_bind(endpoint: str, *, allow_remote: bool, curve: bool = False) -> None:
     """Raise BindRefused unless `endpoint` is local (ipc, inproc, loopback tcp), or remote
-    binds are allowed and the socket authenticates its peers with curve."""
+    binds are allowed and the socket authenticates its peers with the run's keys (`curve`:
+    CurveZMQ, or every request checked by a `transport.request_auth.RequestAuth`)."""
     scheme, sep, rest = endpoint.partition("://")
     if not sep:
         raise BindRefused(f"not a zmq endpoint: {endpoint!r}")

@@ -2,6 +2,8 @@
 
 Wire (codec frames after the routing identity):
 - request `[request_id: int, op: str, payload]`;
+- with a `RequestAuth` on both sides, a request is preceded by its authenticator frame
+  (`transport.request_auth`);
 - reply `[request_id, status, body]`: status OK (body = the handler's result), ERROR (the
   handler raised; body = [type name, message]), UNKNOWN_OP (body = message) or REJECTED (the
   request was malformed or too large; body = [error name, message]; request_id is None when it
@@ -11,8 +13,10 @@ Guarantees:
 - Server: every request is handled in its own task, concurrently, up to `max_in_flight`; past
   that it stops reading and zmq's queues push back on clients. A handler exception becomes an
   ERROR reply; a malformed request gets a REJECTED reply (it always has a routing identity);
-  nothing a peer sends stops the server. A reply to a peer that is gone or not reading is
-  dropped and counted, never waited on: one stuck client cannot stall the others.
+  nothing a peer sends stops the server. With an authenticator, a request that fails its
+  check is dropped before it is decoded, without a reply, and counted (`refused`). A reply
+  to a peer that is gone or not reading is dropped and counted, never waited on: one stuck
+  client cannot stall the others.
 - Client: any number of calls in flight on one socket, matched by request id. Each call has a
   deadline (DeadlineExceeded); a reply that arrives after it is discarded and counted. Closing
   fails pending calls with ClosedError. No background task: replies are dispatched from the
@@ -45,6 +49,7 @@ from transport.errors import (
     TransportError,
     UnknownOperation,
 )
+from transport.request_auth import RequestAuth
 
 __all__ = ["Handler", "RpcClient", "RpcClientStats", "RpcServer", "RpcServerStats"]
 
@@ -77,6 +82,7 @@ class RpcServerStats:
     rejected: int
     dropped_replies: int
     in_flight: int
+    refused: int  # failed the authenticator's check (by reason: `RequestAuth.statistics`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,10 +106,18 @@ class RpcServer(Service):
         allow_remote: bool = False,
         max_in_flight: int = 1024,
         curve: CurveKeys | None = None,
+        authenticator: RequestAuth | None = None,
     ) -> None:
         """`curve`: serve encrypted and admit only the run's clients (needed to bind a
-        non-loopback address, with `allow_remote`)."""
-        check_bind(endpoint, allow_remote=allow_remote, curve=curve is not None)
+        non-loopback address, with `allow_remote`). `authenticator`: serve only requests
+        it admits; without `curve`, the requests and replies travel in clear (it also
+        allows a non-loopback bind, with `allow_remote`)."""
+        check_bind(
+            endpoint,
+            allow_remote=allow_remote,
+            curve=curve is not None or authenticator is not None,
+        )
+        self._authenticator = authenticator
         self._endpoint = endpoint
         self._curve = curve
         self._auth: Authorizer | None = None
@@ -118,6 +132,7 @@ class RpcServer(Service):
         self._handler_errors = 0
         self._rejected = 0
         self._dropped = 0
+        self._refused = 0
 
     @property
     def endpoint(self) -> str:
@@ -173,11 +188,20 @@ class RpcServer(Service):
             rejected=self._rejected,
             dropped_replies=self._dropped,
             in_flight=len(self._tasks),
+            refused=self._refused,
         )
 
     def _on_request(self, frames: list[zmq.Frame]) -> None:
         self._requests += 1
         peer = frames[0].bytes
+        if self._authenticator is not None:
+            # Checked before anything of the request is decoded; no reply: a peer without the
+            # key learns nothing, not even why.
+            if not self._authenticator.verify([f.buffer for f in frames[1:]]):
+                self._refused += 1
+                log.debug("refused an unauthenticated request from %r", peer)
+                return
+            frames = [frames[0], *frames[2:]]
         try:
             msg = decode(frames[1:], max_bytes=self._max_bytes)
         except MalformedMessage as exc:
@@ -258,8 +282,10 @@ class RpcClient(Closeable):
         timeout: float = 30.0,
         max_bytes: int = MAX_MESSAGE_BYTES,
         curve: CurveKeys | None = None,
+        authenticator: RequestAuth | None = None,
     ) -> None:
-        """`curve`: connect as one of the run's clients to its curve server."""
+        """`curve`: connect as one of the run's clients to its curve server.
+        `authenticator`: sign every request for a server that checks them."""
         if identity is not None and not (0 < len(identity) <= 255 and identity[0] != 0):
             raise ValueError("identity must be 1-255 bytes and not start with a zero byte")
         self._endpoint = endpoint
@@ -268,6 +294,7 @@ class RpcClient(Closeable):
         self._timeout = timeout
         self._max_bytes = max_bytes
         self._curve = curve
+        self._authenticator = authenticator
         self._sock: AsyncSocket | None = None
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._next_id = 0
@@ -308,6 +335,8 @@ class RpcClient(Closeable):
         rid = self._next_id
         self._next_id = rid + 1
         frames = encode([rid, op, payload])
+        if self._authenticator is not None:
+            frames.insert(0, self._authenticator.sign(frames))
         size = frames_nbytes(frames)
         if size > self._max_bytes:
             raise MessageTooLarge(f"request of {size} bytes exceeds {self._max_bytes}")

@@ -18,6 +18,16 @@ builds its tensors over the received frames. `get_padded_many` reads several fie
 a micro-batch) in one call: on the node, the fields of one put look their segment up once;
 from another node, they travel in one request. Frees go to the node that holds the handles.
 
+Plaintext reads (opt-in, for trusted fabrics where encryption is the bottleneck): a curve
+server made with ``plaintext=True`` also serves ``read``, and nothing else, on a second tcp
+endpoint of its host without curve. The sample bytes of those reads travel unencrypted; every
+request there must carry an HMAC under the run's keys with a fresh timestamp and nonce
+(`transport.request_auth`), so a peer without the keys gets nothing and a captured request
+cannot be replayed. The server advertises that endpoint in its ``hello`` reply (over curve);
+a `StoreClient` with the run's keys asks each other node's server once, and reads through the
+plaintext endpoint when there is one, through curve otherwise. Everything else (puts, frees,
+stats) stays on curve.
+
 Guarantees: everything `SampleStore` guarantees, plus: a client that exits or dies never leaks
 capacity — `aclose` gives its grants back, and the server reclaims the grants and unpublished
 segments of dead writers before it makes a put wait.
@@ -37,6 +47,7 @@ import zmq
 
 from transport import shm
 from transport.curve import CurveKeys, for_endpoint
+from transport.endpoints import tcp_endpoint
 from transport.errors import ClosedError, MalformedMessage, RemoteError, TransportError
 from transport.handles import DTYPES, ITEMSIZE, Handle, Run, contiguous_runs, single_run
 from transport.packing import (
@@ -57,6 +68,7 @@ from transport.reading import (
     padded_from_runs,
     views_from_runs,
 )
+from transport.request_auth import AuthStats, RequestAuth
 from transport.rpc import RpcClient, RpcServer, RpcServerStats
 from transport.store import SampleStore
 
@@ -114,12 +126,29 @@ class StoreServer:
         ctx: zmq.Context[Any] | None = None,
         allow_remote: bool = False,
         curve: CurveKeys | None = None,
+        plaintext: bool = False,
     ) -> None:
         """`curve`: serve encrypted, to the run's clients only (what readers on other nodes
-        connect to; needed to bind a non-loopback address, with `allow_remote`)."""
+        connect to; needed to bind a non-loopback address, with `allow_remote`).
+        `plaintext`: also serve ``read`` unencrypted on a second tcp endpoint of the same host
+        (port chosen by the system), its requests authenticated with `curve`'s keys; needs a
+        tcp `endpoint` and `curve`."""
         self.store = store
         self.endpoint = endpoint
         self._writers: dict[int, shm.Owner] = {}
+        self._plain: RpcServer | None = None
+        self._plain_auth: RequestAuth | None = None
+        if plaintext:
+            if curve is None:
+                raise ValueError("plaintext reads need the run's curve keys")
+            self._plain_auth = RequestAuth.from_keys(curve)
+            self._plain = RpcServer(
+                _any_port(endpoint),
+                {"read": self._read},
+                ctx=ctx,
+                allow_remote=allow_remote,
+                authenticator=self._plain_auth,
+            )
         self._rpc = RpcServer(
             endpoint,
             {
@@ -139,14 +168,35 @@ class StoreServer:
 
     async def start(self) -> str:
         self.endpoint = await self._rpc.start()
+        if self._plain is not None:
+            try:
+                await self._plain.start()
+            except BaseException:
+                await self._rpc.aclose()
+                raise
         return self.endpoint
+
+    @property
+    def plaintext_endpoint(self) -> str | None:
+        """Where plaintext reads are served once started; None without them."""
+        return None if self._plain is None else self._plain.endpoint
 
     def statistics(self) -> RpcServerStats:
         """The RPC server's counters (the store's own are `store.statistics()`)."""
         return self._rpc.statistics()
 
+    def plaintext_statistics(self) -> tuple[RpcServerStats, AuthStats] | None:
+        """The plaintext endpoint's counters and its authenticator's; None without it."""
+        if self._plain is None or self._plain_auth is None:
+            return None
+        return self._plain.statistics(), self._plain_auth.statistics()
+
     async def aclose(self) -> None:
-        await self._rpc.aclose()
+        try:
+            if self._plain is not None:
+                await self._plain.aclose()
+        finally:
+            await self._rpc.aclose()
 
     async def __aenter__(self) -> StoreServer:
         await self.start()
@@ -172,6 +222,7 @@ class StoreServer:
             "run_id": store.run_id,
             "owner": [store.owner.pid, store.owner.start],
             "capacity": store.capacity_bytes,
+            "plaintext": self.plaintext_endpoint,
         }
 
     async def _reserve(self, payload: Any, peer: bytes) -> list[Any] | None:
@@ -237,7 +288,19 @@ class StoreServer:
         return self.store.read_ranges(checked)
 
     async def _stats(self, payload: Any, peer: bytes) -> dict[str, Any]:
-        return asdict(self.store.statistics())
+        stats = asdict(self.store.statistics())
+        if self._plain_auth is not None:
+            stats["plaintext"] = asdict(self._plain_auth.statistics())
+        return stats
+
+
+def _any_port(endpoint: str) -> str:
+    """A tcp endpoint on `endpoint`'s host, any free port."""
+    scheme, _, rest = endpoint.partition("://")
+    host, colon, _ = rest.rpartition(":")
+    if scheme != "tcp" or not colon:
+        raise ValueError(f"plaintext reads need a tcp endpoint, not {endpoint!r}")
+    return tcp_endpoint(host)
 
 
 class StoreClient:
@@ -264,7 +327,8 @@ class StoreClient:
         """`spare`: ask for a spare grant with every commit (one round trip per put).
         `cache_bytes` bounds each of this process's two mapping caches (segments it wrote,
         segments it read), which make recycled segments free of page faults.
-        `curve`: the run's keys, used for every tcp endpoint (other nodes' store servers)."""
+        `curve`: the run's keys, used for every tcp endpoint (other nodes' store servers),
+        and to sign reads at the plaintext endpoint of a server that advertises one."""
         self.run_id = shm.check_run_id(run_id)
         self.node = node
         self.endpoint = endpoint
@@ -275,6 +339,8 @@ class StoreClient:
         self._spare_wanted = spare
         self._rpc: RpcClient | None = None
         self._remote: dict[str, RpcClient] = {}
+        self._plain: dict[str, RpcClient] = {}  # other nodes' plaintext read endpoints
+        self._discovering = asyncio.Lock()  # one hello per other node
         self._connecting = asyncio.Lock()  # one hello, one writer (its names must not repeat)
         self._writer: SegmentWriter | None = None
         self._capacity = 0
@@ -319,6 +385,40 @@ class StoreClient:
                 curve=for_endpoint(self._curve, endpoint),
             )
             self._remote[node] = client
+        return client
+
+    async def _batcher(self, node: str) -> _ReadBatcher:
+        batcher = self._batchers.get(node)
+        if batcher is not None:
+            return batcher
+        async with self._discovering:
+            batcher = self._batchers.get(node)
+            if batcher is None:
+                batcher = self._batchers[node] = _ReadBatcher(await self._reader(node))
+            return batcher
+
+    async def _reader(self, node: str) -> RpcClient:
+        """Where reads of `node`'s handles go: its server's plaintext endpoint when its
+        ``hello`` (over curve, so it cannot be forged) advertises one, else its server."""
+        peer = self._peer(node)
+        keys = for_endpoint(self._curve, self._peers[node])
+        if keys is None:
+            return peer
+        hello = await peer.call("hello")
+        if not isinstance(hello, dict) or hello.get("node") != node:
+            raise ValueError(f"the store server of node {node!r} answered as another node")
+        plain = hello.get("plaintext")
+        if plain is None:
+            return peer
+        if not isinstance(plain, str):
+            raise MalformedMessage("a plaintext endpoint is a string")
+        client = self._plain[node] = RpcClient(
+            plain,
+            ctx=self._ctx,
+            timeout=self._timeout,
+            max_bytes=_MAX_REPLY,
+            authenticator=RequestAuth.from_keys(keys),
+        )
         return client
 
     async def _connect(self) -> SegmentWriter:
@@ -429,9 +529,7 @@ class StoreClient:
         self, node: str, indices: list[int], runs: Sequence[Run], out: list[torch.Tensor | None]
     ) -> None:
         ranges = [(runs[k].segment, runs[k].offset, runs[k].nbytes) for k in indices]
-        batcher = self._batchers.get(node)
-        if batcher is None:
-            batcher = self._batchers[node] = _ReadBatcher(self._peer(node))
+        batcher = await self._batcher(node)
         for k, buf in zip(indices, await batcher.read(ranges), strict=True):
             out[k] = buf
 
@@ -532,9 +630,14 @@ class StoreClient:
         finally:
             self._closed = True
             self._spare = None
-            clients = [c for c in (self._rpc, *self._remote.values()) if c is not None]
+            clients = [
+                c
+                for c in (self._rpc, *self._remote.values(), *self._plain.values())
+                if c is not None
+            ]
             self._rpc = None
             self._remote.clear()
+            self._plain.clear()
             self._batchers.clear()
             self._reads.clear()
             self._writes.clear()
