@@ -114,5 +114,9 @@ async def test_a_resumed_controller_trains_every_position_exactly_once() -> None
         final = ctl.run_state()
     assert out["version"] == 6
     assert out["samples"] == 3 * 16
-    assert final.trained_below == final.groups_trained == 6 * 4
-    assert final.trained_above == []
+    # Every trained position once (the count equals the set's size) and the first run's
+    # in-flight positions among them. Rollout may run ahead here too, so groups can finish
+    # out of order: position 24 may be trained before 23 (seen on busy cores).
+    trained = final.trained_below + len(final.trained_above)
+    assert final.groups_trained == trained == 6 * 4
+    assert all(p < final.trained_below or p in final.trained_above for p in state.redo())
