@@ -53,6 +53,7 @@ from flowrl.node import ClusterConfig, NodeHub, StoreRouter
 from flowrl.pipeline import PipelineSpec
 from flowrl.procs import Child, Supervisor
 from flowrl.registry import Registry, WorkerInfo
+from flowrl.rendezvous import RankRendezvous
 from flowrl.resume import RunState, TrainedPositions, write_state
 from flowrl.staleness import StalenessGate
 from transport.endpoints import ipc_endpoint, new_run_id, remove_run_dir
@@ -80,6 +81,7 @@ class _RemoteExit:
 
     name: str
     pid: int = -1
+    #: the controller had it killed (a data-parallel group's restart)
     expected_exit: bool = False
 
 
@@ -190,6 +192,21 @@ class Controller:
             self.run_id, remote, cluster or ClusterConfig(),
             capacity=spec.store_capacity_bytes, on_lost=self._on_node_lost,
             on_exit=self._on_remote_exit)
+        #: where data-parallel ranks on several nodes meet (None: in a file of their node's run
+        #: directory, or no ranks at all)
+        self._rendezvous: RankRendezvous | None = None
+        if self._dp is not None and train_pool is not None and len(set(train_pool.nodes)) > 1:
+            assert self._hub is not None  # made whenever a pool names another node
+            if self._hub.config.trainer_rendezvous != "cluster":
+                raise ValueError(
+                    f"data-parallel trainer ranks placed on nodes {sorted(set(train_pool.nodes))} "
+                    "cannot meet in one node's run directory; ClusterConfig(trainer_rendezvous="
+                    "'cluster') (recipe: placement.cluster.trainer_rendezvous) lets them meet "
+                    "in a store this controller hosts (unauthenticated and unencrypted, as every "
+                    "torch.distributed link: trusted fabrics only)")
+            section = spec.engine_config.get("data_parallel") or {}
+            self._rendezvous = RankRendezvous(
+                self._hub.config.host, timeout_s=float(section.get("timeout_s", 600.0)))
         # accounting
         self.rows_trained = 0
         self.rows_trained_twice = 0
@@ -267,6 +284,10 @@ class Controller:
             peer_store = hub.store_args()
             self._log().info("listening for node agents", endpoint=hub.endpoint,
                              nodes=hub.nodes)
+        if self._rendezvous is not None:
+            self._log().warning(
+                "trainer ranks meet across nodes in an unauthenticated store; their "
+                "collectives are unencrypted", store=self._rendezvous.start())
         store = ipc_endpoint(self.run_id, f"store-{self.node}")
         await self._supervisor.spawn(
             f"node:{self.node}",
@@ -312,8 +333,7 @@ class Controller:
         """Start worker process ``proc_no`` of `role` on its node: here as a child, on another
         node through that node's agent (None is returned then)."""
         self._worker_procs[f"{role}.{proc_no}"] = (role, proc_no, count, capacity, threads)
-        pool = self.spec.pool(role)
-        node = pool.nodes[proc_no % len(pool.nodes)] if pool and pool.nodes else self.node
+        node = self._node_of(role, proc_no)
         if node != self.node:
             assert self._hub is not None  # made whenever a pool names another node
             self._hub.spawn(node, {
@@ -339,14 +359,25 @@ class Controller:
         return await self._supervisor.spawn(f"{role}.{proc_no}", argv,
                                             env=self._hub.keys.to_env())
 
+    def _node_of(self, role: str, proc_no: int) -> str:
+        """The node worker process ``proc_no`` of `role` runs on (its pool's nodes in turn)."""
+        pool = self.spec.pool(role)
+        return pool.nodes[proc_no % len(pool.nodes)] if pool and pool.nodes else self.node
+
     def _engine_config(self) -> dict[str, Any]:
-        """What worker processes are configured with: the spec's, plus the generation of a
-        restarted data-parallel trainer group (its ranks meet in a fresh rendezvous)."""
+        """What worker processes are configured with: the spec's, plus, for data-parallel
+        trainer ranks, the generation of a restarted group (its ranks meet in a fresh
+        rendezvous) and the store that ranks on several nodes meet in."""
         config = self.spec.engine_config
         section = config.get("data_parallel")
-        if not self._dp_generation or not section:
+        extra: dict[str, Any] = {}
+        if self._dp_generation:
+            extra["generation"] = self._dp_generation
+        if self._rendezvous is not None:
+            extra["store"] = self._rendezvous.address
+        if not extra or not section:
             return config
-        return {**config, "data_parallel": {**section, "generation": self._dp_generation}}
+        return {**config, "data_parallel": {**section, **extra}}
 
     async def aclose(self) -> None:
         """Stop workers, the node agent and the sockets; leaves no process or file behind."""
@@ -359,6 +390,8 @@ class Controller:
         # workers may still be reading) is asked to go only once they are gone.
         await self._supervisor.stop_all(grace_s=5.0, only=lambda c: not c.name.startswith("node:"))
         await self._supervisor.stop_all(grace_s=0.0)
+        if self._rendezvous is not None:
+            self._rendezvous.close()
         for t in self._owned:
             t.cancel()
         await asyncio.gather(*self._owned, return_exceptions=True)
@@ -711,13 +744,14 @@ class Controller:
         if not self._stop.is_set():
             self._fail_run(RunError(f"node agent {node!r} stopped answering"))
 
-    def _on_remote_exit(self, node: str, name: str, pid: int, code: int) -> None:
+    def _on_remote_exit(self, node: str, name: str, pid: int, code: int,
+                        expected: bool) -> None:
         """A worker process on another node exited: as `_on_child_exit` for a child here."""
         for info in self.registry.all():
             if info.node == node and info.pid == pid:
                 self._worker_gone(info.worker_id, f"process {pid} on {node} exited with {code}")
         # pid -1 matches no worker here (pids of different nodes may coincide).
-        self._on_child_exit(cast(Child, _RemoteExit(name)), code)
+        self._on_child_exit(cast(Child, _RemoteExit(name, expected_exit=expected)), code)
 
     async def _on_register(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
         role = _str(p, "role")
@@ -1091,16 +1125,12 @@ class Controller:
         ``max_restarts``."""
         if self._dp_restarting or self._fatal is not None:
             return  # another rank of a group already being restarted
-        pool = self.spec.pool(info.role)
-        remote = pool is not None and any(n != self.node for n in pool.nodes)
         n = self._restarts[_TRAIN_GROUP] = self._restarts[_TRAIN_GROUP] + 1
-        if remote or n > self.spec.max_restarts:
-            reason = ("its ranks run on another node, whose processes the controller cannot "
-                      "stop" if remote else f"the group was restarted {n - 1} times; "
-                      f"max_restarts is {self.spec.max_restarts}")
+        if n > self.spec.max_restarts:
             self._fail_run(RunError(
                 f"data-parallel trainer rank {info.name} went down ({why}) and the group is not "
-                f"restarted: {reason}. Resume the run from its last checkpoint"))
+                f"restarted: the group was restarted {n - 1} times; max_restarts is "
+                f"{self.spec.max_restarts}. Resume the run from its last checkpoint"))
             return
         self._dp_restarting = True
         self._dp_generation += 1
@@ -1171,15 +1201,31 @@ class Controller:
         self.events.emit("worker_restart", process=name)
 
     async def _restart_train_group(self, delay: float) -> None:
-        """Stop every rank process still running (a broken group cannot recover), wait out the
-        backoff, start all ranks again."""
+        """Stop every rank process still running (a broken group cannot recover), here and,
+        through their agents, on other nodes; wait out the backoff, start all ranks again."""
+        ranks = sorted((p for p in self._worker_procs.values() if self._is_rank_process(
+            f"{p[0]}.{p[1]}")), key=lambda p: p[1])
+        elsewhere: dict[str, list[str]] = {}
+        for role, proc_no, *_ in ranks:
+            node = self._node_of(role, proc_no)
+            if node != self.node:
+                elsewhere.setdefault(node, []).append(f"{role}.{proc_no}")
         await self._supervisor.stop_all(0.0, only=lambda c: self._is_rank_process(c.name),
                                         signals=(signal.SIGKILL,))
+        if elsewhere:
+            hub = self._hub
+            assert hub is not None  # made whenever a pool names another node
+            try:
+                await asyncio.gather(*(hub.stop_workers(node, names)
+                                       for node, names in elsewhere.items()))
+            except TimeoutError:
+                self._fail_run(RunError(
+                    f"could not restart the data-parallel trainer group: the agents of "
+                    f"{sorted(elsewhere)} did not confirm that its ranks there are gone"))
+                return
         await asyncio.sleep(delay)  # backoff timer, not a poll
         if self._stop.is_set() or self._fatal is not None:
             return
-        ranks = sorted((p for p in self._worker_procs.values() if self._is_rank_process(
-            f"{p[0]}.{p[1]}")), key=lambda p: p[1])
         try:
             for role, proc_no, count, capacity, threads in ranks:
                 await self._spawn_workers(role, proc_no, count, capacity, threads)

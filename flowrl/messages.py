@@ -52,6 +52,10 @@ DataPlane = Literal["encrypted", "plaintext"]
 """How sample bytes of cross-node store reads travel (``ClusterSettings.data_plane``; node
 agents learn it from the controller)."""
 
+TrainerRendezvous = Literal["node", "cluster"]
+"""Where data-parallel trainer ranks meet (``ClusterSettings.trainer_rendezvous``): a file in
+their one node's run directory, or a store the controller hosts for ranks on several nodes."""
+
 
 class TaskMsg(TypedDict):
     """One micro-batch of work handed to a worker."""

@@ -22,8 +22,10 @@ Two ways to run one:
   It joins the run (``node_join`` gives the run id, the store capacity, the broadcast endpoint
   and the data plane), serves its store on ipc to its own workers and on ``tcp://ADDR``
   (curve) to other nodes (``node_ready``), then long-polls ``node_poll`` for worker processes
-  to start and reports their exits (``node_exit``). Cross-node data never goes through the
-  controller: workers read other nodes' handles from those nodes' store servers.
+  to start or to kill and reports their exits (``node_exit``), and, once the processes of a
+  kill order are gone, says so (``node_stopped``, after their exits). Cross-node data never
+  goes through the controller: workers read other nodes' handles from those nodes' store
+  servers.
 
 With the ``plaintext`` data plane (``ClusterConfig.data_plane``), every agent's tcp store
 server also serves reads unencrypted, their requests authenticated with the run's keys
@@ -50,7 +52,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -59,7 +61,7 @@ import structlog
 
 from flowrl import messages as m
 from flowrl.logs import bind, configure
-from flowrl.messages import DataPlane
+from flowrl.messages import DataPlane, TrainerRendezvous
 from transport.curve import CurveKeys, for_endpoint
 from transport.endpoints import ipc_endpoint, tcp_endpoint
 from transport.errors import DeadlineExceeded, TransportError
@@ -78,6 +80,7 @@ OP_JOIN: Final = "node_join"
 OP_READY: Final = "node_ready"
 OP_POLL: Final = "node_poll"
 OP_EXIT: Final = "node_exit"
+OP_STOPPED: Final = "node_stopped"
 
 #: how long one ``node_poll`` waits for a command before answering "nothing".
 POLL_S: Final = 2.0
@@ -85,6 +88,8 @@ POLL_S: Final = 2.0
 CALL_SLACK_S: Final = 3.0
 # A stopping controller answers waiting polls with "stop" before closing; this bounds the wait.
 _ANSWER_POLLS_S: Final = 2.0
+# Beyond a poll's round trip: how long an agent may take to kill processes (SIGKILL, reaped).
+_KILL_S: Final = 10.0
 
 # Worker fields the controller sends in a spawn command, with their types.
 _SPAWN_FIELDS: Final[dict[str, type]] = {
@@ -179,17 +184,19 @@ class _Agent:
                              curve=for_endpoint(keys, args.controller))
         self.stop = asyncio.Event()
         self.supervisor = Supervisor(self._on_exit)
-        # Exits to report: at most one per worker process started, so bounded by the spawns.
-        self.exits: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        # Reports (an op and its payload): one exit per worker process started, one
+        # acknowledgement per kill order, so bounded by the controller's commands.
+        self.reports: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
         self.last_answer = time.monotonic()
         self.run_id = ""
         self.broadcast = ""
         self.local_store = ""
 
     def _on_exit(self, child: Any, code: int) -> None:
-        if not child.expected_exit:
-            self.exits.put_nowait({"node": self.node, "name": child.name, "pid": child.pid,
-                                   "code": code})
+        # Killed on the controller's order or not, the controller forgets the process's workers.
+        self.reports.put_nowait((OP_EXIT, {"node": self.node, "name": child.name,
+                                           "pid": child.pid, "code": code,
+                                           "expected": bool(child.expected_exit)}))
 
     async def run(self) -> None:
         _stop_on_signals(self.stop)
@@ -256,8 +263,24 @@ class _Agent:
             if reply is None or reply.get("stop"):
                 self.stop.set()
                 return
+            for order in reply.get("kill", ()):  # before spawns: a restart reuses the names
+                await self._kill(order)
             for spec in reply.get("spawn", ()):
                 await self._spawn(spec)
+
+    async def _kill(self, order: Any) -> None:
+        """Kill this node's worker processes that ``order`` names (SIGKILL: a broken rank group
+        cannot leave politely), then acknowledge, after their exits."""
+        names = order.get("names") if isinstance(order, dict) else None
+        if (not isinstance(names, list) or not isinstance(order.get("id"), int)
+                or not all(isinstance(n, str) for n in names)):
+            log.warning("ignored a malformed kill command", node=self.node)
+            return
+        wanted = set(names)
+        await self.supervisor.stop_all(0.0, only=lambda c: c.name in wanted,
+                                       signals=(signal.SIGKILL,))
+        # Every killed child's exit is queued by now (its watcher reports before it ends).
+        self.reports.put_nowait((OP_STOPPED, {"node": self.node, "id": order["id"]}))
 
     async def _spawn(self, spec: Any) -> None:
         if not isinstance(spec, dict) or any(
@@ -281,8 +304,8 @@ class _Agent:
 
     async def _report(self) -> None:
         while True:
-            exit_ = await self.exits.get()
-            if await self._call(OP_EXIT, exit_) is None:
+            op, payload = await self.reports.get()
+            if await self._call(op, payload) is None:
                 self.stop.set()
                 return
 
@@ -333,6 +356,10 @@ class ClusterConfig:
     node_timeout_s: float = 15.0
     #: how sample bytes of cross-node reads travel (``ClusterSettings.data_plane``).
     data_plane: DataPlane = "encrypted"
+    #: ``cluster`` lets data-parallel trainer ranks run on several nodes, meeting in a store
+    #: the controller hosts on `host`; unauthenticated and unencrypted
+    #: (``ClusterSettings.trainer_rendezvous``).
+    trainer_rendezvous: TrainerRendezvous = "node"
 
 
 @dataclass
@@ -343,6 +370,8 @@ class _Remote:
     last_seen: float = 0.0
     # Spawn commands not yet collected: one per worker process of the node, plus restarts.
     commands: list[dict[str, Any]] = field(default_factory=list)
+    # Kill orders not yet collected ({"id", "names"}): one per `NodeHub.stop_workers` call.
+    kills: list[dict[str, Any]] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -417,14 +446,15 @@ class NodeHub:
     """The controller's endpoint for node agents on other nodes.
 
     Binds tcp (curve) for the controller's requests and broadcasts, admits exactly the nodes
-    the pipeline names (each joins once), hands each agent its spawn commands, knows every
-    node's store endpoint (`peers`), and reports an agent not heard from within
-    ``node_timeout_s`` through `on_lost` and a worker exit through `on_exit`.
+    the pipeline names (each joins once), hands each agent its spawn commands and kill orders
+    (`stop_workers`), knows every node's store endpoint (`peers`), and reports an agent not
+    heard from within ``node_timeout_s`` through `on_lost` and a worker exit through `on_exit`
+    (node, process name, pid, exit code, whether the controller had it killed).
     """
 
     def __init__(
         self, run_id: str, nodes: set[str], config: ClusterConfig, *, capacity: int,
-        on_lost: Callable[[str], None], on_exit: Callable[[str, str, int, int], None],
+        on_lost: Callable[[str], None], on_exit: Callable[[str, str, int, int, bool], None],
     ) -> None:
         self.run_id = run_id
         self.config = config
@@ -442,6 +472,9 @@ class NodeHub:
         self._stopping = False
         self._polls = 0
         self._polls_done = asyncio.Event()
+        # Kill orders awaiting their agent's acknowledgement: id -> (node, done).
+        self._orders: dict[int, tuple[str, asyncio.Future[None]]] = {}
+        self._order_ids = 0
         self.endpoint = ""
 
     @property
@@ -465,7 +498,8 @@ class NodeHub:
         if self.config.keys_file is not None:
             self.keys.save(self.config.keys_file)
         ops: dict[str, Handler] = {**handlers, OP_JOIN: self._join, OP_READY: self._ready_op,
-                                   OP_POLL: self._poll, OP_EXIT: self._exit}
+                                   OP_POLL: self._poll, OP_EXIT: self._exit,
+                                   OP_STOPPED: self._stopped}
         self._server = RpcServer(tcp_endpoint(self.config.host, self.config.port), ops,
                                  curve=self.keys, allow_remote=True)
         self.endpoint = await self._server.start()
@@ -500,6 +534,23 @@ class NodeHub:
         remote = self._remote[node]
         remote.commands.append({**worker, "peers": self.peers_for(node)})
         remote.wake.set()
+
+    async def stop_workers(self, node: str, names: Sequence[str]) -> None:
+        """Have `node`'s agent kill its worker processes named `names` (SIGKILL); return once
+        it says they are gone, their exits reported through `on_exit` before. TimeoutError
+        when the agent has not acknowledged within ``node_timeout_s`` plus a margin."""
+        remote = self._remote[node]
+        self._order_ids += 1
+        order = self._order_ids
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._orders[order] = (node, done)
+        remote.kills.append({"id": order, "names": list(names)})
+        remote.wake.set()
+        try:
+            async with asyncio.timeout(self.config.node_timeout_s + _KILL_S):
+                await done
+        finally:
+            self._orders.pop(order, None)
 
     # -- ops ------------------------------------------------------------------------------------
 
@@ -537,13 +588,14 @@ class NodeHub:
         self._polls += 1
         self._polls_done.clear()
         try:
-            if not remote.commands and not self._stopping:
+            if not remote.commands and not remote.kills and not self._stopping:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(min(float(payload.get("wait_s", POLL_S)), 30.0)):
                         await remote.wake.wait()
             remote.wake.clear()
             commands, remote.commands = remote.commands, []
-            return {"spawn": commands, "stop": self._stopping}
+            kills, remote.kills = remote.kills, []
+            return {"spawn": commands, "kill": kills, "stop": self._stopping}
         finally:
             remote.last_seen = time.monotonic()
             self._polls -= 1
@@ -554,7 +606,16 @@ class NodeHub:
         remote = self._node(payload)
         remote.last_seen = time.monotonic()
         self._on_exit(remote.name, str(payload["name"]), int(payload["pid"]),
-                      int(payload["code"]))
+                      int(payload["code"]), bool(payload.get("expected", False)))
+        return {"ok": True}
+
+    async def _stopped(self, payload: Any, peer: bytes) -> dict[str, Any]:
+        remote = self._node(payload)
+        remote.last_seen = time.monotonic()
+        node, done = self._orders.get(int(payload["id"]), ("", None))
+        # Only the node the order went to may acknowledge it; a repeat is harmless.
+        if done is not None and node == remote.name and not done.done():
+            done.set_result(None)
         return {"ok": True}
 
     # -- lifetime -------------------------------------------------------------------------------

@@ -23,6 +23,8 @@ Guarantees:
   one node with a real engine, where the controller's filesystem is the workers' filesystem.
 - ``placement.roles`` names only roles the run has, each with at least one node; nodes other
   than the controller's need ``placement.cluster`` (with a key file) unless Ray places them.
+- Data-parallel trainer ranks run on one node unless ``placement.cluster.trainer_rendezvous``
+  is ``cluster`` (an unauthenticated, unencrypted rendezvous: trusted fabrics only).
 
 Imports nothing heavy (pydantic and the standard library), so `workers` may import it.
 """
@@ -52,7 +54,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from flowrl.messages import DataPlane
+from flowrl.messages import DataPlane, TrainerRendezvous
 from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages, ppo_stages
 
 __all__ = [
@@ -628,6 +630,14 @@ class ClusterSettings(_Section):
     them gets nothing and can change nothing; a captured request cannot be replayed), and all
     other traffic (controller links, store bookkeeping, puts and frees) stays CurveZMQ. Nodes'
     clocks must agree within 30 s."""
+    trainer_rendezvous: TrainerRendezvous = "node"
+    """Where data-parallel trainer ranks (``trainer.ranks > 1``) meet. ``node``: a file in their
+    node's run directory, so ``placement.roles.train`` names one node. ``cluster``: the ranks
+    may run on several nodes and meet in a torch.distributed TCPStore the controller hosts on
+    `host`. The rendezvous and the collectives between the ranks (gloo, NCCL) are then neither
+    authenticated nor encrypted (torch.distributed): anyone who reaches the store's port or the
+    ranks' links can read, disturb or join the training group. For trusted fabrics only; the
+    ranks' interface is the environment's (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``)."""
 
 
 class RayResources(_Section):
@@ -783,9 +793,13 @@ class Recipe(_Section):
         if sim and self.trainer.ranks > 1:
             raise _rule("trainer.ranks", "simulated trainers do not all-reduce; data-parallel "
                         "ranks need rollout.engine 'hf' or 'vllm'")
-        if self.trainer.ranks > 1 and len(set(self.placement.roles.get("train", ()))) > 1:
+        cluster = self.placement.cluster
+        if (self.trainer.ranks > 1 and len(set(self.placement.roles.get("train", ()))) > 1
+                and (cluster is None or cluster.trainer_rendezvous != "cluster")):
             raise _rule("placement.roles.train", "data-parallel trainer ranks meet through a "
-                        "file in their node's run directory: place them on one node")
+                        "file in their node's run directory: place them on one node, or set "
+                        "placement.cluster.trainer_rendezvous = 'cluster' to let them meet "
+                        "across nodes (unauthenticated, unencrypted: trusted fabrics only)")
         if not sim and self.model.path == TINY_MODEL:
             longest = self.data.max_prompt_tokens + self.rollout.max_new_tokens
             if longest > self.model.tiny.max_positions:

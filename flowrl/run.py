@@ -80,7 +80,8 @@ def cluster_config(recipe: Recipe, *, host: str | None = None) -> ClusterConfig 
     return ClusterConfig(
         host=host if host is not None and "host" not in c.model_fields_set else c.host,
         port=c.port, keys_file=None if c.keys_file is None else Path(c.keys_file),
-        join_timeout_s=c.join_timeout_s, data_plane=c.data_plane)
+        join_timeout_s=c.join_timeout_s, data_plane=c.data_plane,
+        trainer_rendezvous=c.trainer_rendezvous)
 
 
 @contextlib.asynccontextmanager

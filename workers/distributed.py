@@ -1,11 +1,16 @@
 """The trainer ranks' process group: rendezvous, one gradient all-reduce per step, checksums.
 
 `DataParallel` describes one rank: its rank and world size, the backend (``gloo`` on a CPU,
-``nccl`` on CUDA, ``hccl`` on Ascend NPUs) and the rendezvous, a ``file://`` store inside the
-run's private directory (``/tmp/flowrl-<run_id>``, mode 0700), so nothing listens on a network
-port and every rank of a run finds the others without a port being chosen in advance. The ranks
-of a run are processes ``train.0 .. train.<N-1>`` on one node; a rank's number is its process
-index (`for_process`).
+``nccl`` on CUDA, ``hccl`` on Ascend NPUs) and the rendezvous. The ranks of a run are processes
+``train.0 .. train.<N-1>``; a rank's number is its process index (`for_process`). Ranks on one
+node meet in a ``file://`` store inside the run's private directory (``/tmp/flowrl-<run_id>``,
+mode 0700), so nothing listens on a network port, and keep gloo's links on loopback. Ranks on
+several nodes (the opt-in ``trainer_rendezvous="cluster"``) meet in a TCPStore the controller
+hosts (``store = "host:port"``), under a key prefix of their group's generation so that a
+restarted group never reads a dead group's keys; gloo's (or NCCL's) interface is then the
+environment's choice (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``). That store and the
+collectives' links are neither authenticated nor encrypted (torch.distributed): trusted fabrics
+only.
 
 `all_reduce_step` is what DDP does for a step whose micro-batches are accumulated locally
 (``no_sync`` on every micro-batch but the last): the ranks' gradient sums are added up in one
@@ -14,8 +19,8 @@ below 2**53), after which every rank holds the same gradients and counts. A para
 rank gave a gradient keeps none, as in a single process.
 
 A collective waits at most ``timeout_s``; a peer that dies makes it fail at once (its sockets
-close). Either way the step raises, the rank's task fails and the controller stops the run
-(ranks cannot rejoin a group mid-run; the run resumes from its last checkpoint).
+close). Either way the step raises, the rank's task fails and the controller restarts the whole
+group in a fresh rendezvous (ranks cannot rejoin a group mid-run).
 
 With ``sharding="fsdp2"`` (`shard_model`) the ranks hold 1/N shards of the parameters,
 gradients and optimizer state instead (torch FSDP2: every decoder layer, and then the whole
@@ -41,6 +46,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import PrefixStore
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 __all__ = [
@@ -57,6 +63,7 @@ __all__ = [
     "parameter_checksum",
     "shard_like",
     "shard_model",
+    "split_address",
 ]
 
 #: how long one collective (or the rendezvous) may wait for the other ranks.
@@ -92,6 +99,8 @@ def for_process(config: Mapping[str, Any], *, role: str, name: str,
     if head != "train" or not index.isdigit():
         raise ValueError(f"a data-parallel trainer process must be named train.<rank>, "
                          f"got {name!r}")
+    if section.get("store"):  # ranks on several nodes: the controller's store
+        return {**config, "data_parallel": {**section, "rank": int(index)}}
     # A group the controller restarted (``generation``) meets in a fresh store: the old one
     # holds the dead group's keys.
     generation = int(section.get("generation", 0))
@@ -100,17 +109,32 @@ def for_process(config: Mapping[str, Any], *, role: str, name: str,
         **section, "rank": int(index), "init_method": f"file://{run_dir / store}"}}
 
 
+def split_address(address: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` for IPv6) as (host, port); ValueError when malformed."""
+    host, sep, port = address.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"data_parallel.store must be host:port, got {address!r}")
+    return host, int(port)
+
+
 @dataclass(frozen=True)
 class DataParallel:
     """One trainer rank of a data-parallel group."""
 
     rank: int
     world: int
-    init_method: str
+    #: one node's rendezvous: a ``file://`` store (or a loopback ``tcp://``); "" with `store`.
+    init_method: str = ""
     timeout_s: float = DEFAULT_TIMEOUT_S
     #: None: chosen from the device (`backend_for`).
     backend: str | None = None
     sharding: str = "replicate"
+    #: ranks on several nodes: the controller's TCPStore, ``host:port``; "" with `init_method`.
+    store: str = ""
+    #: restarts of the group before this one: its keys' prefix in `store`.
+    generation: int = 0
 
     def __post_init__(self) -> None:
         if self.sharding not in SHARDINGS:
@@ -118,9 +142,16 @@ class DataParallel:
                              f"{self.sharding!r}")
         if not (self.world >= 2 and 0 <= self.rank < self.world):
             raise ValueError(f"data_parallel: rank {self.rank} of world {self.world}")
-        if not self.init_method.startswith(("file://", "tcp://127.0.0.1:", "tcp://[::1]:")):
+        if bool(self.init_method) == bool(self.store):
+            raise ValueError("data_parallel needs exactly one of init_method (ranks on one "
+                             "node) and store (ranks on several nodes)")
+        if self.store:
+            split_address(self.store)
+        elif not self.init_method.startswith(("file://", "tcp://127.0.0.1:", "tcp://[::1]:")):
             raise ValueError(f"data_parallel.init_method must be a file:// store or a loopback "
                              f"tcp:// address, got {self.init_method!r}")
+        if self.generation < 0:
+            raise ValueError(f"data_parallel.generation must be >= 0, got {self.generation}")
         if not self.timeout_s > 0:
             raise ValueError(f"data_parallel.timeout_s must be > 0, got {self.timeout_s}")
 
@@ -133,10 +164,12 @@ class DataParallel:
             return None
         backend = section.get("backend")
         return cls(rank=int(section["rank"]), world=int(section["world"]),
-                   init_method=str(section["init_method"]),
+                   init_method=str(section.get("init_method") or ""),
                    timeout_s=float(section.get("timeout_s", DEFAULT_TIMEOUT_S)),
                    backend=None if backend in (None, "auto") else str(backend),
-                   sharding=str(section.get("sharding", "replicate")))
+                   sharding=str(section.get("sharding", "replicate")),
+                   store=str(section.get("store") or ""),
+                   generation=int(section.get("generation", 0)))
 
     @property
     def sharded(self) -> bool:
@@ -152,14 +185,24 @@ class DataParallel:
     def join(self, device: torch.device) -> None:
         """Meet the other ranks (blocks until all have joined, at most ``timeout_s``)."""
         backend = self.backend or backend_for(device)
-        if backend == "gloo":
-            # Keep gloo's pairs on loopback: every rank runs on this node.
+        if backend == "gloo" and not self.store:
+            # Keep gloo's pairs on loopback: every rank runs on this node. (Across nodes the
+            # environment names the fabric's interface.)
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         if device.type != "cpu":
             getattr(torch, device.type).set_device(device)
+        timeout = datetime.timedelta(seconds=self.timeout_s)
+        if not self.store:
+            dist.init_process_group(backend, init_method=self.init_method, rank=self.rank,
+                                    world_size=self.world, timeout=timeout)
+            return
+        host, port = split_address(self.store)
+        # (TCPStore is public, though missing from torch.distributed's explicit exports.)
+        client = dist.TCPStore(host, port, is_master=False,  # type: ignore[attr-defined]
+                               timeout=timeout)
         dist.init_process_group(
-            backend, init_method=self.init_method, rank=self.rank, world_size=self.world,
-            timeout=datetime.timedelta(seconds=self.timeout_s))
+            backend, store=PrefixStore(f"g{self.generation}", client), rank=self.rank,
+            world_size=self.world, timeout=timeout)
 
     @staticmethod
     def leave() -> None:
