@@ -17,7 +17,8 @@ Guarantees (the index guarantees the rest):
   are redone by others;
 - with data-parallel trainer ranks (`flowrl.dp`) every rank gets a token-balanced share of every
   step and exactly one step end; the step commits once all ranks reported it and agree on their
-  parameters. A rank that dies or fails a micro-batch stops the run, naming it.
+  parameters. A rank that dies or fails a micro-batch takes the group down: every rank is
+  started again (`_train_group_down`) and the step redone, within ``max_restarts``.
 
 Bounds: a worker holds at most ``capacity + prefetch`` assigned tasks; admission holds at most
 ``(max_staleness + 1) * groups_per_step`` groups ahead of the trainer, and admits groups for

@@ -699,7 +699,8 @@ class PlacementConfig(_Section):
     """A worker silent this long is declared dead (heartbeats are sent every second)."""
     max_restarts: int = Field(default=3, ge=0, le=10_000)
     """Restarts of one worker process after it died (after 0.5 s, doubling per death, at most
-    30 s); one more death stops the run."""
+    30 s); one more death stops the run. Data-parallel trainer ranks restart as one group,
+    counted once per restart of the group."""
 
     @model_validator(mode="after")
     def _local_is_one_node(self) -> PlacementConfig:
