@@ -110,8 +110,10 @@ def rank_main(rank: int, store: str, model: str, out_dir: str, sharding: str) ->
     from workers.roles.dp_trainer import DataParallelTrainerRole
 
     torch.set_num_threads(1)
+    # "fsdp2-bfloat16": sharded, passes in bfloat16 (FSDP2 mixed precision).
+    sharding, _, compute = sharding.partition("-")
     group = DataParallel(rank=rank, world=2, init_method=f"file://{store}", timeout_s=90,
-                         sharding=sharding)
+                         sharding=sharding, compute_dtype=compute or "float32")
     # Another seed on each rank: the role must give every rank rank 0's parameters.
     engine = SpyEngine(model, lr=LR, device="cpu", dtype=torch.float64, seed=rank)
     group.join(engine.device)
@@ -156,7 +158,7 @@ async def single_process_step(
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("sharding", ["replicate", "fsdp2"])
+@pytest.mark.parametrize("sharding", ["replicate", "fsdp2", "fsdp2-bfloat16"])
 async def test_two_gloo_ranks_take_exactly_the_single_process_step(
     model_dir: Path, tmp_path: Path, sharding: str
 ) -> None:
@@ -183,7 +185,7 @@ async def test_two_gloo_ranks_take_exactly_the_single_process_step(
     grads = [load_file(str(tmp_path / f"grads{r}.safetensors")) for r in (0, 1)]
     metrics = [json.loads((tmp_path / f"metrics{r}.json").read_text()) for r in (0, 1)]
     total = sum(p.numel() for p in whole.model.parameters())
-    if sharding == "fsdp2":  # each rank holds about half (FSDP2 pads uneven shards)
+    if sharding.startswith("fsdp2"):  # each rank holds about half (FSDP2 pads uneven shards)
         assert metrics[0]["held"] + metrics[1]["held"] == pytest.approx(total, rel=0.01)
         assert max(metrics[0]["held"], metrics[1]["held"]) < 0.6 * total
     else:
@@ -197,6 +199,18 @@ async def test_two_gloo_ranks_take_exactly_the_single_process_step(
     # ... and they equal one process's step on the whole batch.
     reference = dict(whole.model.named_parameters())
     assert grads[0].keys() == whole.grads.keys()
+    if sharding == "fsdp2-bfloat16":
+        # Passes in bfloat16 (8 bits of mantissa): the step is the same one, to bfloat16's
+        # precision, and measurably not the float64 one (so the passes did run in bfloat16).
+        diff = torch.cat([(grads[0][n] - g).flatten() for n, g in whole.grads.items()])
+        norm = torch.cat([g.flatten() for g in whole.grads.values()]).norm()
+        assert 1e-5 < float(diff.norm() / norm) < 2e-2
+        for name in whole.grads:  # an Adam step of lr 1e-3 moves each by about 1e-3
+            torch.testing.assert_close(params[0][name], reference[name].detach(), atol=2.5e-3,
+                                       rtol=0, msg=name)
+        for key in ("loss", "grad_norm", "tokens", "seqs", "reward_mean"):
+            assert metrics[0][key] == pytest.approx(want[key], abs=1e-3, rel=2e-2), key
+        return
     for name, g in whole.grads.items():
         torch.testing.assert_close(grads[0][name], g, atol=1e-6, rtol=1e-6, msg=name)
         torch.testing.assert_close(params[0][name], reference[name].detach(), atol=1e-6,
@@ -317,6 +331,12 @@ def test_a_split_that_leaves_a_rank_idle_names_the_field() -> None:
         TrainerConfig(ranks=3, groups_per_step=2)
     with pytest.raises(ValidationError, match=r"sharding: 'fsdp2' shards the model"):
         TrainerConfig(sharding="fsdp2")
+    with pytest.raises(ValidationError, match=r"compute_dtype: 'bfloat16' is FSDP2 mixed"):
+        TrainerConfig(ranks=2, compute_dtype="bfloat16")
+    dp = Recipe(steps=1, trainer=TrainerConfig(
+        ranks=2, groups_per_step=4, sharding="fsdp2", compute_dtype="bfloat16"),
+    ).engine_config()["data_parallel"]
+    assert dp == {"world": 2, "sharding": "fsdp2", "compute_dtype": "bfloat16"}
     with pytest.raises(ValidationError, match=r"trainer\.ranks"):
         Recipe(steps=1, rollout=RolloutConfig(engine="sim"), trainer=TrainerConfig(ranks=2))
     with pytest.raises(ValidationError, match=r"placement\.roles\.train"):

@@ -75,6 +75,7 @@ RENDEZVOUS_FILE = "train-ranks.store"
 SHARDINGS = ("replicate", "fsdp2")
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+_COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def backend_for(device: torch.device) -> str:
@@ -131,6 +132,8 @@ class DataParallel:
     #: None: chosen from the device (`backend_for`).
     backend: str | None = None
     sharding: str = "replicate"
+    #: sharded: the dtype parameters are gathered and passes compute in (`shard_model`).
+    compute_dtype: str = "float32"
     #: ranks on several nodes: the controller's TCPStore, ``host:port``; "" with `init_method`.
     store: str = ""
     #: restarts of the group before this one: its keys' prefix in `store`.
@@ -140,6 +143,9 @@ class DataParallel:
         if self.sharding not in SHARDINGS:
             raise ValueError(f"data_parallel.sharding must be one of {SHARDINGS}, got "
                              f"{self.sharding!r}")
+        if self.compute_dtype not in _COMPUTE_DTYPES:
+            raise ValueError(f"data_parallel.compute_dtype must be one of "
+                             f"{sorted(_COMPUTE_DTYPES)}, got {self.compute_dtype!r}")
         if not (self.world >= 2 and 0 <= self.rank < self.world):
             raise ValueError(f"data_parallel: rank {self.rank} of world {self.world}")
         if bool(self.init_method) == bool(self.store):
@@ -168,6 +174,7 @@ class DataParallel:
                    timeout_s=float(section.get("timeout_s", DEFAULT_TIMEOUT_S)),
                    backend=None if backend in (None, "auto") else str(backend),
                    sharding=str(section.get("sharding", "replicate")),
+                   compute_dtype=str(section.get("compute_dtype", "float32")),
                    store=str(section.get("store") or ""),
                    generation=int(section.get("generation", 0)))
 
@@ -294,18 +301,23 @@ def parameter_checksum(params: Iterable[torch.nn.Parameter]) -> float:
     return float(total)
 
 
-def shard_model(model: torch.nn.Module) -> None:
+def shard_model(model: torch.nn.Module, compute_dtype: str = "float32") -> None:
     """Shard ``model`` over the joined group with FSDP2, in place: each module class the model
     names in ``_no_split_modules`` (its decoder layers, for a transformers model) is one unit,
-    the rest of the model the root unit. Build the optimizer afterwards: the parameters are
-    replaced by sharded ones."""
-    from torch.distributed.fsdp import fully_shard
+    the rest of the model the root unit. With ``compute_dtype`` ``bfloat16``, parameters are
+    gathered and passes run in it and gradients are reduced in float32 (FSDP2 mixed
+    precision; the shards and the optimizer keep the model's dtype). Build the optimizer
+    afterwards: the parameters are replaced by sharded ones."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    dtype = _COMPUTE_DTYPES[compute_dtype]
+    policy = (MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+              if dtype != torch.float32 else MixedPrecisionPolicy())
     layers = set(getattr(model, "_no_split_modules", None) or ())
     for module in model.modules():
         if module is not model and type(module).__name__ in layers:
-            fully_shard(module)
-    fully_shard(model)
+            fully_shard(module, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -114,12 +114,13 @@ class TorchTrainerEngine:
     def step(self) -> int:
         return self._step
 
-    def shard(self) -> None:
-        """Shard the model over the joined process group (FSDP2, `shard_model`) and build the
-        optimizer over the shards. Call before any step and before `load_state_dict`."""
+    def shard(self, compute_dtype: str = "float32") -> None:
+        """Shard the model over the joined process group (FSDP2, `shard_model`, passes in
+        ``compute_dtype``) and build the optimizer over the shards. Call before any step and
+        before `load_state_dict`."""
         if self._step or self._pending or self.optimizer.state:
             raise RuntimeError("shard() must come before the first step and any state load")
-        shard_model(self.model)
+        shard_model(self.model, compute_dtype)
         self._params = dict(self.model.named_parameters())
         self.optimizer = self._adamw(self._params.values())
         self.sharded = True

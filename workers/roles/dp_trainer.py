@@ -75,7 +75,7 @@ class DataParallelTrainerRole(TrainerRole):
             if not isinstance(engine, TorchTrainerEngine):
                 raise TypeError(f"sharding {group.sharding!r} needs a TorchTrainerEngine, got "
                                 f"{type(engine).__name__}")
-            engine.shard()
+            engine.shard(group.compute_dtype)
         self._engine = engine if isinstance(engine, TorchTrainerEngine) else None
         self._params = [p for p in model.parameters() if p.requires_grad]
         #: passes every rank runs in the current step (its end task says; sharded only).
