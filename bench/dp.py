@@ -14,6 +14,7 @@ one warm-up step), all in this run:
   ratio (ideal 0.5 with two ranks).
 - ``step_ms_single``: one process's step on both ranks' rows; ``step_ms_replicate`` /
   ``step_ms_fsdp2``: the ranks' step on half the rows each (rank 0's clock);
+  ``step_ms_fsdp2_bf16``: sharded with passes in bfloat16 (``trainer.compute_dtype``);
   ``speedup_replicate`` / ``speedup_fsdp2``: single over each. On 2 shared CPU cores the
   ranks compete for the cores the single process has to itself; sharding adds a gather per
   unit and pass and a reduce-scatter per backward.
@@ -103,7 +104,7 @@ def train(engine: TorchTrainerEngine, seeds: list[list[int]], mode: str, steps: 
         if mode == "replicate":
             params = [p for p in engine.model.parameters() if p.requires_grad]
             total = all_reduce_step(params, [float(tokens)])[0]
-        elif mode == "fsdp2":
+        elif mode.startswith("fsdp2"):
             total = all_reduce_counts([float(tokens)], engine.device)[0]
             scale = float(dist.get_world_size())  # the backward averaged over the ranks
             for p in engine.model.parameters():
@@ -127,8 +128,8 @@ def rank_main(rank: int, store: str, model: str, mode: str, steps: int, out: str
                             timeout=datetime.timedelta(seconds=300))
     try:
         engine = TorchTrainerEngine(model, lr=1e-4, device="cpu")
-        if mode == "fsdp2":
-            engine.shard()
+        if mode.startswith("fsdp2"):
+            engine.shard("bfloat16" if mode == "fsdp2-bf16" else "float32")
         seeds = [[1000 * s + 10 * rank + k for k in range(MICRO)] for s in range(steps + 1)]
         ms = train(engine, seeds, mode, steps)
         result = {"step_ms": ms, "state_bytes": state_bytes(engine)}
@@ -169,6 +170,7 @@ def main(quick: bool) -> dict[str, Any]:
         single_ms, single_bytes = single(model, steps)
         rep = ranks(model, "replicate", steps, tmp)
         fsdp = ranks(model, "fsdp2", steps, tmp)
+        bf16 = ranks(model, "fsdp2-bf16", steps, tmp)
     mb = 1 << 20
     return {
         "params_m": round(params / 1e6, 2),
@@ -179,6 +181,7 @@ def main(quick: bool) -> dict[str, Any]:
         "step_ms_single": round(single_ms, 1),
         "step_ms_replicate": round(rep["step_ms"], 1),
         "step_ms_fsdp2": round(fsdp["step_ms"], 1),
+        "step_ms_fsdp2_bf16": round(bf16["step_ms"], 1),
         "speedup_replicate": round(single_ms / rep["step_ms"], 2),
         "speedup_fsdp2": round(single_ms / fsdp["step_ms"], 2),
     }
