@@ -43,9 +43,8 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import Tensor  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
 
-from workers.distributed import all_reduce_counts, all_reduce_step  # noqa: E402
+from workers.distributed import all_reduce_counts, all_reduce_step, local_part  # noqa: E402
 from workers.engines.protocols import SequenceBatch  # noqa: E402
 from workers.engines.torch_trainer import TorchTrainerEngine  # noqa: E402
 
@@ -79,15 +78,12 @@ def loss_sum(lps: Tensor, seqs: SequenceBatch) -> Tensor:
 
 
 def state_bytes(engine: TorchTrainerEngine) -> int:
-    def local(t: Tensor) -> Tensor:
-        return t.to_local() if isinstance(t, DTensor) else t
-
     total = 0
     for p in engine.model.parameters():
-        total += 2 * local(p).numel() * p.element_size()  # the parameter and its gradient
+        total += 2 * local_part(p).numel() * p.element_size()  # the parameter and its gradient
         for v in engine.optimizer.state.get(p, {}).values():
             if isinstance(v, Tensor) and v.dim():
-                total += local(v).numel() * v.element_size()
+                total += local_part(v).numel() * v.element_size()
     return total
 
 

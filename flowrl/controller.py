@@ -1135,7 +1135,7 @@ class Controller:
             return
         self._dp_restarting = True
         self._dp_generation += 1
-        delay = min(self.spec.restart_backoff_s * 2 ** (n - 1), _MAX_RESTART_BACKOFF_S)
+        delay = self._restart_delay(n)
         self._log().warning("restarting the data-parallel trainer group", rank=info.name,
                             why=why, attempt=n, delay_s=delay)
         self._restart_q.put_nowait((_TRAIN_GROUP, delay))
@@ -1167,8 +1167,7 @@ class Controller:
                 f"worker process {child.name} died {n} times (last exit code {code}"
                 f"{': ' + last if last else ''}); max_restarts is {self.spec.max_restarts}"))
             return
-        # Capped: with a high max_restarts, doubling alone would reach hours.
-        delay = min(self.spec.restart_backoff_s * 2 ** (n - 1), _MAX_RESTART_BACKOFF_S)
+        delay = self._restart_delay(n)
         self._log().warning("restarting worker process", process=child.name, attempt=n,
                             delay_s=delay)
         self._restart_q.put_nowait((child.name, delay))
@@ -1180,6 +1179,11 @@ class Controller:
             while True:
                 name, delay = await self._restart_q.get()
                 tg.create_task(self._restart(name, delay), name=f"flowrl-restart-{name}")
+
+    def _restart_delay(self, n: int) -> float:
+        """The wait before restart ``n`` (1-based): doubling from ``restart_backoff_s``, capped
+        (with a high max_restarts, doubling alone would reach hours)."""
+        return min(self.spec.restart_backoff_s * 2.0 ** (n - 1), _MAX_RESTART_BACKOFF_S)
 
     def _is_rank_process(self, name: str) -> bool:
         return (self._dp is not None and self._train_stage is not None
@@ -1204,8 +1208,8 @@ class Controller:
     async def _restart_train_group(self, delay: float) -> None:
         """Stop every rank process still running (a broken group cannot recover), here and,
         through their agents, on other nodes; wait out the backoff, start all ranks again."""
-        ranks = sorted((p for p in self._worker_procs.values() if self._is_rank_process(
-            f"{p[0]}.{p[1]}")), key=lambda p: p[1])
+        ranks = sorted((p for name, p in self._worker_procs.items()
+                        if self._is_rank_process(name)), key=lambda p: p[1])
         elsewhere: dict[str, list[str]] = {}
         for role, proc_no, *_ in ranks:
             node = self._node_of(role, proc_no)

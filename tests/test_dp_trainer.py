@@ -23,7 +23,6 @@ from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 from test_roles import synthetic_groups
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from flowrl.controller import Controller, RunError
 from flowrl.dp import RankShares, StepDivergence, merge_step_ends, pair_closing
@@ -38,7 +37,7 @@ from flowrl.recipe import (
     RolloutConfig,
     TrainerConfig,
 )
-from workers.distributed import DataParallel, for_process, full_tensor
+from workers.distributed import DataParallel, for_process, full_tensor, local_part
 from workers.engines import TorchTrainerEngine
 from workers.engines.protocols import TrainerState
 from workers.roles.trainer import TrainerRole, TrainSettings
@@ -130,8 +129,7 @@ def rank_main(rank: int, store: str, model: str, out_dir: str, sharding: str) ->
     metrics["state_round_trip"] = float(all(torch.equal(back.tensors[k], v)
                                             for k, v in state.tensors.items()))
     # What this rank holds of the parameters: everything, or its shard.
-    metrics["held"] = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()
-                          for p in engine.model.parameters())
+    metrics["held"] = sum(local_part(p).numel() for p in engine.model.parameters())
     params = {n: full_tensor(p.detach()).clone() for n, p in engine.model.named_parameters()}
     out = Path(out_dir)
     save_file(params, str(out / f"params{rank}.safetensors"))

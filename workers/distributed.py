@@ -60,6 +60,7 @@ __all__ = [
     "broadcast_parameters",
     "for_process",
     "full_tensor",
+    "local_part",
     "parameter_checksum",
     "shard_like",
     "shard_model",
@@ -247,12 +248,9 @@ def all_reduce_step(params: Sequence[torch.nn.Parameter], counts: Sequence[float
     """
     if not params:
         raise ValueError("no parameters to reduce")
-    device = params[0].device
     has = [p.grad is not None for p in params]
     # Counts and which parameters have gradients anywhere: one small float64 collective.
-    head = torch.tensor([*counts, *map(float, has)], dtype=torch.float64, device=device)
-    dist.all_reduce(head)
-    reduced = head.tolist()
+    reduced = all_reduce_counts([*counts, *map(float, has)], params[0].device)
     sums, anywhere = reduced[:len(counts)], reduced[len(counts):]
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, p in enumerate(params):
@@ -291,9 +289,8 @@ def parameter_checksum(params: Iterable[torch.nn.Parameter]) -> float:
     with torch.no_grad():
         total = torch.zeros((), dtype=torch.float64)
         for p in params:
-            local = p.detach()
-            if isinstance(local, DTensor):
-                sharded, local = True, local.to_local()
+            sharded = sharded or isinstance(p, DTensor)
+            local = local_part(p.detach())
             device = local.device
             total += local.to(torch.float64).sum().cpu()
     if sharded:
@@ -323,6 +320,11 @@ def shard_model(model: torch.nn.Module, compute_dtype: str = "float32") -> None:
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a shard (a collective: every rank must call), or ``t`` itself."""
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``t``: its shard's local tensor, or ``t`` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -71,12 +71,14 @@ class DataParallelTrainerRole(TrainerRole):
         #: takes part in gathering it).
         self.exports_weights = group.rank == 0 or group.sharded
         broadcast_parameters([p for p in model.parameters() if p.requires_grad])
+        #: the engine when sharded (its gathers and empty passes), else None.
+        self._sharded: TorchTrainerEngine | None = None
         if group.sharded:
             if not isinstance(engine, TorchTrainerEngine):
                 raise TypeError(f"sharding {group.sharding!r} needs a TorchTrainerEngine, got "
                                 f"{type(engine).__name__}")
             engine.shard(group.compute_dtype)
-        self._engine = engine if isinstance(engine, TorchTrainerEngine) else None
+            self._sharded = engine
         self._params = [p for p in model.parameters() if p.requires_grad]
         #: passes every rank runs in the current step (its end task says; sharded only).
         self._passes = 0
@@ -90,10 +92,10 @@ class DataParallelTrainerRole(TrainerRole):
         st = self._step
         own_tokens = st.tokens
         local = [float(getattr(st, name)) for name in _SUMS]
-        if self._engine is not None and self._engine.sharded:
+        if self._sharded is not None:
             for _ in range(self._passes - st.micro_batches):
-                self._engine.empty_pass()
-            sums = all_reduce_counts(local, self._engine.device)
+                self._sharded.empty_pass()
+            sums = all_reduce_counts(local, self._sharded.device)
             scale_gradients(self.engine, float(self.group.world))  # the backward averaged
         else:
             sums = all_reduce_step(self._params, local)
@@ -113,9 +115,9 @@ class DataParallelTrainerRole(TrainerRole):
         return (self.group.rank == 0 or self.group.sharded) and super()._checkpoint_due()
 
     def save_checkpoint(self) -> Path | None:
-        if self._engine is None or not self._engine.sharded:
+        if self._sharded is None:
             return super().save_checkpoint()
         # Every gather before any disk write: a failed write on rank 0 must not leave the
         # other ranks waiting in a gather.
-        state, weights = self._engine.state_dict(), self._engine.whole_state()
+        state, weights = self._sharded.state_dict(), self._sharded.whole_state()
         return self._write_checkpoint(state, weights) if self.group.rank == 0 else None

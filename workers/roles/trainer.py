@@ -45,7 +45,6 @@ from typing import Any, Literal, cast, get_args
 import structlog
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from flowrl import messages as m
 from flowrl.algorithms import (
@@ -421,12 +420,10 @@ def _load_into(engine: TrainerEngine, weights: Mapping[str, Tensor]) -> None:
         if tuple(value.shape) != tuple(params[name].shape):
             raise ValueError(f"{name}: shape {tuple(value.shape)} != "
                              f"{tuple(params[name].shape)}")
-    from workers.distributed import shard_like
+    from workers.distributed import local_part, shard_like
 
     with torch.no_grad():
         for name, value in weights.items():
             target = params[name]
             # A sharded parameter (FSDP2) takes this rank's shard of the whole tensor.
-            shard = shard_like(value, target)
-            (target.to_local() if isinstance(target, DTensor) else target).copy_(
-                shard.to_local() if isinstance(shard, DTensor) else shard)
+            local_part(target).copy_(local_part(shard_like(value, target)))
