@@ -653,26 +653,29 @@ async def fuzz_run(endpoints: list[str], count: int, seed: int) -> dict[str, Any
             progressed = ctl.version - version0
             ctl.stop()
             async with asyncio.timeout(60):
-                summary = await run
-            status = ctl.status()
+                await run
     finally:
         ctx.destroy(linger=0)
-    steps = summary["version"]
+    # Counted once the controller has closed: the step being trained when `stop` came still
+    # commits after `run` returned (its rows are trained, not dropped), so the run's summary
+    # may be one step behind the controller's final state.
+    status = ctl.status()
+    steps = ctl.version
     accounting = {
         "steps": steps,
         "steps_during_fuzz": progressed,
-        "samples": summary["samples"],
+        "samples": status["samples_trained"],
         "rows_trained": ctl.rows_trained,
-        "rows_trained_twice": summary["rows_trained_twice"],
-        "stale_dropped": summary["stale_dropped"],
+        "rows_trained_twice": ctl.rows_trained_twice,
+        "stale_dropped": ctl.stale_dropped,
         "worker_deaths": status["worker_deaths"],
         "restarts": status["restarts"],
         "errors": len(status["errors"]),
     }
     ok = (steps == len(ctl.step_log) and progressed > 0
           and all(e["samples"] == GROUP * GROUPS_PER_STEP for e in ctl.step_log)
-          and summary["samples"] == steps * GROUP * GROUPS_PER_STEP == ctl.rows_trained
-          and summary["rows_trained_twice"] == 0 and status["worker_deaths"] == 0
+          and status["samples_trained"] == steps * GROUP * GROUPS_PER_STEP == ctl.rows_trained
+          and ctl.rows_trained_twice == 0 and status["worker_deaths"] == 0
           and status["restarts"] == 0 and not status["errors"])
     accounting["ok"] = ok
     out["run"] = accounting

@@ -477,7 +477,11 @@ class Controller:
             self._wake()
 
     def stop(self) -> None:
-        """End the current `run` at the last completed step, as if it were its target."""
+        """End the current `run` at the last completed step, as if it were its target.
+
+        Nothing new is dispatched; tasks already handed out still report, and a step they
+        complete still commits (its rows are trained, not lost), so `version` may move past
+        the version in the summary `run` returned."""
         self._steps_target = self.version
         self.events.emit("stopping", version=self.version)
         self._steps_done_evt.set()

@@ -31,6 +31,7 @@ def fuzz(endpoints: str, messages: int = MESSAGES) -> dict[str, Any]:
         cwd=ROOT, capture_output=True, text=True, timeout=100, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["stderr"] = proc.stderr[-3000:]  # says which request or figure went wrong
     return out
 
 
@@ -39,7 +40,7 @@ def check_endpoint(out: dict[str, Any], name: str) -> None:
     assert fig["messages"] >= MESSAGES
     assert fig["crashes"] == 0
     assert fig["valid_requests"] > 0
-    assert fig["valid_requests_failed"] == 0
+    assert fig["valid_requests_failed"] == 0, out["stderr"]
     assert fig["peak_rss_mb"] > 0
     assert fig["rss_growth_mb"] < MAX_GROWTH_MB
 
