@@ -47,8 +47,10 @@ from typing import TYPE_CHECKING, Any, Final
 
 import structlog
 
+from flowrl.controller import RunError
 from flowrl.recipe import RayConfig, RayResources
 from transport.curve import ENV as KEYS_ENV
+from workers.lifecycle import take_niceness
 
 if TYPE_CHECKING:
     from flowrl.controller import Controller
@@ -82,18 +84,26 @@ class _AgentActor:
     """The Ray actor of one node: starts and stops that node's agent process."""
 
     def __init__(self, node: str, controller: str, keys: str, host: str | None,
-                 orphan_s: float) -> None:
+                 orphan_s: float, niceness: int) -> None:
         self.node = node
         self.controller = controller
         self.keys = keys
         self.host = host or import_ray().util.get_node_ip_address()
         self.orphan_s = orphan_s
+        self.niceness = niceness
         self.proc: asyncio.subprocess.Process | None = None
 
     async def start(self) -> dict[str, Any]:
         """Start the agent; returns its pid and the address its store binds."""
         argv = [sys.executable, "-m", "flowrl.ray_placement", "--controller", self.controller,
                 "--node", self.node, "--host", self.host, "--orphan-s", str(self.orphan_s)]
+        # Ray runs its workers at niceness 15 (its daemons stay responsive); the agent and the
+        # node's workers, which inherit it, are the run's compute: they take the controller's.
+        got = take_niceness(self.niceness)
+        if got > self.niceness:
+            log.warning("the node agent and its workers keep Ray's low CPU priority: lowering "
+                        "niceness needs root, CAP_SYS_NICE or RLIMIT_NICE", node=self.node,
+                        niceness=got, wanted=self.niceness)
         env = {**os.environ, KEYS_ENV: self.keys, _PARENT_ENV: str(os.getpid())}
         self.proc = await asyncio.create_subprocess_exec(
             *argv, env=env, stdin=asyncio.subprocess.DEVNULL)
@@ -173,6 +183,8 @@ class RayAgents:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for t in tasks:
                 exc = t.exception() if t.done() else None
+                if isinstance(exc, RunError) and (unstarted := self._unstarted()):
+                    raise RunError(f"{exc}; {await self._why_unstarted(unstarted)}") from exc
                 if exc is not None:
                     raise exc
         finally:
@@ -180,18 +192,53 @@ class RayAgents:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    def _unstarted(self) -> list[str]:
+        """The nodes whose actor Ray has not started (yet)."""
+        return [n for n in self._actors if n not in self.started]
+
+    def _demand(self, node: str) -> dict[str, float]:
+        """What `node`'s actor asks of a Ray node, in Ray's resource names."""
+        req = self.request(node)
+        out = {"CPU": req.num_cpus, "GPU": req.num_gpus, **req.resources}
+        return {k: v for k, v in out.items() if v > 0}
+
+    async def _offered(self) -> list[dict[str, float]]:
+        """The total resources of each live Ray node."""
+        return [n["Resources"] for n in await asyncio.to_thread(self._ray.nodes)
+                if n.get("Alive")]
+
+    def _fits(self, node: str, offered: list[dict[str, float]]) -> bool:
+        """Whether some live Ray node has, in all, what `node`'s actor requests."""
+        demand = self._demand(node)
+        return any(all(o.get(k, 0.0) >= v for k, v in demand.items()) for o in offered)
+
+    async def _why_unstarted(self, nodes: list[str]) -> str:
+        """Says, for each node, what its actor requests and whether any live Ray node has
+        that much at all (if none has, waiting longer would not have helped)."""
+        offered = await self._offered()
+        return "; ".join(
+            f"Ray did not start node {node!r}'s agent: it requests {self._demand(node)}, "
+            + ("which Ray nodes offer but had not freed or started in time"
+               if self._fits(node, offered) else "which no live Ray node offers")
+            for node in nodes)
+
     async def _start(self, hub: NodeHub, run_id: str) -> None:
         ray = self._ray
         endpoint = await hub.wait_listening()
         # A controller on loopback means a one-machine run: the stores stay on loopback too.
         host = "127.0.0.1" if _is_loopback(hub.config.host) else None
         actor_cls = ray.remote(_AgentActor)
+        offered = await self._offered()
         for node in hub.nodes:
+            if not self._fits(node, offered):  # said now: the run fails only at the join timeout
+                log.warning("no live Ray node offers what a node agent requests", node=node,
+                            requests=self._demand(node), join_timeout_s=hub.config.join_timeout_s)
             req = self.request(node)
             self._actors[node] = actor_cls.options(
                 name=f"flowrl-{run_id}-{node}", num_cpus=req.num_cpus, num_gpus=req.num_gpus,
                 resources=dict(req.resources), max_restarts=0,
-            ).remote(node, endpoint, hub.keys.to_json(), host, self.orphan_s)
+            ).remote(node, endpoint, hub.keys.to_json(), host, self.orphan_s,
+                     os.getpriority(os.PRIO_PROCESS, 0))
 
         async def start(node: str) -> None:
             self.started[node] = await self._actors[node].start.remote()

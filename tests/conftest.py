@@ -16,8 +16,11 @@ import zmq.asyncio
 from transport.endpoints import new_run_id, remove_run_dir
 
 _SHM = "/dev/shm"
-# Helpers Python starts once per interpreter and keeps by design; not a test's leak.
-_PERSISTENT_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+# Helpers Python starts once per interpreter and keeps by design, and the pooled idle workers
+# of the Ray cluster a module fixture starts (Ray adds one whenever it likes and ends them with
+# the cluster); not a test's leak.
+_PERSISTENT_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver",
+                       "ray::IDLE")
 
 
 @pytest.fixture

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import gc
+import os
 import signal
 import sys
 from collections.abc import Coroutine
@@ -19,6 +21,17 @@ def die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def take_niceness(niceness: int) -> int:
+    """Lower this process's niceness to `niceness` (what it forks inherits it); the niceness it
+    has afterwards. Lowering needs privilege (root, CAP_SYS_NICE or RLIMIT_NICE): without it
+    the process keeps its niceness, and the caller says so. A higher niceness is kept."""
+    current = os.getpriority(os.PRIO_PROCESS, 0)
+    if current > niceness:
+        with contextlib.suppress(PermissionError):
+            os.setpriority(os.PRIO_PROCESS, 0, niceness)
+    return os.getpriority(os.PRIO_PROCESS, 0)
 
 
 def run_main(coro: Coroutine[Any, Any, None]) -> None:
