@@ -202,15 +202,22 @@ class RayAgents:
         out = {"CPU": req.num_cpus, "GPU": req.num_gpus, **req.resources}
         return {k: v for k, v in out.items() if v > 0}
 
-    async def _offered(self) -> list[dict[str, float]]:
-        """The total resources of each live Ray node."""
-        return [n["Resources"] for n in await asyncio.to_thread(self._ray.nodes)
-                if n.get("Alive")]
+    async def _offered(self) -> list[dict[str, float]] | None:
+        """The total resources of each live Ray node; None where Ray does not say (the
+        diagnosis is a courtesy: no failure of it may stop a placement)."""
+        try:
+            nodes = await asyncio.to_thread(self._ray.nodes)
+            return [dict(n["Resources"]) for n in nodes if n.get("Alive")]
+        except Exception as exc:  # any Ray or Ray Client error: no diagnosis, no failure
+            log.debug("Ray's nodes unknown", error=repr(exc))
+            return None
 
-    def _fits(self, node: str, offered: list[dict[str, float]]) -> bool:
-        """Whether some live Ray node has, in all, what `node`'s actor requests."""
+    def _fits(self, node: str, offered: list[dict[str, float]] | None) -> bool:
+        """Whether some live Ray node has, in all, what `node`'s actor requests (True when
+        unknown)."""
         demand = self._demand(node)
-        return any(all(o.get(k, 0.0) >= v for k, v in demand.items()) for o in offered)
+        return offered is None or any(all(o.get(k, 0.0) >= v for k, v in demand.items())
+                                      for o in offered)
 
     async def _why_unstarted(self, nodes: list[str]) -> str:
         """Says, for each node, what its actor requests and whether any live Ray node has
@@ -218,8 +225,8 @@ class RayAgents:
         offered = await self._offered()
         return "; ".join(
             f"Ray did not start node {node!r}'s agent: it requests {self._demand(node)}, "
-            + ("which Ray nodes offer but had not freed or started in time"
-               if self._fits(node, offered) else "which no live Ray node offers")
+            + ("which no live Ray node offers" if not self._fits(node, offered)
+               else "which Ray did not free or start in time")
             for node in nodes)
 
     async def _start(self, hub: NodeHub, run_id: str) -> None:
