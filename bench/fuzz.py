@@ -630,8 +630,9 @@ async def fuzz_run(endpoints: list[str], count: int, seed: int) -> dict[str, Any
                 t0 = time.perf_counter()
                 if name == "controller":
                     templates, harmless = controller_templates()
-                    await fuzz_rpc(ctl._endpoint, Gen(seed, templates, harmless), count,
-                                   controller_valid(), fig, ctx)
+                    await fuzz_rpc(ctl.workforce.endpoints.controller,
+                                   Gen(seed, templates, harmless), count, controller_valid(),
+                                   fig, ctx)
                     # No malformed registration was taken for a worker.
                     fig.valid_requests += 1
                     if len(ctl.registry) != sum(p.count for p in ctl.spec.pools):
@@ -639,8 +640,9 @@ async def fuzz_run(endpoints: list[str], count: int, seed: int) -> dict[str, Any
                         print(f"registry holds {len(ctl.registry)} workers", file=sys.stderr)
                 elif name == "store":
                     templates, harmless = store_templates(ctl.run_id, me)
-                    await fuzz_rpc(ctl._store_endpoint, Gen(seed + 1, templates, harmless),
-                                   count, store_valid(ctl.run_id, node_pid), fig, ctx)
+                    await fuzz_rpc(ctl.workforce.endpoints.store,
+                                   Gen(seed + 1, templates, harmless), count,
+                                   store_valid(ctl.run_id, node_pid), fig, ctx)
                     fig.crashes += not psutil.Process(node_pid).is_running()
                 else:
                     findings = HttpFindings()

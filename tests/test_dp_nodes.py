@@ -165,7 +165,7 @@ async def test_two_ranks_on_two_nodes_stay_in_sync_and_restart_together(
             procs.append(await start_agent(endpoint, "b", log, keys_file=keys_file))
             await starting
             # The ranks were told to meet in the controller's store.
-            section = ctl._engine_config()["data_parallel"]
+            section = ctl.workforce.engine_config()["data_parallel"]
             assert split_address(section["store"])[0] == "127.0.0.1"
             out = await ctl.run(steps=2, timeout_s=60)
             assert out["version"] == 2
@@ -199,7 +199,7 @@ async def test_two_ranks_on_two_nodes_stay_in_sync_and_restart_together(
                 assert set(again) == {"node0", "b"}
                 assert not set(ranks.values()) & set(again.values())  # both ranks are new
                 assert not any(psutil.pid_exists(pid) for pid in ranks.values())
-                section = ctl._engine_config()["data_parallel"]
+                section = ctl.workforce.engine_config()["data_parallel"]
                 assert section["generation"] == generation
                 assert ctl.step_log[-1]["train_ranks"] == 2.0
         finally:

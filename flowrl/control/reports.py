@@ -1,0 +1,106 @@
+"""A worker's report of a finished task, checked completely before anything changes.
+
+A report the controller cannot take must not cost rows: if it were accepted half-way (the
+assignment removed, then the index refusing a field) its task would stay in flight forever and
+its group would never train. So a report is parsed and checked against the task it names
+first; only a report that passes is applied, and one that fails is treated as a failed task
+(its rows go back to their stage's queue).
+
+Pure: no sockets, no clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from flowrl.graph import StageSpec
+from flowrl.index import Task
+from transport.errors import MalformedMessage
+from transport.handles import Handle, looks_like_handle
+
+__all__ = ["MalformedReport", "TaskReport", "check_report", "parse_report"]
+
+#: what a report may carry besides its fields (`flowrl.messages.DoneMsg`)
+_KEYS = frozenset({"worker_id", "token", "task_id", "fields", "lengths", "version", "metrics",
+                   "weights"})
+_MAX_INT = 2**62
+
+
+class MalformedReport(ValueError):
+    """A task report that cannot be taken; the message says what is wrong with it."""
+
+
+@dataclass(frozen=True, slots=True)
+class TaskReport:
+    worker_id: str
+    task_id: int
+    #: produced field -> one value per row: a store handle (a list) or an inline number
+    fields: dict[str, list[Any]]
+    lengths: list[int]
+    version: int | None
+    metrics: dict[str, Any]
+    #: the report as received (a train step end's report is committed as it is)
+    raw: dict[str, Any]
+
+
+def parse_report(p: Any) -> TaskReport:
+    """The report's shape: raises `MalformedReport` naming the first thing wrong."""
+    if not isinstance(p, dict):
+        raise MalformedReport("a task report must be a map")
+    unknown = sorted(map(repr, set(p) - _KEYS))
+    if unknown:
+        raise MalformedReport(f"unknown key(s) {', '.join(unknown)} in a task report")
+    worker_id, task_id = p.get("worker_id"), p.get("task_id")
+    if type(worker_id) is not str:
+        raise MalformedReport("'worker_id' must be a string")
+    if type(task_id) is not int:
+        raise MalformedReport("'task_id' must be an integer")
+    fields = p.get("fields")
+    if not (isinstance(fields, dict)
+            and all(type(k) is str and type(v) is list for k, v in fields.items())):
+        raise MalformedReport("'fields' must map field names to lists")
+    lengths = p.get("lengths") or []
+    if not (type(lengths) is list
+            and all(type(n) is int and 0 <= n <= _MAX_INT for n in lengths)):
+        raise MalformedReport("'lengths' must be a list of non-negative integers")
+    version = p.get("version")
+    if version is not None and not (type(version) is int and 0 <= version <= _MAX_INT):
+        raise MalformedReport("'version' must be a non-negative integer or nil")
+    metrics = p.get("metrics") or {}
+    if not isinstance(metrics, dict):
+        raise MalformedReport("'metrics' must be a map")
+    return TaskReport(worker_id, task_id, fields, lengths, version, metrics, p)
+
+
+def check_report(report: TaskReport, task: Task, stage: StageSpec, *, train: bool) -> None:
+    """Whether ``report`` can complete ``task`` of ``stage``: every field the stage produces,
+    and only those, one well-formed value per row; lengths one per row, or none. A train
+    task produces no field (its step end carries the new version and its weights instead)."""
+    n = len(task.rows)
+    want = set(() if train else stage.produces)
+    got = set(report.fields)
+    if got - want:
+        raise MalformedReport(f"stage {stage.name!r} does not produce field(s) "
+                              f"{sorted(got - want)}")
+    if want - got:
+        raise MalformedReport(f"the report of a {stage.name!r} task lacks field(s) "
+                              f"{sorted(want - got)}")
+    for name, values in report.fields.items():
+        if len(values) != n:
+            raise MalformedReport(f"field {name!r} has {len(values)} values for {n} rows")
+        for value in values:
+            _check_value(name, value)
+    if report.lengths and len(report.lengths) != n:
+        raise MalformedReport(f"{len(report.lengths)} lengths for {n} rows")
+
+
+def _check_value(name: str, value: Any) -> None:
+    if looks_like_handle(value):
+        try:
+            Handle.from_wire(value)
+        except (MalformedMessage, TypeError, ValueError) as exc:
+            raise MalformedReport(f"field {name!r}: {exc}") from None
+    elif type(value) not in (int, float, bool):
+        raise MalformedReport(f"field {name!r}: a value must be a store handle or a number, "
+                              f"got {type(value).__name__}")

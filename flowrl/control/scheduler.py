@@ -1,0 +1,200 @@
+"""The scheduler: what to hand to whom, now.
+
+One `dispatch` pass walks the stages in graph order and hands out whatever is possible:
+
+- the **source** stage (rollout) first re-dispatches groups given back by failed tasks, then
+  admits new prompt groups (`Admission`) ``micro_batch`` groups a task, each to the
+  least-loaded worker whose policy version may generate for the groups' step;
+- the **train** stage requests micro-batches of the current step (`StepLedger`) with the
+  staleness gate's ``min_version``; rows too stale to train are evicted and their groups
+  dropped and admitted again; data-parallel ranks get streamed micro-batches by fewest tokens
+  and one closing micro-batch each (`flowrl.dp`);
+- every **other** stage takes ready rows to the least-loaded worker of its role.
+
+Pure: no sockets and no clock. What it decides leaves through two callbacks, ``send`` (an
+assignment for a worker) and ``free`` (handles to release).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from flowrl.control.admission import Admission
+from flowrl.control.assignments import Assignment, Assignments
+from flowrl.control.ledger import StepLedger
+from flowrl.dp import RankShares
+from flowrl.graph import StageGraph, StageSpec
+from flowrl.index import Index, Task
+from flowrl.registry import Registry, WorkerInfo
+
+__all__ = ["Scheduler", "find_source_stage"]
+
+
+def find_source_stage(graph: StageGraph) -> StageSpec:
+    """The one stage that reads only the data source's fields (rollout)."""
+    src = set(graph.source_fields)
+    firsts = [s for s in graph.order if set(s.needs) <= src]
+    if len(firsts) != 1:
+        raise ValueError(
+            f"exactly one stage must read only the data source's fields {sorted(src)}; "
+            f"found {[s.name for s in firsts]}")
+    return firsts[0]
+
+
+class Scheduler:
+    def __init__(self, graph: StageGraph, index: Index, registry: Registry,
+                 admission: Admission, ledger: StepLedger, assignments: Assignments, *,
+                 group_size: int, send: Callable[[WorkerInfo, Assignment], None],
+                 free: Callable[[list[Any]], None]) -> None:
+        self.graph = graph
+        self.index = index
+        self.registry = registry
+        self.admission = admission
+        self.ledger = ledger
+        self.assignments = assignments
+        self.group_size = group_size
+        self.source = find_source_stage(graph)
+        self.train = next((s for s in graph.order if s.consumes_version_bound), None)
+        self._send = send
+        self._free = free
+        #: groups dropped because their rows were too stale to train
+        self.stale_dropped = 0
+
+    def is_train(self, task: Task) -> bool:
+        return self.train is not None and task.stage == self.train.name
+
+    def dispatch(self, *, steps_target: int, now: float) -> None:
+        """Hand out everything possible (``steps_target``: admit and train no step past it)."""
+        for stage in self.graph.order:
+            if stage is self.source:
+                self._dispatch_source(stage, steps_target, now)
+            elif stage is self.train:
+                if self.ledger.ranks is not None:
+                    self._dispatch_ranks(stage, self.ledger.ranks, steps_target, now)
+                else:
+                    self._dispatch_train(stage, steps_target, now)
+            else:
+                self._dispatch_rows(stage, now)
+
+    def fail_task(self, task_id: int) -> None:
+        """Give the task's rows back to its stage's queue."""
+        freed = self.index.fail(task_id)
+        if freed:
+            self._free(freed)
+
+    # ---- stages ----------------------------------------------------------------------------
+
+    def _dispatch_rows(self, stage: StageSpec, now: float) -> None:
+        while (w := self.registry.least_loaded(stage.role)) is not None:
+            task = self.index.request(stage.name, stage.micro_batch, worker=w.worker_id)
+            if task is None:
+                return
+            self._assign(w, task, {}, now)
+
+    def _dispatch_source(self, stage: StageSpec, steps_target: int, now: float) -> None:
+        """Several groups per task let an engine sample them in one batched call; a task's
+        groups are admitted together, so each must be one the worker's version may generate."""
+        adm = self.admission
+        k = stage.micro_batch
+        # Groups given back by failed tasks go first; they were admitted for earlier steps.
+        while (w := self.registry.least_loaded(stage.role)) is not None:
+            task = self.index.request(stage.name, k, worker=w.worker_id)
+            if task is None:
+                break
+            need = adm.min_generation_version(max(adm.step_of(g) for g in task.groups))
+            if w.version < need:
+                other = self.registry.least_loaded(stage.role, need)
+                if other is None:
+                    self.fail_task(task.id)
+                    return
+                w = other
+            self._assign(w, task, {}, now)
+        version = self.ledger.version
+        if steps_target and version >= steps_target:
+            return
+        while adm.open(version) and adm.store_admits(version, now):
+            w = self.registry.least_loaded(stage.role,
+                                           adm.min_generation_version(adm.next_step))
+            if w is None:
+                return
+            admitted = 0
+            while admitted < k and (adm.open(version)
+                                    and w.version >= adm.min_generation_version(adm.next_step)
+                                    and adm.store_admits(version, now)):
+                pos = adm.take_position()
+                adm.admit(self.index.add_group(self.group_size,
+                                               fields={"prompt": [pos] * self.group_size}))
+                admitted += 1
+            task = self.index.request(stage.name, admitted, worker=w.worker_id)
+            assert task is not None
+            self._assign(w, task, {}, now)
+
+    def _dispatch_train(self, stage: StageSpec, steps_target: int, now: float) -> None:
+        ledger = self.ledger
+        while ledger.train_step < steps_target:
+            w = self.registry.least_loaded(stage.role)
+            if w is None:
+                return
+            task = self._request_train(stage, ledger.want(stage.micro_batch), w.worker_id)
+            if task is None:
+                return
+            step = ledger.train_step
+            end = ledger.placed(len(task.groups))
+            self._assign(w, task, ledger.params(step, end), now)
+
+    def _dispatch_ranks(self, stage: StageSpec, ranks: RankShares[Task], steps_target: int,
+                        now: float) -> None:
+        """Streamed micro-batches go to the rank given the fewest tokens this step; the step's
+        last groups go one to every rank, each ending that rank's step."""
+        ledger = self.ledger
+        slots = self.registry.tasks_per_slot
+        while ledger.train_step < steps_target:
+            workers = self.registry.of_role(stage.role)
+            if len(workers) < ranks.ranks:
+                return  # every rank takes part in every step
+            w: WorkerInfo | None = None
+            if not ranks.closing(ledger.groups_in_step):
+                room = {r.worker_id: r for r in workers if len(r.tasks) < r.capacity * slots}
+                chosen = ranks.choose(list(room))
+                if chosen is None:
+                    return
+                w = room[chosen]
+            task = self._request_train(stage, ledger.want(stage.micro_batch),
+                                       None if w is None else w.worker_id)
+            if task is None:
+                return
+            step = ledger.train_step
+            passes = ranks.passes()
+            ledger.placed(len(task.groups))
+            if w is not None:
+                ranks.add(w.worker_id, task.tokens)
+                self._assign(w, task, ledger.params(step, False), now)
+                continue
+            placed = ranks.hold(task, task.tokens, [r.worker_id for r in workers])
+            if placed is None:
+                continue
+            for worker_id, held in placed:
+                info = self.registry.get(worker_id)
+                assert info is not None  # listed above, in this same pass
+                self._assign(info, held, {**ledger.params(step, True), "passes": passes}, now)
+
+    def _request_train(self, stage: StageSpec, want: int, worker: str | None) -> Task | None:
+        min_version = self.admission.gate.min_train_version(self.ledger.train_step)
+        task = self.index.request(stage.name, want, min_version=min_version, worker=worker)
+        self._drop_stale()
+        return task
+
+    def _drop_stale(self) -> None:
+        for gid in self.index.take_stale():
+            handles = self.index.drop_group(gid)
+            self.admission.dropped(gid)
+            self.stale_dropped += 1
+            if handles:
+                self._free(handles)
+
+    def _assign(self, w: WorkerInfo, task: Task, params: dict[str, Any], now: float) -> None:
+        self.registry.assign(w, task.id, max(1, task.tokens))
+        a = Assignment(task, w.worker_id, params, now)
+        self.assignments.add(a)
+        self._send(w, a)

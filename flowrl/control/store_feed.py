@@ -1,0 +1,123 @@
+"""The store feed: frees what the index retired and keeps the store's accounting fresh.
+
+One owned task batches frees into one ``free`` call, refreshes the store's ``stats`` after each
+batch and whenever admission asks (`want_stats`), and, when nothing arrived for
+`STORE_CHECK_S`, looks for a run stuck on a store too small for one step
+(`flowrl.backpressure.StoreBackpressure.stalled`) and stops it with an error naming the
+capacity instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import structlog
+
+from flowrl.backpressure import StoreBackpressure
+from transport.handles import looks_like_handle
+from transport.rpc import RpcClient
+
+__all__ = ["STORE_CHECK_S", "StoreFeed"]
+
+log = structlog.get_logger("flowrl.controller")
+
+#: the store is looked at after this long without a free or a refresh: often enough to stop a
+#: run stuck on a too-small store within seconds (`StoreBackpressure.stall_s` after the first
+#: look), and one ``stats`` call a second costs nothing.
+STORE_CHECK_S = 1.0
+
+
+class StoreFeed:
+    def __init__(self, backpressure: StoreBackpressure, *,
+                 landed_groups: Callable[[], int],
+                 room_opened: Callable[[], None],
+                 progress_mark: Callable[[], Hashable],
+                 started_tasks: Callable[[], int],
+                 may_stall: Callable[[], bool],
+                 weights_bytes: Callable[[], int | None],
+                 stalled: Callable[[str], None]) -> None:
+        """``landed_groups()``: live groups whose data the first stage wrote; ``room_opened()``:
+        a refresh found room for admission; ``progress_mark()``: changes whenever the run
+        moves; ``started_tasks()``: tasks a worker has taken; ``may_stall()``: whether a stall
+        is worth looking for now (running, not paused); ``weights_bytes()``: one weight
+        version's size; ``stalled(error)``: the run is stuck on its store."""
+        self.backpressure = backpressure
+        self._landed_groups = landed_groups
+        self._room_opened = room_opened
+        self._progress_mark = progress_mark
+        self._started_tasks = started_tasks
+        self._may_stall = may_stall
+        self._weights_bytes = weights_bytes
+        self._stalled = stalled
+        #: the node store's accounting, refreshed after every batch of frees, while admission
+        #: waits for the store, and when the run has been quiet for `STORE_CHECK_S`.
+        self.stats: dict[str, Any] = {}
+        self.store: RpcClient | None = None
+        # Unbounded, but bounded in practice: frees follow retirements (at most the rows the
+        # staleness gate admitted).
+        self._frees: asyncio.Queue[list[Any]] = asyncio.Queue()
+        self._wanted = asyncio.Event()  # a refresh was asked for
+
+    def free(self, handles: list[Any]) -> None:
+        """Free ``handles`` (inline field values such as rewards are skipped) soon."""
+        if handles:
+            self._frees.put_nowait(handles)
+
+    def want_stats(self) -> None:
+        """Refresh `stats` soon (at most one refresh waits)."""
+        self._wanted.set()
+
+    async def run(self) -> None:
+        while True:
+            got = asyncio.ensure_future(self._frees.get())
+            wanted = asyncio.ensure_future(self._wanted.wait())
+            try:
+                done, _ = await asyncio.wait({got, wanted}, timeout=STORE_CHECK_S,
+                                             return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                wanted.cancel()
+                if not got.done():
+                    got.cancel()
+            if not done:
+                try:
+                    await self._check_stall()
+                except Exception as exc:
+                    log.warning("store check failed", error=repr(exc))
+                continue
+            handles = got.result() if got in done and not got.cancelled() else []
+            while not self._frees.empty():  # batch what piled up
+                handles.extend(self._frees.get_nowait())
+            self._wanted.clear()
+            # Inline field values (prompt positions, rewards) hold no memory.
+            handles = [h for h in handles if looks_like_handle(h)]
+            if self.store is None:
+                continue
+            try:
+                if handles:
+                    await self.store.call("free", {"handles": handles}, timeout=10.0)
+                    self.backpressure.free_batches += 1
+                await self.refresh()
+            except Exception as exc:
+                log.warning("store free failed", error=repr(exc), handles=len(handles))
+
+    async def refresh(self) -> None:
+        assert self.store is not None
+        landed = self._landed_groups()  # before the call: bytes per group err high
+        self.stats = await self.store.call("stats", {}, timeout=10.0)
+        self.backpressure.observe(self.stats, landed)
+        self._room_opened()
+
+    async def _check_stall(self) -> None:
+        """The run has been quiet: stop it if it is stuck on a store too small for a step."""
+        if self.store is None or not self._may_stall():
+            return
+        mark = self._progress_mark()
+        await self.refresh()
+        now = time.perf_counter()
+        if (self.backpressure.stalled(mark, self._started_tasks(), now)
+                and mark == self._progress_mark()):
+            self._stalled(self.backpressure.too_small(weights_bytes=self._weights_bytes(),
+                                                      now=now))

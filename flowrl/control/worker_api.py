@@ -1,0 +1,233 @@
+"""The calls workers make (`flowrl.messages`), checked at the door.
+
+Every request is validated here before it reaches the controller: a call in a registered
+worker's name must carry that worker's token (so another local process that learnt or guessed
+a worker id cannot act as it), numbers are bounded, and a task report is parsed and checked
+against its task (`flowrl.control.reports`) before anything changes. A malformed request is
+answered with an error and changes nothing; a malformed task *report* fails its task, so its
+rows are redone elsewhere instead of lost.
+
+Workers pull tasks with long polls: each registered worker has a mailbox the scheduler fills
+and its ``get_task`` poll empties.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from typing import Any, Protocol
+
+import structlog
+
+from flowrl import messages as m
+from flowrl.control.assignments import Assignment, Assignments
+from flowrl.control.reports import MalformedReport, TaskReport, parse_report
+from flowrl.registry import Registry, WorkerInfo
+from transport.rpc import Handler
+
+__all__ = ["MAX_CAPACITY", "MAX_WAIT_S", "WorkerApi", "WorkerEvents"]
+
+log = structlog.get_logger("flowrl.controller")
+
+#: the most tasks one worker may run at once (a bound on what one registration can claim)
+MAX_CAPACITY = 1024
+#: the longest long poll a worker may ask for
+MAX_WAIT_S = 600.0
+
+
+class WorkerEvents(Protocol):
+    """What the controller does with the calls `WorkerApi` accepted."""
+
+    def worker_registered(self, info: WorkerInfo) -> dict[str, Any]: ...
+
+    def task_reported(self, a: Assignment, report: TaskReport) -> None: ...
+
+    def task_failed(self, a: Assignment, error: str) -> None: ...
+
+    def worker_serves(self, info: WorkerInfo, version: int) -> None: ...
+
+    def sync_failed(self, info: WorkerInfo, version: int, error: str) -> None: ...
+
+    def worker_gone(self, worker_id: str, why: str) -> None: ...
+
+    def node_up(self, store: str, peer_store: str | None) -> bool: ...
+
+
+class WorkerApi:
+    def __init__(self, registry: Registry, assignments: Assignments, events: WorkerEvents,
+                 *, has_role: Any, now: Any) -> None:
+        """``has_role(role)``: whether the pipeline has a pool for ``role``; ``now()``: the
+        clock heartbeats are measured with."""
+        self.registry = registry
+        self.assignments = assignments
+        self.events = events
+        self._has_role = has_role
+        self._now = now
+        self._mailboxes: dict[str, asyncio.Queue[m.TaskMsg]] = {}
+
+    def handlers(self) -> dict[str, Handler]:
+        as_worker = self._as_worker
+        return {
+            m.OP_REGISTER: self._register,
+            m.OP_HEARTBEAT: as_worker(self._heartbeat),
+            m.OP_GET_TASK: as_worker(self._get_task),
+            m.OP_TASK_DONE: as_worker(self._task_done),
+            m.OP_TASK_FAILED: as_worker(self._task_failed),
+            m.OP_SERVED: as_worker(self._served),
+            m.OP_BYE: as_worker(self._bye),
+            m.OP_SYNC_FAILED: as_worker(self._sync_failed),
+            "node_up": self._node_up,
+        }
+
+    # ---- mailboxes -------------------------------------------------------------------------
+
+    def deliver(self, worker_id: str, msg: m.TaskMsg) -> None:
+        self._mailboxes[worker_id].put_nowait(msg)
+
+    def close_mailbox(self, worker_id: str) -> None:
+        self._mailboxes.pop(worker_id, None)
+
+    def empty_mailbox(self, worker_id: str) -> None:
+        """Drop what waits for ``worker_id`` (tasks given back before it took them)."""
+        q = self._mailboxes.get(worker_id)
+        while q is not None and not q.empty():
+            q.get_nowait()
+
+    # ---- handlers --------------------------------------------------------------------------
+
+    def _as_worker(self, handler: Handler) -> Handler:
+        """``handler`` for calls in a worker's name: a call naming a registered worker must
+        carry the token of that worker's register reply. Unknown ids reach the handler, which
+        answers them as it always has."""
+        async def checked(p: Any, peer: bytes) -> Any:
+            wid = p.get("worker_id") if isinstance(p, dict) else None
+            info = self.registry.get(wid) if type(wid) is str else None
+            if info is not None:
+                token = p.get("token")
+                if type(token) is not bytes or not hmac.compare_digest(token, info.token):
+                    raise PermissionError(f"a call for worker {wid} without its token")
+            return await handler(p, peer)
+        return checked
+
+    async def _register(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
+        role = _str(p, "role")
+        if not self._has_role(role):
+            raise ValueError(f"no pool for role {role!r} in this pipeline")
+        name, node = _str(p, "name"), _str(p, "node")
+        pid, capacity = _int(p, "pid", 1, 2**31), _int(p, "capacity", 1, MAX_CAPACITY)
+        info = self.registry.register(name=name, role=role, node=node, pid=pid,
+                                      capacity=capacity, version=0, now=self._now())
+        self._mailboxes[info.worker_id] = asyncio.Queue()
+        return self.events.worker_registered(info)
+
+    async def _heartbeat(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
+        info = self.registry.heartbeat(_str(p, "worker_id"), self._now())
+        return {"ok": info is not None}
+
+    async def _get_task(self, p: dict[str, Any], peer: bytes) -> m.TaskMsg | None:
+        worker_id = _str(p, "worker_id")
+        wait_s = _seconds(p, "wait_s")
+        done = p.get("done")
+        if done is not None:
+            self._reported(done, worker_id)
+        q = self._mailboxes.get(worker_id)
+        if q is None:
+            return None
+        try:
+            async with asyncio.timeout(wait_s):
+                msg = await q.get()
+        except TimeoutError:
+            return None
+        a = self.assignments.get(msg["task_id"])
+        if a is not None:
+            a.started_at = time.time()
+        return msg
+
+    def _reported(self, done: Any, poller: str) -> None:
+        """A task's report that came with the worker's next poll: taken as ``task_done``; one
+        that cannot be taken fails its task (its rows go to another worker), not the poll. A
+        worker reports only its own tasks (its poll carried its token, not the report)."""
+        if not isinstance(done, dict) or done.get("worker_id") != poller:
+            log.warning("ignored a malformed task report", report=repr(done)[:200])
+            return
+        try:
+            self._take_report(done)
+        except MalformedReport as exc:
+            log.warning("ignored a malformed task report", error=str(exc))
+
+    async def _task_done(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
+        return {"ok": self._take_report(p)}
+
+    def _take_report(self, p: dict[str, Any]) -> bool:
+        """Apply a report, or fail its task if it cannot be taken; False for a report of a
+        task the worker does not hold (a late one, from a worker declared dead)."""
+        task_id, worker_id = p.get("task_id"), p.get("worker_id")
+        a = self.assignments.get(task_id) if type(task_id) is int else None
+        if a is None or a.worker != worker_id:
+            if type(task_id) is not int or type(worker_id) is not str:
+                raise MalformedReport("a task report must name its 'worker_id' and 'task_id'")
+            return False
+        try:
+            report = parse_report(p)
+            self.events.task_reported(a, report)
+        except MalformedReport as exc:
+            log.warning("refused a task report", worker=worker_id, task=task_id,
+                        error=str(exc))
+            self.events.task_failed(a, f"malformed task report: {exc}")
+        return True
+
+    async def _task_failed(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
+        task_id, worker_id = _int(p, "task_id", 0, 2**62), _str(p, "worker_id")
+        a = self.assignments.get(task_id)
+        if a is not None and a.worker == worker_id:
+            self.events.task_failed(a, str(p.get("error", ""))[:2000])
+        return {"ok": True}
+
+    async def _served(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
+        info = self.registry.get(_str(p, "worker_id"))
+        if info is not None:
+            self.events.worker_serves(info, _int(p, "version", 0, 2**62))
+        return {"ok": True}
+
+    async def _sync_failed(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
+        """A worker missed its weight-sync deadline: it exits next, and its process is
+        restarted like any dead worker (bounded by ``max_restarts``)."""
+        info = self.registry.get(_str(p, "worker_id"))
+        if info is None:
+            return {"ok": False}
+        self.events.sync_failed(info, _int(p, "version", 0, 2**62), _str(p, "error")[:500])
+        return {"ok": True}
+
+    async def _bye(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
+        self.events.worker_gone(_str(p, "worker_id"), "said bye")
+        return {"ok": True}
+
+    async def _node_up(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
+        peer_store = p.get("peer_store")
+        ok = self.events.node_up(_str(p, "store"),
+                                 peer_store if isinstance(peer_store, str) and peer_store else None)
+        return {"ok": ok}
+
+
+# ---- request validation (a malformed request is answered with an error and changes nothing) --
+
+def _str(p: Any, key: str) -> str:
+    value = p.get(key) if isinstance(p, dict) else None
+    if type(value) is not str:
+        raise ValueError(f"{key!r} must be a string")
+    return value
+
+
+def _int(p: Any, key: str, lo: int, hi: int) -> int:
+    value = p.get(key) if isinstance(p, dict) else None
+    if type(value) is not int or not lo <= value <= hi:  # bool is not an int here
+        raise ValueError(f"{key!r} must be an integer in [{lo}, {hi}]")
+    return value
+
+
+def _seconds(p: Any, key: str) -> float:
+    value: Any = p.get(key) if isinstance(p, dict) else None
+    if not (type(value) in (int, float) and 0.0 <= value <= MAX_WAIT_S):  # NaN fails too
+        raise ValueError(f"{key!r} must be a number of seconds in [0, {MAX_WAIT_S}]")
+    return float(value)

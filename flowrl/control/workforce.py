@@ -1,0 +1,351 @@
+"""The workforce: the run's worker processes, here and on other nodes.
+
+It starts every pool's processes, watches them, and brings them back:
+
+- a process that **exits** unexpectedly is started again after a backoff that doubles from
+  ``restart_backoff_s`` (capped at `MAX_RESTART_BACKOFF_S`), at most ``max_restarts`` times
+  per process; one more death ends the run with the process's last reported error;
+- a worker that **misses heartbeats** (stopped, or its event loop blocked by user code) is
+  removed at once (its tasks are redone elsewhere) and its process is killed, since it may well
+  be alive, and then restarted like a dead one, within the same budget;
+- **data-parallel trainer ranks** restart as one group: a rank cannot rejoin a running group,
+  so the others are killed (through their agents on other nodes), and all start again in a
+  fresh rendezvous (`generation`).
+
+Which worker ids a process hosted is the registry's business; this part speaks of processes
+(``role.proc_no``) and tells the controller which workers went down through ``worker_gone``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import structlog
+
+from flowrl.events import EventBus
+from flowrl.node import NodeHub
+from flowrl.pipeline import PipelineSpec
+from flowrl.procs import Child, Supervisor
+from flowrl.registry import Registry, WorkerInfo
+from flowrl.rendezvous import RankRendezvous
+
+__all__ = ["MAX_RESTART_BACKOFF_S", "TRAIN_GROUP", "Endpoints", "Workforce"]
+
+log = structlog.get_logger("flowrl.controller")
+
+#: the longest wait before a dead worker process is restarted
+MAX_RESTART_BACKOFF_S = 30.0
+#: the restart counter's (and restart queue's) name for the data-parallel trainer group
+TRAIN_GROUP = "train ranks"
+
+
+@dataclass
+class Endpoints:
+    """Where this node's workers reach the controller, its broadcasts and the node store."""
+
+    controller: str = ""
+    broadcast: str = ""
+    store: str = ""
+
+
+@dataclass(frozen=True)
+class _Process:
+    role: str
+    proc_no: int
+    count: int
+    capacity: int
+    threads: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}.{self.proc_no}"
+
+
+@dataclass
+class _RemoteExit:
+    """What `Workforce.on_child_exit` reads of a child, for a process on another node."""
+
+    name: str
+    pid: int = -1
+    #: the controller had it killed (a data-parallel group's restart)
+    expected_exit: bool = False
+
+
+class Workforce:
+    def __init__(self, spec: PipelineSpec, *, run_id: str, node: str, registry: Registry,
+                 events: EventBus, hub: NodeHub | None, rendezvous: RankRendezvous | None,
+                 train_role: str | None, ranked: bool,
+                 worker_gone: Callable[[str, str], None],
+                 fail_run: Callable[[str], None],
+                 stopping: Callable[[], bool]) -> None:
+        """``ranked``: the train role runs as data-parallel ranks; ``worker_gone(worker_id,
+        why)``: forget a worker and redo its tasks; ``fail_run(error)``: end the run;
+        ``stopping()``: the controller is closing (exits are expected)."""
+        self.spec = spec
+        self.run_id = run_id
+        self.node = node
+        self.registry = registry
+        self.events = events
+        self.hub = hub
+        self.rendezvous = rendezvous
+        self.train_role = train_role
+        self.ranked = ranked
+        self.endpoints = Endpoints()
+        self._worker_gone = worker_gone
+        self._fail_run = fail_run
+        self._stopping = stopping
+        self.supervisor = Supervisor(self.on_child_exit)
+        self._processes: dict[str, _Process] = {}
+        self._restarts: collections.Counter[str] = collections.Counter()
+        #: restarts done (the status and the summary show it)
+        self.restarts = 0
+        #: restarts of the data-parallel trainer group; it meets anew each time
+        self.generation = 0
+        #: set from a rank's death until the whole group has been started again: the other
+        #: ranks going down meanwhile are part of the same restart.
+        self._group_restarting = False
+        #: processes killed for missing heartbeats: their exit is a death, not an order
+        self._hung: set[str] = set()
+        #: the last error a worker process reported before dying, by process name
+        self.last_error: dict[str, str] = {}
+        # bounded by the number of worker processes (one pending restart each)
+        self._restart_q: asyncio.Queue[tuple[str, float]] = asyncio.Queue()
+
+    # ---- starting --------------------------------------------------------------------------
+
+    async def start_pools(self) -> None:
+        for pool in self.spec.pools:
+            procs = -(-pool.count // pool.per_process)
+            for p in range(procs):
+                count = min(pool.per_process, pool.count - p * pool.per_process)
+                await self._spawn(_Process(pool.role, p, count, pool.capacity, pool.threads))
+
+    async def _spawn(self, proc: _Process) -> Child | None:
+        """Start ``proc`` on its node: here as a child, elsewhere through that node's agent."""
+        self._processes[proc.name] = proc
+        node = self.node_of(proc.role, proc.proc_no)
+        seed = self.spec.seed * 1000 + proc.proc_no
+        if node != self.node:
+            assert self.hub is not None  # made whenever a pool names another node
+            self.hub.spawn(node, {
+                "name": proc.name, "role": proc.role, "count": proc.count,
+                "capacity": proc.capacity, "threads": proc.threads, "engine": self.spec.engine,
+                "engine_config": self.engine_config(), "seed": seed,
+                "heartbeat": self.spec.heartbeat_s})
+            return None
+        e = self.endpoints
+        argv = [
+            sys.executable, "-m", "workers.main", "--run-id", self.run_id, "--node", self.node,
+            "--controller", e.controller, "--broadcast", e.broadcast,
+            "--store", e.store, "--role", proc.role, "--count", str(proc.count),
+            "--capacity", str(proc.capacity), "--threads", str(proc.threads),
+            "--engine", self.spec.engine,
+            "--engine-config", json.dumps(self.engine_config()),
+            "--seed", str(seed), "--heartbeat", str(self.spec.heartbeat_s),
+            "--name", proc.name,
+            "--weight-sync-timeout", str(self.spec.weight_sync_timeout_s),
+        ]
+        if self.hub is None:
+            return await self.supervisor.spawn(proc.name, argv)
+        argv += ["--peers", json.dumps(self.hub.peers_for(self.node))]
+        return await self.supervisor.spawn(proc.name, argv, env=self.hub.keys.to_env())
+
+    def node_of(self, role: str, proc_no: int) -> str:
+        """The node worker process ``proc_no`` of `role` runs on (its pool's nodes in turn)."""
+        pool = self.spec.pool(role)
+        return pool.nodes[proc_no % len(pool.nodes)] if pool and pool.nodes else self.node
+
+    def engine_config(self) -> dict[str, Any]:
+        """What worker processes are configured with: the spec's, plus, for data-parallel
+        trainer ranks, the generation of a restarted group (its ranks meet in a fresh
+        rendezvous) and the store that ranks on several nodes meet in."""
+        config = self.spec.engine_config
+        section = config.get("data_parallel")
+        extra: dict[str, Any] = {}
+        if self.generation:
+            extra["generation"] = self.generation
+        if self.rendezvous is not None:
+            extra["store"] = self.rendezvous.address
+        if not extra or not section:
+            return config
+        return {**config, "data_parallel": {**section, **extra}}
+
+    # ---- deaths ----------------------------------------------------------------------------
+
+    def on_remote_exit(self, node: str, name: str, pid: int, code: int, expected: bool) -> None:
+        """A worker process on another node exited: as `on_child_exit` for a child here."""
+        for info in self.registry.all():
+            if info.node == node and info.pid == pid:
+                self._worker_gone(info.worker_id, f"process {pid} on {node} exited with {code}")
+        # pid -1 matches no worker here (pids of different nodes may coincide).
+        self.on_child_exit(cast(Child, _RemoteExit(name, expected_exit=expected)), code)
+
+    def on_child_exit(self, child: Child, code: int) -> None:
+        if child.name.startswith("node:") and not self._stopping():
+            self._fail_run(f"node agent {child.name} exited with code {code}")
+            return
+        for info in self.registry.by_pid(child.pid):
+            self._worker_gone(info.worker_id, f"process {child.pid} exited with code {code}")
+        hung = child.name in self._hung
+        self._hung.discard(child.name)
+        if (self._stopping() or (child.expected_exit and not hung)
+                or child.name not in self._processes or self._is_rank(child.name)):
+            return  # (a data-parallel rank's group is restarted as a whole: group_down)
+        n = self._restarts[child.name] = self._restarts[child.name] + 1
+        if n > self.spec.max_restarts:
+            last = self.last_error.get(child.name)
+            self._fail_run(
+                f"worker process {child.name} died {n} times (last exit code {code}"
+                f"{': ' + last if last else ''}); max_restarts is {self.spec.max_restarts}")
+            return
+        delay = self.restart_delay(n)
+        log.warning("restarting worker process", process=child.name, attempt=n, delay_s=delay)
+        self._restart_q.put_nowait((child.name, delay))
+
+    def hung(self, info: WorkerInfo) -> None:
+        """``info`` missed its heartbeats (the registry no longer has it): kill its process,
+        which may be alive but stopped or stuck, so that it is restarted like a dead one."""
+        name = info.name.rsplit(".", 1)[0]  # worker `role.proc_no.i` of process `role.proc_no`
+        if name not in self._processes or self._stopping():
+            return
+        self.last_error.setdefault(name, "missed heartbeats")
+        if info.node != self.node:
+            if self.hub is not None:
+                self._hung.add(name)
+                asyncio.get_running_loop().create_task(
+                    self._kill_remote(info.node, name), name=f"flowrl-kill-{name}")
+            return
+        for child in self.supervisor.children:
+            if child.pid == info.pid:
+                self._hung.add(name)
+                self.supervisor.kill(child.pid, signal.SIGKILL)
+
+    async def _kill_remote(self, node: str, name: str) -> None:
+        assert self.hub is not None
+        try:
+            await self.hub.stop_workers(node, [name])
+        except TimeoutError:
+            self._fail_run(f"the agent of node {node!r} did not confirm that hung worker "
+                           f"process {name} is gone")
+
+    def group_down(self, info: WorkerInfo, why: str) -> None:
+        """A data-parallel trainer rank went down or failed a micro-batch. The others cannot
+        step without it and a rank cannot rejoin a running group, so the whole group is
+        restarted (its step redone, every rank loading the current version), counted against
+        ``max_restarts``."""
+        if self._group_restarting:
+            return  # another rank of a group already being restarted
+        n = self._restarts[TRAIN_GROUP] = self._restarts[TRAIN_GROUP] + 1
+        if n > self.spec.max_restarts:
+            self._fail_run(
+                f"data-parallel trainer rank {info.name} went down ({why}) and the group is not "
+                f"restarted: the group was restarted {n - 1} times; max_restarts is "
+                f"{self.spec.max_restarts}. Resume the run from its last checkpoint")
+            return
+        self._group_restarting = True
+        self.generation += 1
+        delay = self.restart_delay(n)
+        log.warning("restarting the data-parallel trainer group", rank=info.name, why=why,
+                    attempt=n, delay_s=delay)
+        self._restart_q.put_nowait((TRAIN_GROUP, delay))
+
+    def restart_delay(self, n: int) -> float:
+        """The wait before restart ``n`` (1-based): doubling from ``restart_backoff_s``, capped
+        (with a high max_restarts, doubling alone would reach hours)."""
+        return min(self.spec.restart_backoff_s * 2.0 ** (n - 1), MAX_RESTART_BACKOFF_S)
+
+    def _is_rank(self, name: str) -> bool:
+        return self.ranked and name.rpartition(".")[0] == self.train_role
+
+    # ---- restarting ------------------------------------------------------------------------
+
+    async def restart_loop(self) -> None:
+        """Restarts dead worker processes, each after its own backoff (processes killed
+        together come back together; bounded by ``max_restarts``)."""
+        async with asyncio.TaskGroup() as tg:  # cancelled with the controller: so are these
+            while True:
+                name, delay = await self._restart_q.get()
+                tg.create_task(self._restart(name, delay), name=f"flowrl-restart-{name}")
+
+    async def _restart(self, name: str, delay: float) -> None:
+        if name == TRAIN_GROUP:
+            await self._restart_group(delay)
+            return
+        await asyncio.sleep(delay)  # backoff timer, not a poll
+        if self._stopping():
+            return
+        try:
+            await self._spawn(self._processes[name])
+        except Exception as exc:  # a process that cannot start again ends the run, loudly
+            self._fail_run(f"could not restart worker process {name}: {exc!r}")
+            return
+        self.restarts += 1
+        self.events.emit("worker_restart", process=name)
+
+    async def _restart_group(self, delay: float) -> None:
+        """Stop every rank process still running (a broken group cannot recover), here and,
+        through their agents, on other nodes; wait out the backoff, start all ranks again."""
+        ranks = sorted((p for p in self._processes.values() if self._is_rank(p.name)),
+                       key=lambda p: p.proc_no)
+        elsewhere: dict[str, list[str]] = {}
+        for p in ranks:
+            node = self.node_of(p.role, p.proc_no)
+            if node != self.node:
+                elsewhere.setdefault(node, []).append(p.name)
+        await self.supervisor.stop_all(0.0, only=lambda c: self._is_rank(c.name),
+                                       signals=(signal.SIGKILL,))
+        if elsewhere:
+            hub = self.hub
+            assert hub is not None  # made whenever a pool names another node
+            try:
+                await asyncio.gather(*(hub.stop_workers(node, names)
+                                       for node, names in elsewhere.items()))
+            except TimeoutError:
+                self._fail_run(
+                    f"could not restart the data-parallel trainer group: the agents of "
+                    f"{sorted(elsewhere)} did not confirm that its ranks there are gone")
+                return
+        await asyncio.sleep(delay)  # backoff timer, not a poll
+        if self._stopping():
+            return
+        try:
+            for p in ranks:
+                await self._spawn(p)
+        except Exception as exc:  # a group that cannot start again ends the run, loudly
+            self._fail_run(f"could not restart the data-parallel trainer group: {exc!r}")
+            return
+        self._group_restarting = False
+        self.restarts += 1
+        self.events.emit("worker_restart", process=TRAIN_GROUP)
+
+    # ---- liveness --------------------------------------------------------------------------
+
+    async def watchdog(self, now: Callable[[], float]) -> None:
+        """Declares workers that missed their heartbeats down, and has their processes
+        killed and restarted (`hung`)."""
+        while True:
+            deadline = self.registry.next_deadline()
+            delay = self.spec.heartbeat_timeout_s if deadline is None else deadline - now()
+            await asyncio.sleep(max(0.0, delay) + 0.001)
+            for info in self.registry.expired(now()):
+                self._worker_gone(info.worker_id, "missed heartbeats")
+                self.hung(info)
+
+    # ---- stopping --------------------------------------------------------------------------
+
+    async def stop(self) -> None:
+        """Workers leave on the stop broadcast; the node agent (which owns shared memory that
+        workers may still be reading) is asked to go only once they are gone."""
+        await self.supervisor.stop_all(grace_s=5.0, only=lambda c: not c.name.startswith("node:"))
+        await self.supervisor.stop_all(grace_s=0.0)
+
+    def kill(self, pid: int) -> None:
+        """SIGKILL one child (tests and chaos use this)."""
+        self.supervisor.kill(pid)
