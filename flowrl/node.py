@@ -501,6 +501,7 @@ class NodeHub:
                                    OP_POLL: self._poll, OP_EXIT: self._exit,
                                    OP_STOPPED: self._stopped}
         self._server = RpcServer(tcp_endpoint(self.config.host, self.config.port), ops,
+                                 long_polls={OP_POLL, *(m.LONG_POLLS & ops.keys())},
                                  curve=self.keys, allow_remote=True)
         self.endpoint = await self._server.start()
         self._listening.set()
