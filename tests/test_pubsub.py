@@ -256,6 +256,7 @@ async def test_a_subscriber_that_never_reads_is_dropped_and_reported(
             report = await reported.get()
         assert (report.name, report.token) == ("stuck", stuck.token)
         assert "took no message for 1.0 s" in report.reason
+        assert report.connected
         assert pub.dropped == (report,)
         # The stuck subscriber is no longer sent to; the healthy one still is.
         await pub.publish("step", [-1, b""])
@@ -264,6 +265,41 @@ async def test_a_subscriber_that_never_reads_is_dropped_and_reported(
         # Closing with the subscriber still connected and its queue full does not wait.
         async with asyncio.timeout(STEP):
             await pub.aclose()
+
+
+async def test_a_subscriber_that_left_is_reported_as_not_connected(
+    run_id: str, zmq_ctx: zmq.asyncio.Context
+) -> None:
+    reported: asyncio.Queue[DroppedSubscriber] = asyncio.Queue()
+    async with Publisher(ipc_endpoint(run_id, "pub"), ctx=zmq_ctx, stall_timeout=0.5,
+                         on_drop=reported.put_nowait) as pub:
+        async with Subscriber(pub.endpoint, ["t"], ctx=zmq_ctx, name="gone") as sub:
+            await sub.join(timeout=STEP)
+        # The publisher learns of the departure by sending: until then it may take messages.
+        report = None
+        async with asyncio.timeout(STEP):
+            while report is None:
+                await pub.publish("t")
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(0.1):
+                        report = await reported.get()
+        assert (report.name, report.connected) == ("gone", False)
+        assert "not connected for 0.5 s" in report.reason
+
+
+async def test_close_does_not_wait_for_a_backlog(run_id: str, zmq_ctx: zmq.asyncio.Context) -> None:
+    async with (
+        Publisher(ipc_endpoint(run_id, "pub"), ctx=zmq_ctx, stall_timeout=STEP * 10) as pub,
+        Subscriber(pub.endpoint, ["step"], ctx=zmq_ctx) as stuck,
+    ):
+        await stuck.join(timeout=STEP)
+        async with asyncio.timeout(STEP):
+            for i in range(12_000):  # fills its queues; the rest waits in its backlog
+                await pub.publish("step", [i, PAYLOAD])
+            await pub.aclose()
+        assert pub.dropped == ()
+        with pytest.raises(ClosedError):
+            await pub.publish("step")
 
 
 STOPPED_SUBSCRIBER = r"""

@@ -80,6 +80,9 @@ class DroppedSubscriber:
     name: str  # as the subscriber gave it (`Subscriber(name=...)`); "" when none
     token: str  # the subscriber's `Subscriber.token`
     reason: str
+    # False: it was not connected when last tried (it left, or its connection broke) rather
+    # than connected and not reading.
+    connected: bool
 
 
 @dataclass(eq=False, slots=True)
@@ -91,6 +94,7 @@ class _Peer:
     # from here (or the backlog began).
     backlog: deque[Sequence[OutFrame]] = field(default_factory=deque)
     since: float = 0.0
+    connected: bool = True
 
 
 class Publisher(Service):
@@ -218,7 +222,9 @@ class Publisher(Service):
         except zmq.ZMQError as exc:  # Again: queue full; EHOSTUNREACH: not connected now
             if exc.errno not in (zmq.EAGAIN, zmq.EHOSTUNREACH):
                 raise
+            peer.connected = exc.errno == zmq.EAGAIN
             return False
+        peer.connected = True
         return True
 
     def _flush(self, peer: _Peer) -> bool:
@@ -232,6 +238,14 @@ class Publisher(Service):
         return took
 
     async def _flush_backlogs(self) -> None:
+        try:
+            await self._flush_backlogs_until_closed()
+        except ClosedError:
+            pass  # closing; or the socket failed, which AsyncSocket has logged
+        except zmq.ZMQError:
+            log.exception("sending failed; backlogs are no longer sent")
+
+    async def _flush_backlogs_until_closed(self) -> None:
         assert self._sock is not None
         loop = asyncio.get_running_loop()
         while True:
@@ -247,7 +261,8 @@ class Publisher(Service):
                 left = peer.since + self._stall_timeout - now
                 # One last try first, alone: no other send can have consumed its sign.
                 if left <= 0 and not self._flush(peer):
-                    self._drop(peer, f"took no message for {self._stall_timeout} s")
+                    self._drop(peer, f"took no message for {self._stall_timeout} s" if
+                               peer.connected else f"not connected for {self._stall_timeout} s")
                 elif left > 0:
                     next_check = min(next_check, left)
             if not any(p.backlog for p in self._peers.values()):
@@ -261,7 +276,8 @@ class Publisher(Service):
         del self._peers[peer.identity]
         self._dropped_ids.add(peer.identity)
         peer.backlog.clear()
-        report = DroppedSubscriber(peer.name, peer.identity.decode(errors="replace"), reason)
+        report = DroppedSubscriber(peer.name, peer.identity.decode(errors="replace"), reason,
+                                   peer.connected)
         self._dropped.append(report)
         log.warning("dropped subscriber %r (%s): %s", report.name, report.token, reason)
         if self.on_drop is not None:
