@@ -259,7 +259,8 @@ class Publisher(Service):
                 if not peer.backlog or peer.identity not in self._peers:
                     continue
                 left = peer.since + self._stall_timeout - now
-                # One last try first, alone: no other send can have consumed its sign.
+                # A last try decides: a send sees all that zmq knows, even what an earlier
+                # send consumed the sign of (only the wake-up can be missed, not the room).
                 if left <= 0 and not self._flush(peer):
                     self._drop(peer, f"took no message for {self._stall_timeout} s" if
                                peer.connected else f"not connected for {self._stall_timeout} s")
