@@ -699,8 +699,8 @@ REJECTED: Final = 3
 
 
 class HostileController:
-    """A controller that lies: a raw ROUTER for the worker's calls and a raw XPUB for its
-    broadcasts, so any bytes can be sent. Answers every call (after a malformed answer, with a
+    """A controller that lies: raw ROUTERs for the worker's calls and for its broadcasts, so
+    any bytes can be sent. Answers every call (after a malformed answer, with a
     proper one, so no call has to wait for its deadline) and mixes valid rollout tasks into its
     task messages."""
 
@@ -714,7 +714,8 @@ class HostileController:
         self.rpc_ep = ipc_endpoint(run_id, "hostile-ctl")
         self.pub_ep = ipc_endpoint(run_id, "hostile-pub")
         self.router = ctx.socket(zmq.ROUTER)
-        self.pub = ctx.socket(zmq.XPUB)
+        self.pub = ctx.socket(zmq.ROUTER)
+        self.subscriber = b""  # the worker's identity at `pub`, once it joined
         for s in (self.router, self.pub):
             s.setsockopt(zmq.LINGER, 0)
         self.router.bind(self.rpc_ep)
@@ -853,9 +854,10 @@ class HostileController:
     async def broadcasts(self) -> None:
         """Welcomes subscribers (the join handshake), then publishes malformed broadcasts."""
         while True:
-            msg = await self.pub.recv()
-            if msg.startswith(b"\x01\xffjoin-"):
-                await self.pub.send(msg[1:])
+            ident, *msg = await self.pub.recv_multipart()
+            if msg[:1] == [b"\xffjoin"]:
+                self.subscriber = ident
+                await self.pub.send_multipart([ident, b"\xffwelcome"])
                 break
         await self.registered.wait()
         while not self.finished.is_set():
@@ -879,12 +881,13 @@ class HostileController:
             else:
                 frames = [b"version\0", msgpack.packb({"version": 10**6, "weights": {
                     "w": [self.gen.value(), self.gen.value()]}}, use_bin_type=True)]
-            await self.pub.send_multipart(frames)
+            await self.pub.send_multipart([self.subscriber, *frames])
             self.messages += 1
             self.broadcast += 1
 
     async def stop(self) -> None:
-        await self.pub.send_multipart([b"stop\0", msgpack.packb({"reason": "fuzz over"})])
+        await self.pub.send_multipart([self.subscriber, b"stop\0",
+                                       msgpack.packb({"reason": "fuzz over"})])
 
 
 def worker_argv(run_id: str, hostile: HostileController, store_ep: str) -> list[str]:

@@ -45,6 +45,10 @@ OP_SERVED: Final = "served"
 OP_BYE: Final = "bye"
 OP_SYNC_FAILED: Final = "sync_failed"
 
+LONG_POLLS: Final = frozenset({OP_GET_TASK})
+"""Requests that wait for work: served on a budget of their own (`RpcServer`'s ``long_polls``),
+so that however many are open, heartbeats are still read and answered."""
+
 TOPIC_VERSION: Final = "version"
 TOPIC_STOP: Final = "stop"
 

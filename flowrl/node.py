@@ -66,7 +66,7 @@ from transport.curve import CurveKeys, for_endpoint
 from transport.endpoints import ipc_endpoint, tcp_endpoint
 from transport.errors import DeadlineExceeded, TransportError
 from transport.handles import looks_like_handle
-from transport.pubsub import Publisher, Subscriber
+from transport.pubsub import DroppedSubscriber, Publisher, Subscriber
 from transport.rpc import Handler, RpcClient, RpcServer
 from transport.store import SampleStore
 from transport.store_server import StoreServer
@@ -217,7 +217,7 @@ class _Agent:
                 peer = await stack.enter_async_context(_peer_server(
                     store, tcp_endpoint(self.args.host), self.keys,
                     plaintext=join.get("data_plane") == "plaintext"))
-                sub = Subscriber(self.broadcast, [m.TOPIC_STOP],
+                sub = Subscriber(self.broadcast, [m.TOPIC_STOP], name=f"node:{self.node}",
                                  curve=for_endpoint(self.keys, self.broadcast))
                 stack.push_async_callback(sub.aclose)
                 await sub.join(timeout=POLL_S + CALL_SLACK_S)
@@ -376,11 +376,21 @@ class _Remote:
 
 
 class FanOutPublisher(Publisher):
-    """The controller's broadcasts, to local subscribers (ipc) and remote ones (tcp, curve)."""
+    """The controller's broadcasts, to local subscribers (ipc) and remote ones (tcp, curve);
+    a subscriber either drops is reported to this publisher's `on_drop`."""
 
     def __init__(self, endpoint: str, remote: Publisher) -> None:
         super().__init__(endpoint)
         self.remote = remote
+        remote.on_drop = self._remote_dropped
+
+    def _remote_dropped(self, subscriber: DroppedSubscriber) -> None:
+        if self.on_drop is not None:
+            self.on_drop(subscriber)
+
+    @property
+    def dropped(self) -> tuple[DroppedSubscriber, ...]:
+        return super().dropped + self.remote.dropped
 
     async def start(self) -> str:
         await self.remote.start()
@@ -501,6 +511,7 @@ class NodeHub:
                                    OP_POLL: self._poll, OP_EXIT: self._exit,
                                    OP_STOPPED: self._stopped}
         self._server = RpcServer(tcp_endpoint(self.config.host, self.config.port), ops,
+                                 long_polls={OP_POLL, *(m.LONG_POLLS & ops.keys())},
                                  curve=self.keys, allow_remote=True)
         self.endpoint = await self._server.start()
         self._listening.set()

@@ -20,6 +20,7 @@ from transport.errors import (
     ClosedError,
     DeadlineExceeded,
     MessageTooLarge,
+    Overloaded,
     RemoteError,
     UnknownOperation,
 )
@@ -248,6 +249,84 @@ async def test_in_flight_handlers_are_bounded(run_id: str, zmq_ctx: zmq.asyncio.
             gate.set()
             assert await asyncio.gather(*calls) == list(range(50))
     assert peak == 4
+
+
+@pytest.mark.timeout(120)
+async def test_long_polls_cannot_starve_other_ops(
+    run_id: str, zmq_ctx: zmq.asyncio.Context
+) -> None:
+    # One client holds more long polls open than the whole ordinary budget (1024): before long
+    # polls had budgets of their own, the server stopped reading and heartbeats went unanswered.
+    release = asyncio.Event()
+    entered = asyncio.Condition()
+    waiting = 0
+    cancelled = 0
+
+    async def poll(payload: Any, peer: bytes) -> Any:
+        nonlocal waiting, cancelled
+        async with entered:
+            waiting += 1
+            entered.notify_all()
+        try:
+            await release.wait()
+        except asyncio.CancelledError:
+            cancelled += 1
+            raise
+        return payload
+
+    async def heartbeat(payload: Any, peer: bytes) -> Any:
+        return payload
+
+    async def polls_waiting(n: int) -> None:
+        async with entered:
+            await entered.wait_for(lambda: waiting == n)
+
+    server = RpcServer(ipc_endpoint(run_id, "lp"), {"poll": poll, "heartbeat": heartbeat},
+                       ctx=zmq_ctx, long_polls={"poll"})
+    await server.start()
+    greedy = RpcClient(server.endpoint, ctx=zmq_ctx, timeout=STEP * 3, identity=b"greedy")
+    other = RpcClient(server.endpoint, ctx=zmq_ctx, timeout=STEP, identity=b"other")
+    try:
+        polls = [asyncio.ensure_future(greedy.call("poll", i)) for i in range(1100)]
+        async with asyncio.timeout(STEP * 2):
+            await polls_waiting(1024)
+            # The excess is answered at once, with the reason, rather than left hanging.
+            for excess in polls[1024:]:
+                with pytest.raises(Overloaded, match="already has 1024 long polls open"):
+                    await excess
+            # Other ops are still read and answered, from the same peer and from another one.
+            assert await greedy.call("heartbeat", "same", timeout=STEP) == "same"
+            assert await other.call("heartbeat", "other", timeout=STEP) == "other"
+            # Another peer's long polls have their own allowance.
+            theirs = asyncio.ensure_future(other.call("poll", "theirs"))
+            await polls_waiting(1025)
+            stats = server.statistics()
+            assert (stats.long_polls, stats.overloaded, stats.in_flight) == (1025, 76, 0)
+            release.set()
+            assert await asyncio.gather(*polls[:1024], theirs) == [*range(1024), "theirs"]
+            # Closing with long polls open cancels them all: no task outlives the server.
+            release.clear()
+            held = [asyncio.ensure_future(greedy.call("poll", i)) for i in range(100)]
+            await polls_waiting(1125)
+            await server.aclose()
+            assert cancelled == 100
+            assert server.statistics().long_polls == 0
+            await greedy.aclose()
+            for call in held:
+                with pytest.raises(ClosedError):
+                    await call
+        assert asyncio.all_tasks() == {asyncio.current_task()}
+    finally:
+        await server.aclose()
+        await greedy.aclose()
+        await other.aclose()
+
+
+def test_long_polls_are_checked() -> None:
+    with pytest.raises(ValueError, match="without a handler"):
+        RpcServer("ipc:///nowhere", {"a": Service().echo}, long_polls={"b"})
+    with pytest.raises(ValueError, match="at least 1"):
+        RpcServer("ipc:///nowhere", {"a": Service().echo}, max_long_polls_per_peer=0)
 
 
 async def test_client_close_fails_pending_calls(client: RpcClient, service: Service) -> None:

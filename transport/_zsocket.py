@@ -181,6 +181,14 @@ class AsyncSocket:
                 self._after_send()
                 return
 
+    async def wait_writable(self) -> None:
+        """Wait for the next sign that a peer may have taken messages (or connected): a send
+        that raised zmq.Again may succeed now. For a sender that retries several peers' sends
+        itself; a send to one peer may consume the sign meant for another, so such a sender
+        also retries on a timer."""
+        self._check_open()
+        await self._wait(self._writers)
+
     def _after_send(self) -> None:
         # The send may have consumed the signal of an arrival or of freed space.
         if self._writers:

@@ -36,6 +36,11 @@ class RemoteError(TransportError):
         self.message = message
 
 
+class Overloaded(TransportError):
+    """The server refused a call at once: a concurrency limit for its kind of call was reached.
+    Nothing was done; retry later."""
+
+
 class ClosedError(TransportError):
     """The socket or store was closed while an operation was pending."""
 

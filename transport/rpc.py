@@ -5,13 +5,18 @@ Wire (codec frames after the routing identity):
 - with a `RequestAuth` on both sides, a request is preceded by its authenticator frame
   (`transport.request_auth`);
 - reply `[request_id, status, body]`: status OK (body = the handler's result), ERROR (the
-  handler raised; body = [type name, message]), UNKNOWN_OP (body = message) or REJECTED (the
+  handler raised; body = [type name, message]), UNKNOWN_OP (body = message), REJECTED (the
   request was malformed or too large; body = [error name, message]; request_id is None when it
-  could not be read).
+  could not be read) or OVERLOADED (a long-poll budget is full; body = message).
 
 Guarantees:
 - Server: every request is handled in its own task, concurrently, up to `max_in_flight`; past
-  that it stops reading and zmq's queues push back on clients. A handler exception becomes an
+  that it stops reading and zmq's queues push back on clients. Operations declared
+  `long_polls` (handlers that wait for work to appear) have budgets of their own and never
+  stop the reading: at most `max_long_polls` in all and `max_long_polls_per_peer` from one
+  peer; a long poll past either is answered at once with OVERLOADED (`Overloaded` at the
+  client). So however many long polls clients hold open, other operations (heartbeats) are
+  still read and answered. A handler exception becomes an
   ERROR reply; a malformed request gets a REJECTED reply (it always has a routing identity);
   nothing a peer sends stops the server. With an authenticator, a request that fails its
   check is dropped before it is decoded, without a reply, and counted (`refused`). A reply
@@ -28,7 +33,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections import Counter
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -45,6 +51,7 @@ from transport.errors import (
     DeadlineExceeded,
     MalformedMessage,
     MessageTooLarge,
+    Overloaded,
     RemoteError,
     TransportError,
     UnknownOperation,
@@ -62,6 +69,7 @@ OK: Final = 0
 ERROR: Final = 1
 UNKNOWN_OP: Final = 2
 REJECTED: Final = 3
+OVERLOADED: Final = 4
 
 # Queued messages per peer and direction. A client's in-flight calls are bounded by its
 # callers (the scheduler's dispatch gate keeps them in the hundreds); 10k leaves room for
@@ -81,8 +89,10 @@ class RpcServerStats:
     handler_errors: int
     rejected: int
     dropped_replies: int
-    in_flight: int
+    in_flight: int  # handlers running, long polls excluded
     refused: int  # failed the authenticator's check (by reason: `RequestAuth.statistics`)
+    long_polls: int  # long-poll handlers running
+    overloaded: int  # long polls answered OVERLOADED
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,13 +115,23 @@ class RpcServer(Service):
         max_bytes: int = MAX_MESSAGE_BYTES,
         allow_remote: bool = False,
         max_in_flight: int = 1024,
+        long_polls: Collection[str] = (),
+        max_long_polls: int = 16_384,
+        max_long_polls_per_peer: int = 1024,
         curve: CurveKeys | None = None,
         authenticator: RequestAuth | None = None,
     ) -> None:
         """`curve`: serve encrypted and admit only the run's clients (needed to bind a
         non-loopback address, with `allow_remote`). `authenticator`: serve only requests
         it admits; without `curve`, the requests and replies travel in clear (it also
-        allows a non-loopback bind, with `allow_remote`)."""
+        allows a non-loopback bind, with `allow_remote`). `long_polls`: the operations of
+        `handlers` that wait for work to appear, served on their own budgets (module
+        docstring); the per-peer default admits a worker of the largest legal capacity."""
+        unknown = set(long_polls) - set(handlers)
+        if unknown:
+            raise ValueError(f"long polls without a handler: {sorted(unknown)}")
+        if min(max_in_flight, max_long_polls, max_long_polls_per_peer) < 1:
+            raise ValueError("concurrency limits must be at least 1")
         check_bind(
             endpoint,
             allow_remote=allow_remote,
@@ -125,8 +145,14 @@ class RpcServer(Service):
         self._ctx = ctx
         self._max_bytes = max_bytes
         self._max_in_flight = max_in_flight
+        self._long_polls = frozenset(long_polls)
+        self._max_long_polls = max_long_polls
+        self._max_long_polls_per_peer = max_long_polls_per_peer
         self._sock: AsyncSocket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._polls: set[asyncio.Task[None]] = set()
+        self._polls_by_peer: Counter[bytes] = Counter()
+        self._overloaded = 0
         self._closed = False
         self._requests = 0
         self._handler_errors = 0
@@ -176,7 +202,7 @@ class RpcServer(Service):
         self._closed = True
         if self._sock is not None:
             self._sock.pause()
-        await cancel_and_wait(self._tasks)
+        await cancel_and_wait([*self._tasks, *self._polls])
         if self._sock is not None:
             self._sock.close()
         self._release_auth()
@@ -189,6 +215,8 @@ class RpcServer(Service):
             dropped_replies=self._dropped,
             in_flight=len(self._tasks),
             refused=self._refused,
+            long_polls=len(self._polls),
+            overloaded=self._overloaded,
         )
 
     def _on_request(self, frames: list[zmq.Frame]) -> None:
@@ -218,6 +246,9 @@ class RpcServer(Service):
         if handler is None:
             self._reply(peer, [rid, UNKNOWN_OP, f"unknown operation {op[:100]!r}"])
             return
+        if op in self._long_polls:
+            self._start_long_poll(handler, peer, rid, op, payload)
+            return
         task = asyncio.get_running_loop().create_task(self._serve(handler, peer, rid, payload))
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
@@ -228,6 +259,34 @@ class RpcServer(Service):
         self._tasks.discard(task)
         if not self._closed and self._sock is not None and len(self._tasks) < self._max_in_flight:
             self._sock.resume()
+
+    def _start_long_poll(self, handler: Handler, peer: bytes, rid: int, op: str,
+                         payload: Any) -> None:
+        # Answered, never queued: stopping the reading here would hold back every other op.
+        if self._polls_by_peer[peer] >= self._max_long_polls_per_peer:
+            self._overload(peer, rid, f"{op!r}: this client already has "
+                           f"{self._max_long_polls_per_peer} long polls open (the limit)")
+            return
+        if len(self._polls) >= self._max_long_polls:
+            self._overload(peer, rid, f"{op!r}: the server already holds "
+                           f"{self._max_long_polls} long polls open (the limit)")
+            return
+        task = asyncio.get_running_loop().create_task(self._serve(handler, peer, rid, payload))
+        self._polls.add(task)
+        self._polls_by_peer[peer] += 1
+
+        def done(task: asyncio.Task[None]) -> None:
+            self._polls.discard(task)
+            self._polls_by_peer[peer] -= 1
+            if not self._polls_by_peer[peer]:
+                del self._polls_by_peer[peer]
+
+        task.add_done_callback(done)
+
+    def _overload(self, peer: bytes, rid: int, message: str) -> None:
+        self._overloaded += 1
+        log.debug("refused a long poll from %r: %s", peer, message)
+        self._reply(peer, [rid, OVERLOADED, message])
 
     async def _serve(self, handler: Handler, peer: bytes, rid: int, payload: Any) -> None:
         try:
@@ -329,7 +388,8 @@ class RpcClient(Closeable):
         """Call `op` with `payload`; returns the handler's result.
 
         Raises DeadlineExceeded, RemoteError, UnknownOperation, MessageTooLarge (request over
-        the limit, here or at the server), ClosedError.
+        the limit, here or at the server), Overloaded (a long poll over the server's
+        budget), ClosedError.
         """
         sock = self._sock or self._open()
         rid = self._next_id
@@ -429,6 +489,8 @@ def _error_pair(body: Any) -> tuple[str, str] | None:
 def _reply_error(status: Any, body: Any) -> TransportError:
     if status == UNKNOWN_OP and type(body) is str:
         return UnknownOperation(body)
+    if status == OVERLOADED and type(body) is str:
+        return Overloaded(body)
     pair = _error_pair(body)
     if status == ERROR and pair is not None:
         return RemoteError(*pair)

@@ -170,7 +170,7 @@ class Worker:
         self.version = 0
         self._rpc = RpcClient(config.controller, timeout=config.rpc_timeout_s,
                               curve=for_endpoint(config.curve, config.controller))
-        self._sub = Subscriber(config.broadcast, [m.TOPIC_VERSION, m.TOPIC_STOP],
+        self._sub = Subscriber(config.broadcast, [m.TOPIC_VERSION, m.TOPIC_STOP], name=config.name,
                                curve=for_endpoint(config.curve, config.broadcast))
         self._stopped = asyncio.Event()
         self._idle = asyncio.Event()  # set when no task is in flight
