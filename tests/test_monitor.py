@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import sys
 import urllib.parse
 from collections.abc import AsyncIterator, Iterator
@@ -28,7 +29,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
 
 from flowrl.controller import Controller
+from flowrl.events import EventBus
 from flowrl.monitor import MonitorServer
+from flowrl.monitor.fanout import EventFanout
 from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages
 from flowrl.recipe import MonitorConfig
 from transport.errors import BindRefused
@@ -514,6 +517,7 @@ async def test_a_slowloris_crowd_is_bounded_and_timed_out(live: Live) -> None:
     async with MonitorServer(live.ctl, MonitorConfig(**LIMITS)) as mon:
         port = int(mon.url.rstrip("/").rsplit(":", 1)[1])
         crowd: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        fds_before = len(os.listdir("/proc/self/fd"))
         try:
             for i in range(300):  # each sends part of a request head, and never the rest
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -528,8 +532,11 @@ async def test_a_slowloris_crowd_is_bounded_and_timed_out(live: Live) -> None:
                     async with fresh.get(mon.url + "status") as r:
                         assert r.status == 200
                         assert (await r.json())["run_id"] == live.ctl.run_id
-            # It holds at most its limit of them; the rest were refused or evicted.
+            # It holds at most its limit of them; the rest were refused or evicted. (This
+            # process holds both ends: the crowd's 300 sockets and the monitor's.)
             assert server_sockets(port) <= LIMITS["max_connections"]
+            assert len(os.listdir("/proc/self/fd")) - fds_before <= 300 + LIMITS[
+                "max_connections"] + 10
             assert mon.limits is not None
             assert mon.limits.refused + mon.limits.evicted >= 300 - LIMITS["max_connections"]
             # Every one of them is closed by the monitor: none ever completed its head.
@@ -583,3 +590,60 @@ async def test_events_with_a_bad_id_answer_400(live: Live, bad: str) -> None:
               "Connection: close\r\n\r\n".encode())
     assert status == 400, body
     assert b"last_id" in body
+
+
+@pytest.mark.timeout(60)
+async def test_an_event_stream_whose_client_stops_reading_is_dropped(live: Live) -> None:
+    limits = {**LIMITS, "stall_timeout_s": 1.0}
+    async with MonitorServer(live.ctl, MonitorConfig(**limits)) as mon:
+        port = int(mon.url.rstrip("/").rsplit(":", 1)[1])
+        sock = socket.socket()
+        # A small receive window: the replay below (every kept event, hundreds of KiB) stays
+        # queued in the monitor, which must then give up on this client instead of keeping it.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        try:
+            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+            await asyncio.get_running_loop().sock_sendall(
+                sock, b"GET /events?last_id=0 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            await live.ctl.wait_for(lambda: mon.streams == 1)
+            async with asyncio.timeout(30):
+                await live.ctl.wait_for(lambda: mon.streams == 0)
+            assert mon.limits is not None
+            assert mon.limits.timed_out >= 1
+            assert server_sockets(port) == 0
+        finally:
+            sock.close()
+
+
+@pytest.mark.timeout(30)
+async def test_the_event_fanout_drops_a_reader_a_whole_ring_behind() -> None:
+    bus = EventBus(keep=8)
+    encoded: list[int] = []
+
+    def encode(event: dict[str, Any]) -> bytes:
+        encoded.append(event["seq"])
+        return f"{event['seq']},".encode()
+
+    fanout = EventFanout(bus, encode, keepalive_s=60.0)
+    bus.emit("before")  # kept in the bus's log: replayed to a reader that asks for it
+    task = asyncio.create_task(fanout.run())
+    try:
+        await fanout.changed()  # the log is taken
+        fresh, behind = fanout.start(None), fanout.start(0)
+        assert fanout.read(behind) == (b"1,", fresh)
+        for _ in range(3):
+            bus.emit("x")
+            await fanout.changed()
+        assert fanout.read(fresh) == (b"2,3,4,", fresh + 3)
+        for _ in range(8):
+            bus.emit("x")
+            await fanout.changed()
+        assert fanout.read(fresh) is None  # nine events since: more than the ring holds
+        assert fanout.read(fanout.start(10)) == (b"11,12,", fanout.start(12))
+        assert encoded == list(range(1, 13))  # each event encoded once
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert fanout.read(fanout.start(None)) is None  # closed: readers end

@@ -12,7 +12,9 @@ connection goes through `ConnectionLimits`, which wraps aiohttp's protocol to
 - close a connection that does not complete a request within ``header_timeout_s`` of opening
   or of its previous answer;
 - abort a connection whose answer has not drained for ``stall_timeout_s`` (the transport paused
-  writing: the client stopped reading), so a stalled client is dropped, not buffered for.
+  writing: the client stopped reading), so a stalled client is dropped, not buffered for. The
+  kernel's send buffer of each connection is fixed at `SEND_BUFFER` (Linux otherwise grows it
+  to megabytes): bounded memory, and a client that stops reading shows within that many bytes.
 
 Deadlines are one loop timer per connection, re-armed on each change of state: no polling.
 """
@@ -21,11 +23,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import socket
 from typing import cast
 
 from aiohttp import web
 
-__all__ = ["BUSY_REPLY", "BoundedSite", "ConnectionLimits"]
+__all__ = ["BUSY_REPLY", "SEND_BUFFER", "BoundedSite", "ConnectionLimits"]
+
+#: the kernel send buffer of a monitor connection (bytes; Linux doubles it for bookkeeping).
+SEND_BUFFER = 64 << 10
 
 #: what a connection beyond the limit gets: a complete answer, written once, no parsing.
 BUSY_REPLY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
@@ -55,6 +61,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
         self._limits.opened(self)
         self._rearm()
         self._inner.connection_made(transport)
