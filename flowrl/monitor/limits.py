@@ -17,6 +17,9 @@ connection goes through `ConnectionLimits`, which wraps aiohttp's protocol to
   to megabytes): bounded memory, and a client that stops reading shows within that many bytes.
 
 Deadlines are one loop timer per connection, re-armed on each change of state: no polling.
+aiohttp meets a connection only once its first request head is complete (up to `MAX_HEAD`
+bytes, buffered here): a connection that never completes one, the slowloris kind, costs a
+buffer and a timer, never a request handler and its task.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from aiohttp import web
 
 __all__ = ["BUSY_REPLY", "SEND_BUFFER", "BoundedSite", "ConnectionLimits"]
 
+#: the longest first request head taken (request line and headers); a longer one is closed.
+MAX_HEAD = 64 << 10
 #: the kernel send buffer of a monitor connection (bytes; Linux doubles it for bookkeeping).
 SEND_BUFFER = 64 << 10
 
@@ -49,9 +54,10 @@ class _Refused(asyncio.Protocol):
 class _Connection(asyncio.Protocol):
     """aiohttp's protocol for one connection, wrapped to count it and keep it on a deadline."""
 
-    def __init__(self, limits: ConnectionLimits, inner: asyncio.Protocol) -> None:
+    def __init__(self, limits: ConnectionLimits) -> None:
         self._limits = limits
-        self._inner = inner
+        self._inner: asyncio.Protocol | None = None  # aiohttp's, once a request head is in
+        self._head = b""
         self.transport: asyncio.Transport | None = None
         self.requests = 0  # handlers running on it (aiohttp runs one at a time)
         self._paused = False  # the transport's buffer is over its high-water mark
@@ -66,29 +72,45 @@ class _Connection(asyncio.Protocol):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
         self._limits.opened(self)
         self._rearm()
-        self._inner.connection_made(transport)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel()
         self._limits.closed(self)
         self.transport = None
-        self._inner.connection_lost(exc)
+        if self._inner is not None:
+            self._inner.connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        self._inner.data_received(data)
+        if self._inner is not None:
+            self._inner.data_received(data)
+            return
+        # The head ends at the first blank line; look for it only where it may now be.
+        start = max(0, len(self._head) - 3)
+        self._head += data
+        if self._head.find(b"\r\n\r\n", start) < 0:
+            if len(self._head) > MAX_HEAD:
+                self.drop()
+            return
+        assert self.transport is not None
+        self._inner = self._limits.handler()
+        self._inner.connection_made(self.transport)
+        head, self._head = self._head, b""
+        self._inner.data_received(head)
 
     def eof_received(self) -> bool | None:
-        return self._inner.eof_received()
+        return None if self._inner is None else self._inner.eof_received()
 
     def pause_writing(self) -> None:
         self._paused = True
         self._rearm()
-        self._inner.pause_writing()
+        if self._inner is not None:
+            self._inner.pause_writing()
 
     def resume_writing(self) -> None:
         self._paused = False
         self._rearm()
-        self._inner.resume_writing()
+        if self._inner is not None:
+            self._inner.resume_writing()
 
     # -- state
 
@@ -166,7 +188,11 @@ class ConnectionLimits:
             oldest.drop()
             # Its slot frees when its transport reports the loss; it is no longer counted.
             self._open.discard(oldest)
-        return _Connection(self, self._server())
+        return _Connection(self)
+
+    def handler(self) -> asyncio.Protocol:
+        """A new aiohttp protocol for a connection whose first request head is in."""
+        return self._server()
 
     def opened(self, conn: _Connection) -> None:
         self._open.add(conn)
