@@ -13,7 +13,12 @@ must all succeed):
   malformed broadcasts; the worker must keep serving the valid tasks mixed in, exit on ``stop``,
   and exit with a clear error (never hang) when its registration is answered with garbage;
 - ``monitor``: the controller's HTTP monitor: garbage, bad methods, huge headers, bad JSON
-  bodies, missing or wrong tokens, path traversal.
+  bodies, missing or wrong tokens, path traversal, bad event ids;
+- ``flood``: the monitor under a crowd, from another process: slow-header (slowloris)
+  connections that never finish their request and many event-stream clients, switched on and
+  off in alternate windows of the same run. Reports the run's steps/s with and without the
+  crowd (``flood.ratio``, attacked over quiet), the monitor's `/status` answers during it and
+  this process's peak file-descriptor count.
 
 Message kinds (RPC): random bytes, truncated frames, msgpack of the right shape with a field of
 the wrong type or range, tensor headers declaring terabytes, unknown operations, replays with
@@ -24,7 +29,8 @@ processes (loopback peers are the run's processes; cross-node transport is authe
 Prints one JSON line: ``messages``, ``crashes``, ``valid_requests_failed``, ``peak_rss_mb`` and
 a breakdown per endpoint.
 
-    python -m bench.fuzz [--quick] [--endpoint controller,store,worker,monitor] [--messages N]
+    python -m bench.fuzz [--quick] [--endpoint controller,store,worker,monitor,flood]
+                         [--messages N] [--flood SLOW,STREAMS] [--flood-rounds R]
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import json
 import math
 import os
 import random
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -60,7 +67,7 @@ from transport.endpoints import ipc_endpoint, remove_run_dir, run_dir
 from transport.errors import RemoteError, TransportError, UnknownOperation
 from transport.rpc import RpcClient
 
-ENDPOINTS: Final = ("controller", "store", "worker", "monitor")
+ENDPOINTS: Final = ("controller", "store", "worker", "monitor", "flood")
 FULL_MESSAGES: Final = 100_000
 QUICK_MESSAGES: Final = 1_500
 
@@ -450,6 +457,7 @@ class HttpFindings:
     auth_bypass: int = 0  # a control request without the token that was not refused
     traversal_leaks: int = 0  # a static path outside the shipped files that answered 200
     host_bypass: int = 0  # a read answered for a Host that is not a loopback name
+    bad_event_ids: int = 0  # an /events request with a malformed id not answered 400
 
 
 class HttpGen:
@@ -463,7 +471,7 @@ class HttpGen:
     def request(self) -> tuple[str, bytes]:
         r = self.rng
         kind = r.choice(("random", "method", "headers", "json", "auth", "traversal", "length",
-                         "version", "host"))
+                         "version", "host", "event_id"))
         # Every well-formed part asks the server to close after answering: the answer then
         # ends where the stream does.
         h = f"{self.host}\r\nConnection: close"
@@ -522,6 +530,12 @@ class HttpGen:
             line = r.choice(("GET /status HTTP/9.9", "GET /status", "GET status HTTP/1.1",
                              "GET /status HTTP/1.1 extra", "GET /st atus HTTP/1.1"))
             return kind, f"{line}\r\nHost: {h}\r\n\r\n".encode()
+        if kind == "event_id":
+            bad = r.choice(("\u00b2", "\u0663", "\u00e9", "9" * 5000, "1" * 21, "-1", "1e3"))
+            if r.random() < 0.5:
+                return kind, (f"GET /events HTTP/1.1\r\nHost: {h}\r\nLast-Event-ID: {bad}\r\n"
+                              "\r\n").encode()
+            return kind, f"GET /events?last_id={bad} HTTP/1.1\r\nHost: {h}\r\n\r\n".encode()
         host = r.choice(("evil.example", "127.0.0.1.evil", "", "[::1", "a" * 300))
         return kind, f"GET /status HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode()
 
@@ -584,6 +598,9 @@ async def fuzz_monitor(ctl: Controller, count: int, seed: int, figures: Figures,
             if kind == "host" and status == 200 and not loopback_host:
                 findings.host_bypass += 1
                 print(f"non-loopback Host answered: {raw[:120]!r}", file=sys.stderr)
+            if kind == "event_id" and status != 400:
+                findings.bad_event_ids += 1
+                print(f"bad event id answered {status}: {raw[:120]!r}", file=sys.stderr)
             if kind == "traversal" and status == 200 and body not in statics.values():
                 findings.traversal_leaks += 1
                 print(f"traversal answered 200: {raw[:120]!r}", file=sys.stderr)
@@ -595,6 +612,186 @@ async def fuzz_monitor(ctl: Controller, count: int, seed: int, figures: Figures,
                 keep = {"max_staleness": ctl.gate.max_staleness}
                 async with http.post(url + "staleness", json=keep, headers=auth) as resp:
                     figures.valid_requests_failed += resp.status != 200
+
+
+# ---- a crowd against the monitor (endpoint flood) --------------------------------------------
+
+
+#: the crowd's process: stdlib only, so that it starts fast and costs little. It reads "on" and
+#: "off" lines on stdin (clients connect / all hang up) and prints its counts on "quit".
+CROWD = r"""
+import asyncio, json, sys
+host, port, n_slow, n_streams = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+stats = {"connections": 0, "closed_by_monitor": 0, "busy_503": 0, "streams_served": 0,
+         "stream_bytes": 0}
+
+async def slowloris(i):
+    # A request head that never ends: one more header line a second, until the monitor hangs up.
+    while True:
+        try:
+            reader, writer = await asyncio.open_connection(host, port)
+        except OSError:
+            await asyncio.sleep(0.5)
+            continue
+        stats["connections"] += 1
+        try:
+            writer.write(b"GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            while True:
+                try:
+                    async with asyncio.timeout(1.0):
+                        got = await reader.read(256)
+                except TimeoutError:
+                    writer.write(b"X-%d: a\r\n" % i)
+                    continue
+                if got.startswith(b"HTTP/1.1 503"):
+                    stats["busy_503"] += 1
+                elif not got:
+                    stats["closed_by_monitor"] += 1
+                break
+        except OSError:
+            stats["closed_by_monitor"] += 1
+        finally:
+            writer.close()
+        await asyncio.sleep(0.2)
+
+async def stream(i):
+    # An event-stream client that reads everything, and comes back at once when refused.
+    while True:
+        try:
+            reader, writer = await asyncio.open_connection(host, port)
+        except OSError:
+            await asyncio.sleep(0.5)
+            continue
+        stats["connections"] += 1
+        try:
+            writer.write(b"GET /events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            head = await reader.readuntil(b"\r\n\r\n")
+            if head.startswith(b"HTTP/1.1 200"):
+                stats["streams_served"] += 1
+                while chunk := await reader.read(65536):
+                    stats["stream_bytes"] += len(chunk)
+            else:
+                stats["busy_503"] += 1
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            pass
+        finally:
+            writer.close()
+        stats["closed_by_monitor"] += 1
+        await asyncio.sleep(0.5)
+
+async def main():
+    loop = asyncio.get_running_loop()
+    stdin = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdin), sys.stdin)
+    tasks = []
+    while line := (await stdin.readline()).strip():
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+        tasks = []
+        if line == b"on":
+            tasks = [asyncio.ensure_future(slowloris(i)) for i in range(n_slow)]
+            tasks += [asyncio.ensure_future(stream(i)) for i in range(n_streams)]
+        elif line == b"quit":
+            break
+        print("ok", flush=True)
+    print(json.dumps(stats), flush=True)
+
+asyncio.run(main())
+"""
+FLOOD_SLOW: Final = 1000
+FLOOD_STREAMS: Final = 300
+FLOOD_ROUNDS: Final = 3
+FLOOD_WINDOW_S: Final = 6.0
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def flood_monitor(ctl: Controller, figures: Figures, slow: int, streams: int,
+                        rounds: int) -> dict[str, Any]:
+    """Alternate quiet and attacked windows (quiet first); in each, the run's steps/s and, in
+    the attacked ones, `/status` polled twice a second (each answer must be 200)."""
+    import aiohttp
+
+    url = ctl.monitor_url or ""
+    port = url.rstrip("/").rsplit(":", 1)[1]
+    crowd = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", CROWD, "127.0.0.1", port, str(slow), str(streams),
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+    stdin, stdout = crowd.stdin, crowd.stdout
+    assert stdin is not None
+    assert stdout is not None
+    rates: dict[str, list[float]] = {"quiet": [], "attacked": []}
+    # CPU seconds a second of this process (the controller and its monitor) and of the crowd.
+    cpu: dict[str, list[float]] = {"controller_attacked": [], "controller_quiet": [],
+                                   "crowd_attacked": []}
+    me, them = psutil.Process(), psutil.Process(crowd.pid)
+    latencies: list[float] = []
+    peak_fds = open_fds()
+
+    async def say(line: bytes) -> None:
+        stdin.write(line + b"\n")
+        await stdin.drain()
+        async with asyncio.timeout(60):
+            await stdout.readline()
+
+    try:
+        async with aiohttp.ClientSession() as http:
+            for window in range(2 * rounds):
+                attacked = window % 2 == 1
+                await say(b"on" if attacked else b"off")
+                v0, t0 = ctl.version, time.perf_counter()
+                c0, k0 = sum(me.cpu_times()[:2]), sum(them.cpu_times()[:2])
+                while (left := FLOOD_WINDOW_S - (time.perf_counter() - t0)) > 0:
+                    await asyncio.sleep(min(0.5, left))
+                    peak_fds = max(peak_fds, open_fds())
+                    if not attacked:
+                        continue
+                    figures.valid_requests += 1
+                    t = time.perf_counter()
+                    try:
+                        async with asyncio.timeout(REPLY_WAIT_S), http.get(url + "status") as r:
+                            ok = r.status == 200 and (await r.json())["run_id"] == ctl.run_id
+                    except (aiohttp.ClientError, TimeoutError) as exc:
+                        ok = False
+                        print(f"/status under the crowd failed: {exc!r}", file=sys.stderr)
+                    latencies.append((time.perf_counter() - t) * 1e3)
+                    figures.valid_requests_failed += not ok
+                wall = time.perf_counter() - t0
+                rates["attacked" if attacked else "quiet"].append((ctl.version - v0) / wall)
+                side = "attacked" if attacked else "quiet"
+                cpu[f"controller_{side}"].append((sum(me.cpu_times()[:2]) - c0) / wall)
+                if attacked:
+                    cpu["crowd_attacked"].append((sum(them.cpu_times()[:2]) - k0) / wall)
+            await say(b"off")
+            stdin.write(b"quit\n")
+            await stdin.drain()
+            async with asyncio.timeout(30):
+                counts = json.loads((await stdout.readline()).decode())
+                await crowd.wait()
+    finally:
+        if crowd.returncode is None:
+            crowd.kill()
+            await crowd.wait()
+    figures.messages = counts["connections"]
+    quiet = statistics.median(rates["quiet"])
+    attacked = statistics.median(rates["attacked"])
+    assert ctl.monitor is not None
+    return {"slowloris": slow, "streams": streams, "rounds": rounds,
+            "window_s": FLOOD_WINDOW_S,
+            "steps_per_s_quiet": [round(x, 2) for x in rates["quiet"]],
+            "steps_per_s_attacked": [round(x, 2) for x in rates["attacked"]],
+            "ratio": round(attacked / quiet, 3) if quiet else None,
+            "status_p50_ms": round(statistics.median(latencies), 1) if latencies else None,
+            "status_max_ms": round(max(latencies), 1) if latencies else None,
+            "peak_fds": peak_fds, "crowd": counts,
+            "cpu_per_s": {k: round(statistics.median(v), 2) for k, v in cpu.items() if v},
+            "load_avg_1m": round(os.getloadavg()[0], 1),
+            "monitor_limits": {"max_connections": ctl.monitor.config.max_connections,
+                               "max_event_streams": ctl.monitor.config.max_event_streams}}
 
 
 # ---- the controller run (endpoints controller, store, monitor) -------------------------------
@@ -610,12 +807,14 @@ def _node_agent_pid() -> int:
     raise RuntimeError("no node agent process found")
 
 
-async def fuzz_run(endpoints: list[str], count: int, seed: int) -> dict[str, Any]:
+async def fuzz_run(endpoints: list[str], count: int, seed: int,
+                   flood: tuple[int, int, int] = (FLOOD_SLOW, FLOOD_STREAMS, FLOOD_ROUNDS),
+                   ) -> dict[str, Any]:
     """One real simulated run, fuzzed endpoint by endpoint while it goes on; then stopped and
-    its accounting checked."""
+    its accounting checked. `flood`: slowloris connections, event streams, rounds."""
     out: dict[str, Any] = {}
     me = os.getpid()
-    monitor = MonitorConfig() if "monitor" in endpoints else None
+    monitor = MonitorConfig() if {"monitor", "flood"} & set(endpoints) else None
     ctx = zmq.asyncio.Context()
     try:
         async with Controller(sim_spec(), monitor=monitor) as ctl:
@@ -644,6 +843,8 @@ async def fuzz_run(endpoints: list[str], count: int, seed: int) -> dict[str, Any
                                    Gen(seed + 1, templates, harmless), count,
                                    store_valid(ctl.run_id, node_pid), fig, ctx)
                     fig.crashes += not psutil.Process(node_pid).is_running()
+                elif name == "flood":
+                    out["flood_report"] = await flood_monitor(ctl, fig, *flood)
                 else:
                     findings = HttpFindings()
                     await fuzz_monitor(ctl, count, seed + 2, fig, findings)
@@ -1010,12 +1211,14 @@ async def register_garbage(run_id: str, seed: int, ctx: zmq.asyncio.Context, sto
 # ---- main ------------------------------------------------------------------------------------
 
 
-async def main_async(endpoints: list[str], count: int, seed: int) -> dict[str, Any]:
+async def main_async(endpoints: list[str], count: int, seed: int,
+                     flood: tuple[int, int, int] = (FLOOD_SLOW, FLOOD_STREAMS, FLOOD_ROUNDS),
+                     ) -> dict[str, Any]:
     t0 = time.perf_counter()
     results: dict[str, Any] = {}
     in_run = [e for e in endpoints if e != "worker"]
     if in_run:
-        results.update(await fuzz_run(in_run, count, seed))
+        results.update(await fuzz_run(in_run, count, seed, flood))
     if "worker" in endpoints:
         results.update(await fuzz_worker(count, seed + 3))
     figures = {e: results.pop(e) for e in endpoints}
@@ -1041,14 +1244,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--endpoint", default=",".join(ENDPOINTS),
                    help=f"comma-separated subset of {','.join(ENDPOINTS)}")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--flood", default=f"{FLOOD_SLOW},{FLOOD_STREAMS}", metavar="SLOW,STREAMS",
+                   help="the flood's slowloris connections and event-stream clients")
+    p.add_argument("--flood-rounds", type=int, default=FLOOD_ROUNDS,
+                   help=f"quiet and attacked windows of {FLOOD_WINDOW_S:g} s each")
     args = p.parse_args(argv)
+    try:
+        slow, streams = (int(n) for n in args.flood.split(","))
+    except ValueError:
+        p.error("--flood takes two integers: SLOW,STREAMS")
     endpoints = [e for e in args.endpoint.split(",") if e]
     unknown = set(endpoints) - set(ENDPOINTS)
     if unknown:
         p.error(f"unknown endpoint(s) {sorted(unknown)}")
     count = args.messages or (QUICK_MESSAGES if args.quick else FULL_MESSAGES)
     configure(level="error")
-    print(json.dumps(asyncio.run(main_async(endpoints, count, args.seed))), flush=True)
+    flood = (slow, streams, args.flood_rounds)
+    print(json.dumps(asyncio.run(main_async(endpoints, count, args.seed, flood))), flush=True)
 
 
 if __name__ == "__main__":

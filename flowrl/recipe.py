@@ -528,6 +528,19 @@ class MonitorConfig(_Section):
     token: SecretStr | None = None
     """Bearer token (16+ characters) for control actions and for any access off loopback.
     Never printed."""
+    max_connections: int = Field(default=64, ge=2, le=10_000)
+    """Open connections at most. When full, a new one takes the place of the longest-idle
+    connection (no request under way: idle keep-alive or headers still coming); if every
+    connection is serving a request, the new one is answered 503 and closed."""
+    max_event_streams: int = Field(default=8, ge=1, le=1000)
+    """Concurrent ``/events`` streams at most (each costs the controller's loop a write per
+    event); one more is answered 503. Fewer than `max_connections`."""
+    header_timeout_s: float = Field(default=10.0, gt=0.0, le=3600.0)
+    """A connection closes unless it completes a request within this long of opening or of
+    its previous answer (slow or unfinished headers, idle keep-alive, a slow request body)."""
+    stall_timeout_s: float = Field(default=30.0, gt=0.0, le=3600.0)
+    """An answer (an event stream, a large trace) whose client stops reading is dropped after
+    this long without progress instead of buffered."""
 
     @field_validator("token")
     @classmethod
@@ -541,6 +554,10 @@ class MonitorConfig(_Section):
         if not _is_loopback(self.host) and self.token is None:
             raise _rule("token", f"required when the monitor binds to {self.host!r} "
                         "(not loopback)")
+        if self.max_event_streams >= self.max_connections:
+            raise _rule("max_event_streams", f"must be fewer than max_connections "
+                        f"({self.max_connections}): event streams would leave no connection "
+                        "for /status")
         return self
 
 

@@ -57,7 +57,8 @@ def test_controller_store_and_monitor_survive_fuzzing_during_a_run() -> None:
     assert run["rows_trained_twice"] == 0
     assert run["worker_deaths"] == 0
     assert out["monitor_findings"] == {
-        "server_errors": 0, "auth_bypass": 0, "traversal_leaks": 0, "host_bypass": 0}
+        "server_errors": 0, "auth_bypass": 0, "traversal_leaks": 0, "host_bypass": 0,
+        "bad_event_ids": 0}
 
 
 @pytest.mark.timeout(100)

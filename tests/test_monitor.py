@@ -9,15 +9,19 @@ segments) is done once for the module rather than around each test.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
+import socket
 import sys
+import urllib.parse
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import psutil
 import pytest
 import pytest_asyncio
 from conftest import _live_children, _made_by, _shm_entries
@@ -25,7 +29,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
 
 from flowrl.controller import Controller
+from flowrl.events import EventBus
 from flowrl.monitor import MonitorServer
+from flowrl.monitor.fanout import EventFanout
 from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages
 from flowrl.recipe import MonitorConfig
 from transport.errors import BindRefused
@@ -467,3 +473,177 @@ async def test_terminal_view_reports_an_unreachable_monitor() -> None:
     _, err = await asyncio.wait_for(proc.communicate(), 20)
     assert proc.returncode == 1
     assert b"cannot read http://127.0.0.1:9/status" in err
+
+
+# ---- limits: connections, event streams, timeouts ---------------------------------------------
+
+# Small limits so that a crowd of a few hundred sockets is far beyond them.
+LIMITS = {"max_connections": 24, "max_event_streams": 3, "header_timeout_s": 1.5,
+          "stall_timeout_s": 5.0}
+
+
+def server_sockets(port: int) -> int:
+    """This process's accepted (server-side) TCP connections on `port`."""
+    return sum(1 for c in psutil.Process().net_connections("tcp")
+               if c.laddr and c.laddr.port == port and c.raddr)
+
+
+async def raw_exchange(port: int, raw: bytes) -> tuple[int, bytes]:
+    """Send `raw` on a fresh connection; the status and body of the answer."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(raw)
+        async with asyncio.timeout(20):
+            data = await reader.read()
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
+
+
+async def until_closed(reader: asyncio.StreamReader) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    got = b""
+    with contextlib.suppress(ConnectionError):
+        while chunk := await reader.read(4096):
+            got += chunk
+    return got
+
+
+@pytest.mark.timeout(90)
+async def test_a_slowloris_crowd_is_bounded_and_timed_out(live: Live) -> None:
+    async with MonitorServer(live.ctl, MonitorConfig(**LIMITS)) as mon:
+        port = int(mon.url.rstrip("/").rsplit(":", 1)[1])
+        crowd: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        fds_before = len(os.listdir("/proc/self/fd"))
+        try:
+            for i in range(300):  # each sends part of a request head, and never the rest
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                crowd.append((reader, writer))
+                with contextlib.suppress(ConnectionError):
+                    writer.write(f"GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\nX-{i}: ".encode())
+                    await writer.drain()
+            # The monitor still answers: a new connection takes an idle one's place.
+            async with aiohttp.ClientSession(
+                    connector=aiohttp.TCPConnector(force_close=True)) as fresh:
+                for _ in range(3):
+                    async with fresh.get(mon.url + "status") as r:
+                        assert r.status == 200
+                        assert (await r.json())["run_id"] == live.ctl.run_id
+            # It holds at most its limit of them; the rest were refused or evicted. (This
+            # process holds both ends: the crowd's 300 sockets and the monitor's.)
+            assert server_sockets(port) <= LIMITS["max_connections"]
+            assert len(os.listdir("/proc/self/fd")) - fds_before <= 300 + LIMITS[
+                "max_connections"] + 10
+            assert mon.limits is not None
+            assert mon.limits.refused + mon.limits.evicted >= 300 - LIMITS["max_connections"]
+            # Every one of them is closed by the monitor: none ever completed its head.
+            async with asyncio.timeout(LIMITS["header_timeout_s"] * 10):
+                answers = await asyncio.gather(*(until_closed(r) for r, _ in crowd))
+            assert all(a == b"" or a.startswith(b"HTTP/1.1 503") for a in answers)
+            assert server_sockets(port) == 0
+        finally:
+            for _, writer in crowd:
+                writer.close()
+
+
+@pytest.mark.timeout(60)
+async def test_event_streams_beyond_the_cap_get_503_and_share_one_subscription(
+        live: Live) -> None:
+    async with MonitorServer(live.ctl, MonitorConfig(**LIMITS)) as mon, \
+            contextlib.AsyncExitStack() as streams:
+        subscribers = len(live.ctl.events._subscribers)  # the module's own monitor's
+        opened = []
+        for _ in range(LIMITS["max_event_streams"]):
+            resp = await streams.enter_async_context(live.http.get(mon.url + "events"))
+            assert resp.status == 200
+            opened.append(resp)
+        async with live.http.get(mon.url + "events") as r:
+            assert r.status == 503
+            assert "event streams" in await r.text()
+            assert "Retry-After" in r.headers
+        # The controller feeds every stream through one subscription: an event costs its loop
+        # one queue put however many clients watch.
+        assert len(live.ctl.events._subscribers) <= subscribers + 1
+        # Every stream still gets every event.
+        for resp in opened:
+            await next_kind(sse(resp), "step", [])
+        async with live.http.get(mon.url + "status") as r:
+            assert r.status == 200
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("bad", ["\u00b2", "\u0663", "\u00e9", "1" * 21, "9" * 5000, "-1", "1.5",
+                                 "0x10"])
+async def test_events_with_a_bad_id_answer_400(live: Live, bad: str) -> None:
+    port = int(live.url.rstrip("/").rsplit(":", 1)[1])
+    head = "GET /events HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+    status, body = await raw_exchange(
+        port, f"{head}Last-Event-ID: {bad}\r\n\r\n".encode())
+    assert status == 400, body
+    assert b"Last-Event-ID" in body
+    query = urllib.parse.quote(bad)
+    status, body = await raw_exchange(
+        port, f"GET /events?last_id={query} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+              "Connection: close\r\n\r\n".encode())
+    assert status == 400, body
+    assert b"last_id" in body
+
+
+@pytest.mark.timeout(60)
+async def test_an_event_stream_whose_client_stops_reading_is_dropped(live: Live) -> None:
+    limits = {**LIMITS, "stall_timeout_s": 1.0}
+    async with MonitorServer(live.ctl, MonitorConfig(**limits)) as mon:
+        port = int(mon.url.rstrip("/").rsplit(":", 1)[1])
+        sock = socket.socket()
+        # A small receive window: the replay below (every kept event, hundreds of KiB) stays
+        # queued in the monitor, which must then give up on this client instead of keeping it.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        try:
+            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+            await asyncio.get_running_loop().sock_sendall(
+                sock, b"GET /events?last_id=0 HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            await live.ctl.wait_for(lambda: mon.streams == 1)
+            async with asyncio.timeout(30):
+                await live.ctl.wait_for(lambda: mon.streams == 0)
+            assert mon.limits is not None
+            assert mon.limits.timed_out >= 1
+            assert server_sockets(port) == 0
+        finally:
+            sock.close()
+
+
+@pytest.mark.timeout(30)
+async def test_the_event_fanout_drops_a_reader_a_whole_ring_behind() -> None:
+    bus = EventBus(keep=8)
+    encoded: list[int] = []
+
+    def encode(event: dict[str, Any]) -> bytes:
+        encoded.append(event["seq"])
+        return f"{event['seq']},".encode()
+
+    fanout = EventFanout(bus, encode, keepalive_s=60.0)
+    bus.emit("before")  # kept in the bus's log: replayed to a reader that asks for it
+    task = asyncio.create_task(fanout.run())
+    try:
+        await fanout.changed()  # the log is taken
+        fresh, behind = fanout.start(None), fanout.start(0)
+        assert fanout.read(behind) == (b"1,", fresh)
+        for _ in range(3):
+            bus.emit("x")
+            await fanout.changed()
+        assert fanout.read(fresh) == (b"2,3,4,", fresh + 3)
+        for _ in range(8):
+            bus.emit("x")
+            await fanout.changed()
+        assert fanout.read(fresh) is None  # nine events since: more than the ring holds
+        assert fanout.read(fanout.start(10)) == (b"11,12,", fanout.start(12))
+        assert encoded == list(range(1, 13))  # each event encoded once
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert fanout.read(fanout.start(None)) is None  # closed: readers end

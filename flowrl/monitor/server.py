@@ -7,7 +7,9 @@ Endpoints (all in the controller's own event loop; every handler is O(snapshot),
 - ``GET /status`` — exactly `Controller.status()` as JSON;
 - ``GET /metrics`` — Prometheus text exposition (`flowrl.monitor.metrics`);
 - ``GET /events`` — Server-Sent Events, one per controller event, ``id:`` = its ``seq``.
-  ``Last-Event-ID`` (or ``?last_id=N``) first replays the kept events after ``N``;
+  ``Last-Event-ID`` (or ``?last_id=N``, up to 20 ASCII digits; anything else is a 400) first
+  replays the kept events after ``N``. At most ``monitor.max_event_streams`` at once (503
+  beyond); all share one subscription to the controller's events (`EventFanout`);
 - ``GET /trace[?window=S][&after=US]`` — Chrome trace-event JSON of the kept spans that ended
   in the last ``S`` seconds and after ``US`` (a ``ts`` in microseconds, e.g. the previous
   answer's ``otherData.now_us``, so a poller fetches only what is new);
@@ -20,6 +22,10 @@ On a loopback address the read endpoints are open and requests must name a loopb
 DNS-rebinding page cannot read them); any other address refuses to start without a token and
 then requires it for every data endpoint (the static dashboard files hold no data). No access
 log is written. Control needs a custom header, so a cross-site form cannot trigger it.
+
+Bounds. Connections are capped, timed out and refused cheaply (`ConnectionLimits`, settings in
+`MonitorConfig`); `/status` and `/metrics` answers are cached for `SNAPSHOT_TTL_S` unless an
+event came since, so a crowd of pollers does not compute them per request.
 """
 
 from __future__ import annotations
@@ -34,8 +40,8 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from aiohttp import web
@@ -43,6 +49,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import SecretStr
 
 from flowrl.events import Span
+from flowrl.monitor.fanout import KEEPALIVE, EventFanout
+from flowrl.monitor.limits import BoundedSite, ConnectionLimits
 from flowrl.monitor.metrics import CONTENT_TYPE, ControllerMetrics
 from flowrl.monitor.trace import chrome_trace, recent_spans
 from transport.errors import BindRefused
@@ -64,6 +72,13 @@ KEEPALIVE_S = 15.0
 MAX_BODY = 64 << 10
 #: a handler still running at close (a slow client) is cancelled after this long.
 SHUTDOWN_S = 2.0
+#: how long a `/status` or `/metrics` answer is reused while no event came (pollers share it).
+SNAPSHOT_TTL_S = 0.25
+#: the longest event id taken (a 64-bit sequence number has 20 digits).
+MAX_ID_DIGITS = 20
+#: request line and header limits, stated here rather than left to the aiohttp version.
+MAX_LINE = 8190
+MAX_HEADERS = 64
 
 _STATIC = {"index.html": "text/html", "dashboard.js": "text/javascript",
            "dashboard.css": "text/css"}
@@ -114,11 +129,35 @@ def dumps(obj: Any) -> str:
         return json.dumps(_finite(obj), allow_nan=False, default=str, separators=(",", ":"))
 
 
+class _Snapshot:
+    """An answer body reused for `SNAPSHOT_TTL_S` while the controller emitted no event."""
+
+    def __init__(self, ctl: Controller, render: Callable[[], bytes]) -> None:
+        self._ctl = ctl
+        self._render = render
+        self._body = b""
+        self._key = -1
+        self._at = -math.inf
+
+    def get(self) -> bytes:
+        recent = self._ctl.events.recent
+        key = recent[-1]["seq"] if recent else 0
+        now = time.monotonic()
+        if key != self._key or now - self._at > SNAPSHOT_TTL_S:
+            self._body, self._key, self._at = self._render(), key, now
+        return self._body
+
+
+def _sse_chunk(event: dict[str, Any]) -> bytes:
+    return f"id: {event['seq']}\nevent: {event['kind']}\ndata: {dumps(event)}\n\n".encode()
+
+
 class MonitorServer:
     """One controller's HTTP monitor; ``await start()`` returns its URL, ``aclose()`` stops it."""
 
     def __init__(self, ctl: Controller, config: MonitorConfig) -> None:
         self._ctl = ctl
+        self.config = config
         self.host = config.host
         self.port = config.port or 0
         self.loopback = is_loopback(self.host)
@@ -130,8 +169,16 @@ class MonitorServer:
         self.token: SecretStr = config.token or SecretStr(secrets.token_urlsafe(24))
         self.url = ""
         self._metrics = ControllerMetrics(ctl)
+        self._status_body = _Snapshot(ctl, lambda: dumps(ctl.status()).encode())
+        self._metrics_body = _Snapshot(ctl, self._metrics.render)
         self._runner: web.AppRunner | None = None
         self._closing = asyncio.Event()
+        #: the listener's connection accounting; None until started.
+        self.limits: ConnectionLimits | None = None
+        self._fanout: EventFanout | None = None
+        self._fanout_task: asyncio.Task[None] | None = None
+        #: open `/events` streams.
+        self.streams = 0
         self._static = {
             name: (importlib.resources.files("flowrl.monitor").joinpath("static", name)
                    .read_bytes(), ctype)
@@ -151,22 +198,40 @@ class MonitorServer:
         app.router.add_post("/resume", self._control(lambda _: self._ctl.resume()))
         app.router.add_post("/stop", self._control(lambda _: self._ctl.stop()))
         app.router.add_post("/staleness", self._staleness)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
-                                     shutdown_timeout=SHUTDOWN_S, logger=_http_log)
+        cfg = self.config
+        self._runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_S,
+            logger=_http_log, keepalive_timeout=cfg.header_timeout_s, max_line_size=MAX_LINE,
+            max_field_size=MAX_LINE, max_headers=MAX_HEADERS)
         await self._runner.setup()
+        assert self._runner.server is not None
+        self.limits = ConnectionLimits(
+            self._runner.server, max_connections=cfg.max_connections,
+            header_timeout_s=cfg.header_timeout_s, stall_timeout_s=cfg.stall_timeout_s)
+        # The kernel queues at most this many connections not yet accepted (none holds a
+        # file descriptor of this process).
+        backlog = min(cfg.max_connections, 128)
         try:
-            await web.TCPSite(self._runner, self.host, self.port).start()
+            await BoundedSite(self._runner, self.limits, self.host, self.port,
+                              backlog=backlog).start()
         except OSError as exc:
             await self._runner.cleanup()
             self._runner = None
             raise BindRefused(f"monitor cannot listen on {self.host}:{self.port}: {exc}") from exc
+        self._fanout = EventFanout(self._ctl.events, _sse_chunk, keepalive_s=KEEPALIVE_S)
+        self._fanout_task = asyncio.create_task(self._fanout.run(), name="monitor-events")
         port = int(self._runner.addresses[0][1])
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.url = f"http://{host}:{port}/"
         return self.url
 
     async def aclose(self) -> None:
-        self._closing.set()  # event streams end at once instead of holding the shutdown
+        self._closing.set()
+        if self._fanout_task is not None:  # event streams end at once instead of holding on
+            self._fanout_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._fanout_task
+            self._fanout_task = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -196,7 +261,14 @@ class MonitorServer:
         if not (public or (read and self.loopback) or self.authorized(request)):
             raise web.HTTPUnauthorized(headers={"WWW-Authenticate": 'Bearer realm="flowrl"'},
                                        text="a bearer token is required")
-        return await handler(request)
+        conn = ConnectionLimits.of(request)
+        if conn is None:  # the client is gone already
+            raise web.HTTPBadRequest(text="the connection is closed")
+        conn.request_started()  # off the header deadline while it is served
+        try:
+            return await handler(request)
+        finally:
+            conn.request_ended()
 
     # ---- read endpoints ------------------------------------------------------------------------
 
@@ -211,11 +283,11 @@ class MonitorServer:
         return web.Response(body=found[0], content_type=found[1], headers=_NO_STORE)
 
     async def _status(self, request: web.Request) -> web.Response:
-        return web.Response(text=dumps(self._ctl.status()), content_type="application/json",
+        return web.Response(body=self._status_body.get(), content_type="application/json",
                             headers=_NO_STORE)
 
     async def _metrics_text(self, request: web.Request) -> web.Response:
-        return web.Response(body=self._metrics.render(),
+        return web.Response(body=self._metrics_body.get(),
                             headers={"Content-Type": CONTENT_TYPE, **_NO_STORE})
 
     async def _trace(self, request: web.Request) -> web.Response:
@@ -238,63 +310,43 @@ class MonitorServer:
         return web.Response(text=body, content_type="application/json", headers=_NO_STORE)
 
     async def _events(self, request: web.Request) -> web.StreamResponse:
-        last_id = _int_param(request, "last_id")
-        header = request.headers.get("Last-Event-ID", "")
-        if header.isdigit():
-            last_id = int(header)
-        resp = web.StreamResponse(headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-store",
-            "X-Accel-Buffering": "no"})
-        await resp.prepare(request)
+        last_id = _event_id(request.query.get("last_id"), "last_id")
+        header = _event_id(request.headers.get("Last-Event-ID"), "Last-Event-ID")
+        if header is not None:
+            last_id = header
+        fanout = self._fanout
+        if fanout is None or self._closing.is_set():
+            raise web.HTTPServiceUnavailable(text="the monitor is closing")
+        if self.streams >= self.config.max_event_streams:
+            raise web.HTTPServiceUnavailable(
+                headers={"Retry-After": "5"},
+                text=f"too many event streams open (monitor.max_event_streams = "
+                     f"{self.config.max_event_streams}); retry later")
+        self.streams += 1
         try:
-            async with contextlib.aclosing(self._stream(last_id)) as stream:
-                async for event in stream:
-                    chunk = (": keepalive\n\n" if event is None
-                             else f"id: {event['seq']}\nevent: {event['kind']}\n"
-                                  f"data: {dumps(event)}\n\n")
-                    await resp.write(chunk.encode())
+            resp = web.StreamResponse(headers={
+                "Content-Type": "text/event-stream", "Cache-Control": "no-store",
+                "X-Accel-Buffering": "no"})
+            await resp.prepare(request)
+            pos = fanout.start(last_id)
+            keepalives = fanout.keepalives
+            while True:
+                got = fanout.read(pos)
+                if got is None:  # closing, or this client fell a whole ring behind
+                    break
+                data, pos = got
+                if not data and fanout.keepalives != keepalives:
+                    data = KEEPALIVE
+                if data:
+                    keepalives = fanout.keepalives
+                    await resp.write(data)
+                else:
+                    await fanout.changed()
         except ConnectionResetError:
             pass  # the client went away; nothing to tell anyone
-        return resp
-
-    async def _stream(self, last_id: int | None) -> AsyncGenerator[dict[str, Any] | None, None]:
-        """Replayed then live events in ``seq`` order, None for a keepalive; ends at close."""
-        bus = self._ctl.events
-        # Without a last id the stream starts now: after the newest event kept so far.
-        sent = last_id if last_id is not None else bus.recent[-1]["seq"] if bus.recent else 0
-        # subscribe() is an async generator; it must be closed to drop its queue at once.
-        live = cast(AsyncGenerator[dict[str, Any], None], bus.subscribe())
-        nxt: asyncio.Future[dict[str, Any]] = asyncio.ensure_future(anext(live))
-        closing: asyncio.Future[Any] = asyncio.ensure_future(self._closing.wait())
-        try:
-            # One turn of the loop runs the subscription up to its queue wait: from then on it
-            # receives every event, so replaying `recent` now leaves no gap (and the queue's
-            # copies of replayed events are skipped below).
-            await asyncio.sleep(0)
-            for event in [e for e in bus.recent if e["seq"] > sent]:
-                sent = event["seq"]
-                yield event
-            while not self._closing.is_set():
-                waiting: set[asyncio.Future[Any]] = {nxt, closing}
-                done, _ = await asyncio.wait(waiting, timeout=KEEPALIVE_S,
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if nxt not in done:
-                    if closing not in done:
-                        yield None
-                    continue
-                event = nxt.result()
-                nxt = asyncio.ensure_future(anext(live))
-                if event["seq"] > sent:  # already replayed otherwise
-                    sent = event["seq"]
-                    yield event
         finally:
-            for fut in (nxt, closing):
-                fut.cancel()
-            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                await nxt
-            with contextlib.suppress(asyncio.CancelledError):
-                await closing
-            await live.aclose()
+            self.streams -= 1
+        return resp
 
     # ---- control -------------------------------------------------------------------------------
 
@@ -313,7 +365,10 @@ class MonitorServer:
 
     async def _staleness(self, request: web.Request) -> web.Response:
         try:
-            body = await request.json()
+            async with asyncio.timeout(self.config.header_timeout_s):
+                body = await request.json()
+        except TimeoutError:
+            raise web.HTTPRequestTimeout(text="the request body came too slowly") from None
         except (ValueError, RecursionError):  # RecursionError: JSON nested too deep
             raise web.HTTPBadRequest(text="the body must be JSON: {\"max_staleness\": n}") from None
         n = body.get("max_staleness") if isinstance(body, dict) else None
@@ -345,10 +400,12 @@ def _float_param(request: web.Request, name: str) -> float | None:
     return value
 
 
-def _int_param(request: web.Request, name: str) -> int | None:
-    raw = request.query.get(name)
-    if raw is None:
+def _event_id(raw: str | None, name: str) -> int | None:
+    """An event id from the client: None when absent or empty, else 1 to `MAX_ID_DIGITS` ASCII
+    digits (``str.isdigit`` also takes other scripts' digits and superscripts)."""
+    if not raw:
         return None
-    if not raw.isdigit():
-        raise web.HTTPBadRequest(text=f"{name} must be a non-negative integer")
+    if not (len(raw) <= MAX_ID_DIGITS and raw.isascii() and raw.isdigit()):
+        raise web.HTTPBadRequest(
+            text=f"{name} must be an event id: at most {MAX_ID_DIGITS} digits 0-9")
     return int(raw)
