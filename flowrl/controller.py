@@ -67,7 +67,7 @@ from flowrl.rendezvous import RankRendezvous
 from flowrl.resume import RunState, write_state
 from flowrl.staleness import StalenessGate
 from transport.endpoints import ipc_endpoint, new_run_id, remove_run_dir
-from transport.pubsub import Publisher
+from transport.pubsub import DroppedSubscriber, Publisher
 from transport.rpc import RpcClient, RpcServer
 from transport.shm import claim_run_dir
 
@@ -257,12 +257,15 @@ class Controller:
         # Marked with this process, so that if it is killed the next start sweeps the directory.
         claim_run_dir(self.run_id)
         handlers = self.api.handlers()
-        self._server = RpcServer(ipc_endpoint(self.run_id, "ctl"), handlers)
+        # Long polls have a budget of their own: they can never starve heartbeats.
+        self._server = RpcServer(ipc_endpoint(self.run_id, "ctl"), handlers,
+                                 long_polls=m.LONG_POLLS)
         endpoints = self.workforce.endpoints
         endpoints.controller = await self._server.start()
         hub = self._hub
         self._pub = (Publisher(ipc_endpoint(self.run_id, "pub")) if hub is None
                      else hub.publisher(ipc_endpoint(self.run_id, "pub")))
+        self._pub.on_drop = self._subscriber_dropped
         endpoints.broadcast = await self._pub.start()
         loop = asyncio.get_running_loop()
         self._owned = [loop.create_task(self.store_feed.run(), name="flowrl-free"),
@@ -706,6 +709,18 @@ class Controller:
     def _on_node_lost(self, node: str) -> None:
         if not self._stop.is_set():
             self._fail_run(RunError(f"node agent {node!r} stopped answering"))
+
+    def _subscriber_dropped(self, dropped: DroppedSubscriber) -> None:
+        """A broadcast subscriber stopped reading: a worker process that is still connected
+        is hung, and is treated like one that missed its heartbeats."""
+        self._log().warning("broadcast subscriber dropped", subscriber=dropped.name,
+                            reason=dropped.reason, connected=dropped.connected)
+        if not dropped.connected or self._stop.is_set():
+            return
+        for info in self.registry.all():
+            if info.name.rsplit(".", 1)[0] == dropped.name:
+                self.worker_gone(info.worker_id, f"stopped reading broadcasts ({dropped.reason})")
+                self.workforce.hung(info)
 
     def _fail_run(self, error: RunError) -> None:
         """Stop the run with ``error``: every waiter wakes up and raises it."""
