@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import hmac
-import json
 import math
 import signal
 import sys
@@ -57,6 +56,8 @@ from flowrl.registry import Registry, WorkerInfo
 from flowrl.rendezvous import RankRendezvous
 from flowrl.resume import RunState, TrainedPositions, write_state
 from flowrl.staleness import StalenessGate
+from flowrl.worker_launch import engine_config_of_group, process_spec, worker_command
+from flowrl.worker_spec import Endpoints, WorkerSpec
 from transport.endpoints import ipc_endpoint, new_run_id, remove_run_dir
 from transport.handles import Handle, looks_like_handle
 from transport.pubsub import Publisher
@@ -335,30 +336,20 @@ class Controller:
         node through that node's agent (None is returned then)."""
         self._worker_procs[f"{role}.{proc_no}"] = (role, proc_no, count, capacity, threads)
         node = self._node_of(role, proc_no)
+        process = process_spec(self.spec, role=role, proc_no=proc_no, count=count,
+                               capacity=capacity, threads=threads,
+                               engine_config=self._engine_config())
         if node != self.node:
             assert self._hub is not None  # made whenever a pool names another node
-            self._hub.spawn(node, {
-                "name": f"{role}.{proc_no}", "role": role, "count": count,
-                "capacity": capacity, "threads": threads, "engine": self.spec.engine,
-                "engine_config": self._engine_config(),
-                "seed": self.spec.seed * 1000 + proc_no, "heartbeat": self.spec.heartbeat_s})
+            self._hub.spawn(node, process)
             return None
-        argv = [
-            sys.executable, "-m", "workers.main", "--run-id", self.run_id, "--node", self.node,
-            "--controller", self._endpoint, "--broadcast", self._broadcast,
-            "--store", self._store_endpoint, "--role", role, "--count", str(count),
-            "--capacity", str(capacity), "--threads", str(threads),
-            "--engine", self.spec.engine,
-            "--engine-config", json.dumps(self._engine_config()),
-            "--seed", str(self.spec.seed * 1000 + proc_no),
-            "--heartbeat", str(self.spec.heartbeat_s), "--name", f"{role}.{proc_no}",
-            "--weight-sync-timeout", str(self.spec.weight_sync_timeout_s),
-        ]
-        if self._hub is None:
-            return await self._supervisor.spawn(f"{role}.{proc_no}", argv)
-        argv += ["--peers", json.dumps(self._hub.peers_for(self.node))]
-        return await self._supervisor.spawn(f"{role}.{proc_no}", argv,
-                                            env=self._hub.keys.to_env())
+        hub = self._hub
+        argv = worker_command(WorkerSpec(process=process, endpoints=Endpoints(
+            run_id=self.run_id, node=self.node, controller=self._endpoint,
+            broadcast=self._broadcast, store=self._store_endpoint,
+            peers={} if hub is None else hub.peers_for(self.node))))
+        return await self._supervisor.spawn(process.name, argv,
+                                            env=None if hub is None else hub.keys.to_env())
 
     def _node_of(self, role: str, proc_no: int) -> str:
         """The node worker process ``proc_no`` of `role` runs on (its pool's nodes in turn)."""
@@ -369,16 +360,9 @@ class Controller:
         """What worker processes are configured with: the spec's, plus, for data-parallel
         trainer ranks, the generation of a restarted group (its ranks meet in a fresh
         rendezvous) and the store that ranks on several nodes meet in."""
-        config = self.spec.engine_config
-        section = config.get("data_parallel")
-        extra: dict[str, Any] = {}
-        if self._dp_generation:
-            extra["generation"] = self._dp_generation
-        if self._rendezvous is not None:
-            extra["store"] = self._rendezvous.address
-        if not extra or not section:
-            return config
-        return {**config, "data_parallel": {**section, **extra}}
+        return engine_config_of_group(
+            self.spec.engine_config, generation=self._dp_generation,
+            store=None if self._rendezvous is None else self._rendezvous.address)
 
     async def aclose(self) -> None:
         """Stop workers, the node agent and the sockets; leaves no process or file behind."""
@@ -668,8 +652,10 @@ class Controller:
             self._train_groups_in_step = 0
 
     def _train_params(self, step_end: bool) -> dict[str, Any]:
-        """What a train task tells its trainer: the step, whether it ends it, which attempt."""
-        return {"step": self._train_step, "step_end": step_end, "attempt": self._step_attempt}
+        """What a train task tells its trainer: the step, whether it ends it, which attempt, and
+        the staleness in force (``tis_cap="auto"`` follows it)."""
+        return {"step": self._train_step, "step_end": step_end, "attempt": self._step_attempt,
+                "max_staleness": self.gate.max_staleness}
 
     def _drop_stale(self) -> None:
         for gid in self.index.take_stale():
