@@ -5,12 +5,12 @@
 ``train.0 .. train.<N-1>``; a rank's number is its process index (`DataParallel.of_process`).
 Ranks on one node meet in a ``file://`` store inside the run's private directory
 (``/tmp/flowrl-<run_id>``, mode 0700), so nothing listens on a network port, and keep gloo's
-links on loopback. Ranks on several nodes (the opt-in ``trainer_rendezvous="cluster"``) meet
-in a TCPStore the controller hosts (``store = "host:port"``), under a key prefix of their group's generation so that a
-restarted group never reads a dead group's keys; gloo's (or NCCL's) interface is then the
-environment's choice (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``). That store and the
-collectives' links are neither authenticated nor encrypted (torch.distributed): trusted fabrics
-only.
+links on loopback. Ranks on several nodes (the opt-in ``trainer_rendezvous="cluster"``) meet in
+a TCPStore the controller hosts (``store = "host:port"``), under a key prefix of their group's
+generation so that a restarted group never reads a dead group's keys; gloo's (or NCCL's)
+interface is then the environment's choice (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``).
+That store and the collectives' links are neither authenticated nor encrypted
+(torch.distributed): trusted fabrics only.
 
 `all_reduce_step` is what DDP does for a step whose micro-batches are accumulated locally
 (``no_sync`` on every micro-batch but the last): the ranks' gradient sums are added up in one
