@@ -21,8 +21,9 @@ import structlog
 from flowrl.logs import bind, configure
 from flowrl.worker_launch import read_spec
 from flowrl.worker_spec import EngineSpec, ProcessSpec, WorkerSpec
+from transport.store_server import StoreClient
 from workers.lifecycle import die_with_parent, run_main
-from workers.runtime import Role, Store, WeightSyncError, Worker, WorkerConfig
+from workers.runtime import Role, WeightSyncError, Worker, WorkerConfig
 
 log = structlog.get_logger("flowrl.worker")
 
@@ -56,33 +57,45 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def make_workers(spec: WorkerSpec, store: Store) -> list[Worker]:
-    """The process's workers (not started), their roles built."""
+def worker_configs(spec: WorkerSpec) -> list[WorkerConfig]:
+    """The configurations of the process's ``count`` workers."""
     from transport.curve import CurveKeys
 
     p, at = spec.process, spec.endpoints
     keys = CurveKeys.from_env()  # the run's keys, when it spans nodes
-    return [
-        Worker(
-            WorkerConfig(name=f"{p.name}.{i}", role=p.role, node=at.node,
-                         controller=at.controller, broadcast=at.broadcast,
-                         capacity=p.capacity, heartbeat_s=p.heartbeat_s, curve=keys,
-                         weight_sync_timeout_s=p.weight_sync_timeout_s),
-            make_role(p, at.run_id, p.seed * 100 + i),
-            store,
-        )
-        for i in range(p.count)
-    ]
+    return [WorkerConfig(name=f"{p.name}.{i}", role=p.role, node=at.node,
+                         controller=at.controller, broadcast=at.broadcast, capacity=p.capacity,
+                         heartbeat_s=p.heartbeat_s, curve=keys,
+                         weight_sync_timeout_s=p.weight_sync_timeout_s)
+            for i in range(p.count)]
+
+
+def store_client(spec: WorkerSpec) -> StoreClient:
+    """The process's client of its node's store (and, for reads, other nodes')."""
+    from transport.curve import CurveKeys
+
+    at = spec.endpoints
+    return StoreClient(at.run_id, at.node, at.store, peers=at.peers, curve=CurveKeys.from_env())
+
+
+def use_threads(spec: WorkerSpec) -> None:
+    """Give torch the process's threads (before any role is built)."""
+    import torch
+
+    torch.set_num_threads(max(1, spec.process.threads))
+
+
+def make_roles(spec: WorkerSpec) -> list[Role]:
+    """The roles of the process's ``count`` workers, each seeded apart."""
+    p = spec.process
+    return [make_role(p, spec.endpoints.run_id, p.seed * 100 + i) for i in range(p.count)]
 
 
 async def serve(spec: WorkerSpec) -> None:
-    from transport.curve import CurveKeys
-    from transport.store_server import StoreClient
-
-    at = spec.endpoints
-    store = StoreClient(at.run_id, at.node, at.store, peers=at.peers, curve=CurveKeys.from_env())
+    store = store_client(spec)
     try:
-        workers = make_workers(spec, store)
+        workers = [Worker(config, role, store) for config, role in
+                   zip(worker_configs(spec), make_roles(spec), strict=True)]
 
         def stop_all() -> None:
             for w in workers:
@@ -108,9 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     configure()
     spec = read_spec(args.spec)
     bind(run_id=spec.endpoints.run_id, role=spec.process.role, process=spec.process.name)
-    import torch
-
-    torch.set_num_threads(max(1, spec.process.threads))
+    use_threads(spec)
     run_main(serve(spec))
 
 
