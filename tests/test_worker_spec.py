@@ -28,7 +28,7 @@ from flowrl.recipe import (
 )
 from flowrl.run import compile_recipe
 from flowrl.worker_launch import read_spec, spec_file, worker_command
-from flowrl.worker_spec import EngineSpec, Endpoints, ProcessSpec, WorkerSpec, engine_spec
+from flowrl.worker_spec import Endpoints, EngineSpec, ProcessSpec, WorkerSpec, engine_spec
 from transport.endpoints import remove_run_dir
 from workers import main as worker_main
 from workers.distributed import DataParallel
@@ -84,7 +84,7 @@ def test_a_malformed_spec_is_refused_naming_the_field(run_id: str) -> None:
 
 
 @pytest.fixture
-def reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[set[tuple[str, str]]]:
+def reads(monkeypatch: pytest.MonkeyPatch) -> set[tuple[str, str]]:
     """(model, field) of every field read on any spec model while the test runs."""
     seen: set[tuple[str, str]] = set()
 
@@ -94,8 +94,8 @@ def reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[set[tuple[str, str]]]:
             seen.add((type(self).__name__, name))
         return value
 
-    monkeypatch.setattr(ws._Spec, "__getattribute__", recording)
-    yield seen
+    monkeypatch.setattr(ws._Spec, "__getattribute__", recording)  # undone after the test
+    return seen
 
 
 def every_field(model: type[BaseModel]) -> set[tuple[str, str]]:
