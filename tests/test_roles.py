@@ -77,9 +77,11 @@ def engine_config(
 
 def task(rows: int, row_groups: Sequence[int], *, stage: str = "rollout",
          params: Mapping[str, Any] | None = None) -> m.TaskMsg:
+    # A train task says the staleness in force, as the controller's do (tis_cap "auto").
+    given = {**({"max_staleness": 0} if stage == "train" else {}), **(params or {})}
     return {"task_id": 1, "stage": stage, "rows": list(range(rows)),
             "groups": sorted(set(row_groups)), "row_groups": list(row_groups), "inputs": {},
-            "params": dict(params or {})}
+            "params": given}
 
 
 def params_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
