@@ -1092,10 +1092,15 @@ class HostileController:
 
 
 def worker_argv(run_id: str, hostile: HostileController, store_ep: str) -> list[str]:
-    return [sys.executable, "-m", "workers.main", "--run-id", run_id, "--node", "node0",
-            "--controller", hostile.rpc_ep, "--broadcast", hostile.pub_ep, "--store", store_ep,
-            "--role", "rollout", "--name", "fuzz", "--engine", "sim",
-            "--engine-config", json.dumps(FAST), "--capacity", "4", "--heartbeat", "0.05"]
+    from flowrl.worker_launch import worker_command
+    from flowrl.worker_spec import Endpoints, ProcessSpec, WorkerSpec
+
+    return worker_command(WorkerSpec(
+        process=ProcessSpec(name="rollout.0", role="rollout", count=1, capacity=4, threads=1,
+                            seed=0, heartbeat_s=0.05, weight_sync_timeout_s=60.0,
+                            engine="sim", sim=FAST),
+        endpoints=Endpoints(run_id=run_id, node="node0", controller=hostile.rpc_ep,
+                            broadcast=hostile.pub_ep, store=store_ep)))
 
 
 async def fuzz_worker(count: int, seed: int) -> dict[str, Any]:

@@ -27,7 +27,7 @@ Two ways to run one:
   goes through the controller: workers read other nodes' handles from those nodes' store
   servers.
 
-With the ``plaintext`` data plane (``ClusterConfig.data_plane``), every agent's tcp store
+With the ``plaintext`` data plane (``ClusterSettings.data_plane``), every agent's tcp store
 server also serves reads unencrypted, their requests authenticated with the run's keys
 (`transport.store_server`); readers find that endpoint themselves.
 
@@ -47,10 +47,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import signal
-import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -58,10 +56,13 @@ from pathlib import Path
 from typing import Any, Final
 
 import structlog
+from pydantic import ConfigDict, Field
 
 from flowrl import messages as m
 from flowrl.logs import bind, configure
-from flowrl.messages import DataPlane, TrainerRendezvous
+from flowrl.recipe import ClusterSettings
+from flowrl.worker_launch import worker_command
+from flowrl.worker_spec import Endpoints, ProcessSpec, WorkerSpec
 from transport.curve import CurveKeys, for_endpoint
 from transport.endpoints import ipc_endpoint, tcp_endpoint
 from transport.errors import DeadlineExceeded, TransportError
@@ -91,11 +92,6 @@ _ANSWER_POLLS_S: Final = 2.0
 # Beyond a poll's round trip: how long an agent may take to kill processes (SIGKILL, reaped).
 _KILL_S: Final = 10.0
 
-# Worker fields the controller sends in a spawn command, with their types.
-_SPAWN_FIELDS: Final[dict[str, type]] = {
-    "name": str, "role": str, "count": int, "capacity": int, "threads": int, "engine": str,
-    "engine_config": dict, "seed": int, "heartbeat": float, "peers": dict,
-}
 
 
 # =================================================================================================
@@ -282,25 +278,22 @@ class _Agent:
         # Every killed child's exit is queued by now (its watcher reports before it ends).
         self.reports.put_nowait((OP_STOPPED, {"node": self.node, "id": order["id"]}))
 
-    async def _spawn(self, spec: Any) -> None:
-        if not isinstance(spec, dict) or any(
-            not isinstance(spec.get(k), t) and not (t is float and isinstance(spec.get(k), int))
-            for k, t in _SPAWN_FIELDS.items()
-        ):
-            log.warning("ignored a malformed spawn command", node=self.node)
+    async def _spawn(self, command: Any) -> None:
+        """Start the worker process of a spawn command (its `ProcessSpec` and the other nodes'
+        store endpoints), as the controller starts its own node's (`worker_command`)."""
+        try:
+            if not isinstance(command, dict):
+                raise ValueError(f"a spawn command is a mapping, got {type(command).__name__}")
+            process = ProcessSpec.model_validate(command.get("process"))
+            where = Endpoints(run_id=self.run_id, node=self.node,
+                              controller=self.args.controller, broadcast=self.broadcast,
+                              store=self.local_store, peers=command.get("peers", {}))
+        except ValueError as exc:  # pydantic's ValidationError is one
+            log.warning("ignored a malformed spawn command", node=self.node, error=str(exc))
             return
-        argv = [
-            sys.executable, "-m", "workers.main", "--run-id", self.run_id, "--node", self.node,
-            "--controller", self.args.controller, "--broadcast", self.broadcast,
-            "--store", self.local_store, "--peers", json.dumps(spec["peers"]),
-            "--role", spec["role"], "--count", str(spec["count"]),
-            "--capacity", str(spec["capacity"]), "--threads", str(spec["threads"]),
-            "--engine", spec["engine"], "--engine-config", json.dumps(spec["engine_config"]),
-            "--seed", str(spec["seed"]), "--heartbeat", str(spec["heartbeat"]),
-            "--name", spec["name"],
-        ]
         env = self.keys.to_env() if self.keys is not None else {}
-        await self.supervisor.spawn(spec["name"], argv, env=env)
+        await self.supervisor.spawn(
+            process.name, worker_command(WorkerSpec(process=process, endpoints=where)), env=env)
 
     async def _report(self) -> None:
         while True:
@@ -337,29 +330,26 @@ def main(argv: list[str] | None = None) -> None:
 # The controller's side
 
 
-@dataclass(frozen=True)
-class ClusterConfig:
+class ClusterConfig(ClusterSettings):
     """How the controller meets node agents on other nodes (used only when the pipeline places
-    pools on nodes other than the controller's)."""
+    pools on nodes other than the controller's): a recipe's `ClusterSettings` (`from_settings`)
+    plus what a recipe does not say."""
 
-    #: address the controller's tcp endpoints bind, and that agents connect to; curve always.
-    host: str = "127.0.0.1"
-    #: port of the request endpoint (0: any free port; see `NodeHub.wait_listening`).
-    port: int = 0
-    #: the run's curve keys; None makes fresh ones.
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
     keys: CurveKeys | None = None
-    #: where to write the keys (0600) for the agents; None writes nothing.
-    keys_file: Path | None = None
-    #: how long `Controller.start` waits for every remote agent to be ready.
-    join_timeout_s: float = 120.0
-    #: a remote agent not heard from for this long is lost, and the run fails.
-    node_timeout_s: float = 15.0
-    #: how sample bytes of cross-node reads travel (``ClusterSettings.data_plane``).
-    data_plane: DataPlane = "encrypted"
-    #: ``cluster`` lets data-parallel trainer ranks run on several nodes, meeting in a store
-    #: the controller hosts on `host`; unauthenticated and unencrypted
-    #: (``ClusterSettings.trainer_rendezvous``).
-    trainer_rendezvous: TrainerRendezvous = "node"
+    """The run's curve keys; None makes fresh ones."""
+    node_timeout_s: float = Field(default=15.0, gt=0.0)
+    """A remote agent not heard from for this long is lost, and the run fails."""
+
+    @classmethod
+    def from_settings(cls, settings: ClusterSettings, *, host: str | None = None
+                      ) -> ClusterConfig:
+        """``settings``, with ``host`` replacing the default address (not one they give)."""
+        values = dict(settings)
+        if host is not None and "host" not in settings.model_fields_set:
+            values["host"] = host
+        return cls(**values)
 
 
 @dataclass
@@ -540,10 +530,11 @@ class NodeHub:
         """The store endpoints of every node but `node`."""
         return {n: ep for n, ep in self.peers.items() if n != node}
 
-    def spawn(self, node: str, worker: dict[str, Any]) -> None:
-        """Ask `node`'s agent to start a worker process (fields of `_SPAWN_FIELDS` but peers)."""
+    def spawn(self, node: str, process: ProcessSpec) -> None:
+        """Ask `node`'s agent to start worker process `process` (`flowrl.worker_launch`)."""
         remote = self._remote[node]
-        remote.commands.append({**worker, "peers": self.peers_for(node)})
+        remote.commands.append({"process": process.model_dump(mode="json"),
+                                "peers": self.peers_for(node)})
         remote.wake.set()
 
     async def stop_workers(self, node: str, names: Sequence[str]) -> None:

@@ -16,7 +16,8 @@ Guarantees:
   rule violation is a ``recipe_rule`` error whose context names the field (`flowrl.recipe_file`
   turns errors into messages naming the file and the dotted field path).
 - A constructed recipe is immutable and always compiles: `Recipe.to_pipeline` returns a valid
-  `PipelineSpec` whose ``engine_config`` is plain JSON (it travels on worker command lines).
+  `PipelineSpec` whose ``engine_config`` is the JSON form of a `flowrl.worker_spec.EngineSpec`
+  (what workers are told, in a 0600 file).
 - The monitor token is a `SecretStr`: it is never shown by ``repr``/``str``/``model_dump_json``,
   input values are hidden in validation errors, and it is never put in ``engine_config``.
 - Filesystem checks (model directory, data file, reward file) run only for local placement on
@@ -56,6 +57,20 @@ from pydantic_core import PydanticCustomError
 
 from flowrl.messages import DataPlane, TrainerRendezvous
 from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages, ppo_stages
+from flowrl.worker_spec import (
+    AlgorithmSpec,
+    ArithmeticDataSpec,
+    CriticSpec,
+    DataParallelSpec,
+    EngineSpec,
+    FileDataSpec,
+    ModelSpec,
+    PolicyLossAgg,
+    RewardSpec,
+    RolloutSpec,
+    SamplingSpec,
+    TrainerSpec,
+)
 
 __all__ = [
     "LOSS_AGG_ALGORITHM_NAMES",
@@ -89,7 +104,7 @@ DEFAULT_TIS_CAP = 2.0
 
 LossAggName = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 
-LOSS_AGG_ALGORITHM_NAMES: dict[str, str] = {
+LOSS_AGG_ALGORITHM_NAMES: dict[str, PolicyLossAgg] = {
     "token_mean": "token-mean",
     "seq_mean_token_mean": "seq-mean-token-mean",
     "seq_mean_token_sum_norm": "seq-mean-token-sum-norm",
@@ -260,8 +275,9 @@ class AlgorithmConfig(_Section):
     """Drop groups whose rewards are all equal (no learning signal) and sample replacements
     (DAPO)."""
     tis_cap: float | Literal["auto"] | None = "auto"
-    """Truncated importance-sampling cap for stale samples; ``"auto"`` means 2.0 when
-    ``max_staleness > 0`` and off otherwise, None turns it off (see `Recipe.tis_cap`)."""
+    """Truncated importance-sampling cap for stale samples; ``"auto"`` means 2.0 while
+    ``max_staleness > 0`` is in force (also when raised mid-run) and off otherwise, None turns
+    it off."""
 
     @field_validator("tis_cap")
     @classmethod
@@ -633,8 +649,9 @@ _NODE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012
 
 
 class ClusterSettings(_Section):
-    """Where the controller meets the node agents of other nodes (``flowrl.node.ClusterConfig``);
-    every tcp link is encrypted with the run's CurveZMQ keys (but see `data_plane`)."""
+    """Where the controller meets the node agents of other nodes (the controller takes them as
+    ``flowrl.node.ClusterConfig``, which adds the run's keys); every tcp link is encrypted with
+    the run's CurveZMQ keys (but see `data_plane`)."""
 
     host: str = Field(default="127.0.0.1", min_length=1)
     """Address the controller binds and agents connect to."""
@@ -852,8 +869,9 @@ class Recipe(_Section):
 
     @property
     def tis_cap(self) -> float | None:
-        """The resolved TIS cap: `AlgorithmConfig.tis_cap`, with ``"auto"`` → 2.0 when
-        ``max_staleness > 0``, else None (off)."""
+        """The TIS cap at the start of the run: `AlgorithmConfig.tis_cap`, with ``"auto"`` →
+        2.0 when ``max_staleness > 0``, else None (off). Trainers resolve ``"auto"`` per task
+        from the staleness in force, which the monitor may change mid-run."""
         cap = self.algorithm.tis_cap
         if cap == "auto":
             return DEFAULT_TIS_CAP if self.max_staleness > 0 else None
@@ -926,43 +944,50 @@ class Recipe(_Section):
         """The ``workers.sim.SimCost`` field values of this recipe."""
         return {**self.sim.model_dump(mode="json"), "max_new_tokens": self.rollout.max_new_tokens}
 
+    def engine_spec(self) -> EngineSpec:
+        """What real-engine workers are configured with (no monitor secrets, resolved values;
+        the model path as the recipe gives it: `flowrl.run.compile_recipe` resolves it)."""
+        a, d = self.algorithm, self.data
+        data: ArithmeticDataSpec | FileDataSpec
+        if d.kind == "arithmetic":
+            data = ArithmeticDataSpec(kind=d.kind, max_prompt_tokens=d.max_prompt_tokens,
+                                      **d.arithmetic.model_dump())
+        else:
+            assert d.path is not None  # DataConfig: a file kind has a path
+            data = FileDataSpec(kind=d.kind, path=d.path, prompt_key=d.prompt_key,
+                                answer_key=d.answer_key, prompt_template=d.prompt_template,
+                                max_prompt_tokens=d.max_prompt_tokens)
+        t = self.trainer
+        return EngineSpec(
+            model=ModelSpec(path=self.model.path),
+            data=data,
+            algorithm=AlgorithmSpec(
+                name=a.name, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
+                clip_low=a.clip_low, clip_high=a.clip_high_resolved,
+                loss_agg=LOSS_AGG_ALGORITHM_NAMES[a.loss_agg],
+                tis_cap=a.tis_cap),
+            sampling=SamplingSpec(temperature=self.rollout.temperature, top_p=self.rollout.top_p,
+                                  max_new_tokens=self.rollout.max_new_tokens,
+                                  stop=self.rollout.stop),
+            rollout=RolloutSpec(dtype=self.rollout.dtype),
+            reward=RewardSpec(fn=self.reward.ref, batched=self.reward.batched,
+                              timeout_s=self.reward.timeout_s,
+                              concurrency=self.reward.concurrency),
+            trainer=TrainerSpec(lr=t.lr, weight_decay=t.weight_decay, betas=t.betas,
+                                grad_clip=t.grad_clip, warmup_steps=t.warmup_steps,
+                                lr_schedule=t.lr_schedule, min_lr_ratio=t.min_lr_ratio),
+            critic=CriticSpec(
+                **self.critic.model_dump(exclude={"threads"}),
+                rows_per_step=t.groups_per_step * a.group_size) if self.uses_critic else None,
+            data_parallel=DataParallelSpec(
+                world=t.ranks, sharding=t.sharding, compute_dtype=t.compute_dtype)
+            if t.ranks > 1 else None,
+            steps=self.steps,
+            seed=self.seed,
+            output=None if self.output is None else str(self.output),
+            checkpoint_every=self.checkpoint_every,
+        )
+
     def engine_config(self) -> dict[str, Any]:
-        """Plain-JSON settings real-engine workers need (no monitor secrets, resolved values)."""
-        a = self.algorithm
-        return {
-            "model": self.model.model_dump(mode="json"),
-            "data": self.data.model_dump(mode="json"),
-            "algorithm": {
-                "name": a.name,
-                "group_size": a.group_size,
-                "kl_coef": a.kl_coef,
-                "kl_estimator": a.kl_estimator,
-                "clip_low": a.clip_low,
-                "clip_high": a.clip_high_resolved,
-                "loss_agg": LOSS_AGG_ALGORITHM_NAMES[a.loss_agg],
-                "dynamic_sampling": a.dynamic_sampling,
-                "tis_cap": self.tis_cap,
-            },
-            "sampling": {
-                "n": a.group_size,
-                "temperature": self.rollout.temperature,
-                "top_p": self.rollout.top_p,
-                "max_new_tokens": self.rollout.max_new_tokens,
-                "stop": list(self.rollout.stop),
-            },
-            "rollout": {"dtype": self.rollout.dtype},
-            "reward": self.reward.model_dump(mode="json", exclude={"workers"}),
-            "trainer": self.trainer.model_dump(
-                mode="json", exclude={"threads", "ranks", "sharding", "compute_dtype"}),
-            **({"data_parallel": {"world": self.trainer.ranks,
-                                  "sharding": self.trainer.sharding,
-                                  "compute_dtype": self.trainer.compute_dtype}}
-               if self.trainer.ranks > 1 else {}),
-            **({"critic": self.critic.model_dump(mode="json", exclude={"threads"})}
-               if self.uses_critic else {}),
-            "max_staleness": self.max_staleness,
-            "steps": self.steps,
-            "seed": self.seed,
-            "output": None if self.output is None else str(self.output),
-            "checkpoint_every": self.checkpoint_every,
-        }
+        """`engine_spec` in its JSON form (what `PipelineSpec.engine_config` holds)."""
+        return self.engine_spec().model_dump(mode="json")

@@ -23,6 +23,7 @@ from flowrl.node import ClusterConfig
 from flowrl.pipeline import PipelineSpec
 from flowrl.recipe import CONTROLLER_NODE, TINY_MODEL, ClusterSettings, Recipe
 from flowrl.resume import RunState, latest_checkpoint
+from flowrl.worker_spec import ModelSpec, ResumeSpec
 
 
 def cache_dir() -> Path:
@@ -58,16 +59,17 @@ def compile_recipe(
     reference model stays the recipe's."""
     spec = recipe.to_pipeline()
     model = prepare_model(recipe)
-    if model is not None:
-        config = dict(spec.engine_config)
-        config["model"] = {**config["model"], "path": str(model)}
-        if resume is not None:
-            checkpoint, state = resume
-            config["model"] = {**config["model"], "path": str(checkpoint),
-                               "reference_path": str(model)}
-            config["resume"] = {"checkpoint": str(checkpoint), "version": state.version}
-        spec = dataclasses.replace(spec, engine_config=config)
-    return spec
+    if model is None:
+        return spec
+    engine = recipe.engine_spec()
+    placed = ModelSpec(path=str(model))
+    if resume is not None:
+        checkpoint, state = resume
+        placed = ModelSpec(path=str(checkpoint), reference_path=str(model))
+        engine = engine.model_copy(update={
+            "resume": ResumeSpec(checkpoint=str(checkpoint), version=state.version)})
+    engine = engine.model_copy(update={"model": placed})
+    return dataclasses.replace(spec, engine_config=engine.model_dump(mode="json"))
 
 
 def cluster_config(recipe: Recipe, *, host: str | None = None) -> ClusterConfig | None:
@@ -76,12 +78,7 @@ def cluster_config(recipe: Recipe, *, host: str | None = None) -> ClusterConfig 
     placement = recipe.placement
     if not placement.remote_nodes:
         return None
-    c = placement.cluster or ClusterSettings()
-    return ClusterConfig(
-        host=host if host is not None and "host" not in c.model_fields_set else c.host,
-        port=c.port, keys_file=None if c.keys_file is None else Path(c.keys_file),
-        join_timeout_s=c.join_timeout_s, data_plane=c.data_plane,
-        trainer_rendezvous=c.trainer_rendezvous)
+    return ClusterConfig.from_settings(placement.cluster or ClusterSettings(), host=host)
 
 
 @contextlib.asynccontextmanager

@@ -37,7 +37,8 @@ from flowrl.recipe import (
 )
 from flowrl.rendezvous import RankRendezvous
 from flowrl.run import cluster_config
-from workers.distributed import DataParallel, for_process, split_address
+from flowrl.worker_spec import DataParallelSpec
+from workers.distributed import DataParallel, split_address
 from workers.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.timeout(60)
@@ -74,10 +75,9 @@ def test_ranks_on_several_nodes_need_the_opt_in_which_the_refusal_names(tmp_path
 
 
 def test_a_rank_meets_in_the_store_or_in_a_file_never_both() -> None:
-    config = {"data_parallel": {"world": 2, "store": "10.0.0.1:29500", "generation": 3}}
-    group = DataParallel.from_config(
-        for_process(config, role="train", name="train.1", run_dir=Path("/tmp/flowrl-x")))
-    assert group is not None
+    section = DataParallelSpec(world=2, sharding="replicate", compute_dtype="float32",
+                               store="10.0.0.1:29500", generation=3)
+    group = DataParallel.of_process(section, process="train.1", run_dir=Path("/tmp/flowrl-x"))
     assert (group.rank, group.store, group.generation, group.init_method) == (
         1, "10.0.0.1:29500", 3, "")
     assert split_address("[::1]:29500") == ("::1", 29500)

@@ -37,7 +37,8 @@ from flowrl.recipe import (
     RolloutConfig,
     TrainerConfig,
 )
-from workers.distributed import DataParallel, for_process, full_tensor, local_part
+from flowrl.worker_spec import DataParallelSpec
+from workers.distributed import DataParallel, full_tensor, local_part
 from workers.engines import TorchTrainerEngine
 from workers.engines.protocols import TrainerState
 from workers.roles.trainer import TrainerRole, TrainSettings
@@ -305,15 +306,15 @@ def test_step_ends_merge_only_when_the_ranks_agree() -> None:
 
 
 def test_a_rank_is_its_process_index() -> None:
-    config = {"data_parallel": {"world": 2}, "seed": 0}
-    got = for_process(config, role="train", name="train.1", run_dir=Path("/tmp/flowrl-x"))
-    group = DataParallel.from_config(got)
-    assert group is not None
+    section = DataParallelSpec(world=2, sharding="replicate", compute_dtype="float32")
+    group = DataParallel.of_process(section, process="train.1", run_dir=Path("/tmp/flowrl-x"))
     assert (group.rank, group.world) == (1, 2)
     assert group.init_method == "file:///tmp/flowrl-x/train-ranks.store"
-    assert for_process(config, role="rollout", name="rollout.0", run_dir=Path("/x")) == config
+    again = section.model_copy(update={"generation": 2})
+    assert DataParallel.of_process(again, process="train.0", run_dir=Path("/x")).init_method == (
+        "file:///x/train-ranks.store.2")  # a restarted group meets in a fresh store
     with pytest.raises(ValueError, match=r"train\.<rank>"):
-        for_process(config, role="train", name="trainer", run_dir=Path("/x"))
+        DataParallel.of_process(section, process="trainer", run_dir=Path("/x"))
     with pytest.raises(ValueError, match="loopback"):
         DataParallel(rank=0, world=2, init_method="tcp://10.0.0.1:29500")
 
@@ -334,7 +335,8 @@ def test_a_split_that_leaves_a_rank_idle_names_the_field() -> None:
     dp = Recipe(steps=1, trainer=TrainerConfig(
         ranks=2, groups_per_step=4, sharding="fsdp2", compute_dtype="bfloat16"),
     ).engine_config()["data_parallel"]
-    assert dp == {"world": 2, "sharding": "fsdp2", "compute_dtype": "bfloat16"}
+    assert dp == {"world": 2, "sharding": "fsdp2", "compute_dtype": "bfloat16",
+                  "timeout_s": 600.0, "store": "", "generation": 0}
     with pytest.raises(ValidationError, match=r"trainer\.ranks"):
         Recipe(steps=1, rollout=RolloutConfig(engine="sim"), trainer=TrainerConfig(ranks=2))
     with pytest.raises(ValidationError, match=r"placement\.roles\.train"):
@@ -344,7 +346,7 @@ def test_a_split_that_leaves_a_rank_idle_names_the_field() -> None:
     spec = Recipe(steps=1, trainer=TrainerConfig(ranks=2, groups_per_step=4,
                                                  micro_batch_groups=2)).to_pipeline()
     assert spec.engine_config["data_parallel"]["world"] == 2
-    assert "data_parallel" not in Recipe(steps=1).to_pipeline().engine_config
+    assert Recipe(steps=1).to_pipeline().engine_config["data_parallel"] is None
 
 
 # ---- a real run with two ranks ------------------------------------------------------------------

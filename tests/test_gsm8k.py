@@ -20,9 +20,10 @@ import pytest
 import torch
 
 from flowrl.data import jsonl, parquet
-from flowrl.recipe import Recipe
+from flowrl.recipe import Recipe, RolloutConfig
 from flowrl.recipe_file import RecipeError, load_recipe
 from flowrl.run import compile_recipe
+from flowrl.worker_spec import EngineSpec
 from workers.roles.factory import dataset_from_config, rollout_dtype
 from workers.roles.reward import resolve_reward_fn
 from workers.roles.rewards import final_number, gsm8k_gold, gsm8k_numeric, gsm8k_numeric_batch
@@ -206,9 +207,12 @@ def test_template_needs_the_prompt_placeholder(tmp_path: Path) -> None:
 
 def test_auto_dtype_is_float32_on_a_cpu() -> None:
     cpu = torch.device("cpu")
-    assert rollout_dtype({"rollout": {"dtype": "auto"}}, cpu) == torch.float32
-    assert rollout_dtype({"rollout": {"dtype": "bfloat16"}}, cpu) == torch.bfloat16
-    assert rollout_dtype({}, cpu) == torch.float32
+    def spec(**rollout: Any) -> EngineSpec:
+        return Recipe(steps=1, rollout=RolloutConfig(**rollout)).engine_spec()
+
+    assert rollout_dtype(spec(dtype="auto"), cpu) == torch.float32
+    assert rollout_dtype(spec(dtype="bfloat16"), cpu) == torch.bfloat16
+    assert rollout_dtype(spec(), cpu) == torch.float32  # the recipe's default
 
 
 # ---- the recipe ----------------------------------------------------------------------------------

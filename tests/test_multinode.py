@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import secrets
 import signal
@@ -21,7 +22,7 @@ from typing import Literal
 import psutil
 import pytest
 
-from flowrl.controller import Controller
+from flowrl.controller import Controller, RunError
 from flowrl.node import ClusterConfig
 from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages
 from transport.curve import CurveKeys
@@ -139,6 +140,38 @@ async def test_a_run_across_two_node_agents_reads_across_nodes(
             reads = stats["nodes"][node]["plaintext"]
             assert reads["accepted"] > 0
             assert sum(reads.values()) == reads["accepted"], reads
+
+
+@pytest.mark.timeout(120)
+async def test_a_worker_on_another_node_keeps_the_weight_sync_deadline(tmp_path: Path) -> None:
+    # The rollout worker runs on node a and takes 30 s to load each version against a 0.5 s
+    # deadline: it must report the miss and exit, and the run stops naming it (a worker that
+    # did not get the deadline would wait 60 s and the run would time out instead).
+    keys = CurveKeys.generate()
+    stuck = dataclasses.replace(
+        split_spec(), pools=(PoolSpec("rollout", count=1, nodes=("a",)),
+                             PoolSpec("reward", count=1), PoolSpec("train", count=1)),
+        engine_config={**FAST, "weight_load_s": 30.0}, weight_sync_timeout_s=0.5,
+        max_restarts=0, max_staleness=0)
+    ctl = Controller(stuck, cluster=ClusterConfig(keys=keys), start_timeout_s=60)
+    assert ctl.nodes is not None
+    log = tmp_path / "a.log"
+    procs: list[asyncio.subprocess.Process] = []
+    async with agents_reaped(procs):
+        try:
+            starting = asyncio.ensure_future(ctl.start())
+            procs.append(await start_agent(await ctl.nodes.wait_listening(), "a", log,
+                                           env=keys.to_env()))
+            await starting
+            with pytest.raises(RunError, match=r"rollout\.0 died") as info:
+                await ctl.run(steps=3, timeout_s=40)
+            errors = [e for e in ctl.status()["errors"] if e.get("stage") == "weight_sync"]
+        finally:
+            await ctl.aclose()
+        await wait_exit(procs[0], log)
+    assert "did not load policy version 1 within 0.5s" in str(info.value), tail(log)
+    assert errors
+    assert errors[0]["name"] == "rollout.0.0"
 
 
 @pytest.mark.timeout(60)

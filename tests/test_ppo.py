@@ -25,6 +25,7 @@ from flowrl.recipe import (
     TrainerConfig,
 )
 from flowrl.recipe_file import RecipeError, load_recipe
+from flowrl.worker_spec import engine_spec
 from workers.engines.protocols import SequenceBatch
 from workers.engines.value_model import ValueModelEngine
 from workers.roles.critic import (
@@ -197,13 +198,13 @@ def test_a_resumed_run_starts_its_critic_from_the_last_save(
 
     # A critic process restarted within the run starts from the run's save; another run
     # writing to the same directory never loads it.
-    del config["resume"]
+    config["resume"] = None
     config["model"] = {**config["model"], "path": str(model_dir), "reference_path": None}
-    restarted = make_hf_role("critic", {**config, "run_id": "run-1"}, seed=5)
+    restarted = make_hf_role("critic", config, seed=5, run_id="run-1")
     assert isinstance(restarted, CriticRole)
     assert restarted.steps == 2  # the last save (every 2 critic steps; step 3 made none)
     assert all(torch.equal(_critic_state(restarted.engine)[k], saved[k]) for k in saved)
-    other = make_hf_role("critic", {**config, "run_id": "run-2"}, seed=5)
+    other = make_hf_role("critic", config, seed=5, run_id="run-2")
     assert isinstance(other, CriticRole)
     assert other.steps == 0
 
@@ -221,12 +222,12 @@ def test_a_ppo_recipe_validates_and_compiles_with_a_critic_stage() -> None:
     assert set(graph.stage("critic").produces) == {"values", "advantages", "returns"}
     assert "advantages" in graph.stage("train").needs
     assert {p.role: p.count for p in spec.pools}["critic"] == 1
-    critic = CriticSettings.from_config(spec.engine_config)
+    critic = CriticSettings.from_spec(engine_spec(spec.engine_config))
     assert (critic.gamma, critic.lam, critic.rows_per_step) == (0.99, 0.9, 8)
-    assert TrainSettings.from_config(spec.engine_config).algorithm == "ppo"
+    assert TrainSettings.from_spec(engine_spec(spec.engine_config)).algorithm == "ppo"
     # Without PPO there is no critic, and critic settings are refused.
     assert "critic" not in [s.name for s in Recipe(steps=1).to_pipeline().stages]
-    assert "critic" not in Recipe(steps=1).to_pipeline().engine_config
+    assert Recipe(steps=1).to_pipeline().engine_config["critic"] is None
 
 
 def test_critic_settings_without_ppo_name_their_field(tmp_path: Path) -> None:

@@ -114,9 +114,9 @@ def test_engine_config_is_plain_json_with_resolved_values() -> None:
     assert json.loads(json.dumps(cfg)) == cfg
     a = cfg["algorithm"]
     assert a["clip_high"] == 0.2  # None resolves to clip_low
-    assert a["tis_cap"] == 2.0  # "auto" with staleness 1
+    assert a["tis_cap"] == "auto"  # resolved per train task from the staleness in force
     assert a["loss_agg"] == "seq-mean-token-sum-norm"
-    assert cfg["sampling"] == {"n": 4, "temperature": 0.7, "top_p": 1.0, "max_new_tokens": 256,
+    assert cfg["sampling"] == {"temperature": 0.7, "top_p": 1.0, "max_new_tokens": 256,
                                "stop": ["\n\n"]}
     assert cfg["reward"]["fn"] == f"{__name__}:score"
     assert cfg["reward"]["batched"] is True
@@ -157,7 +157,8 @@ def test_sim_config_mirrors_sim_cost() -> None:
 def test_tis_cap_resolution(staleness: int, cap: Any, expected: float | None) -> None:
     r = Recipe(steps=1, max_staleness=staleness, algorithm=AlgorithmConfig(tis_cap=cap))
     assert r.tis_cap == expected
-    assert r.to_pipeline().engine_config["algorithm"]["tis_cap"] == expected
+    # Workers get "auto" as it is: trainers resolve it from the staleness in force.
+    assert r.to_pipeline().engine_config["algorithm"]["tis_cap"] == cap
 
 
 def test_recipe_is_frozen_and_hashable() -> None:

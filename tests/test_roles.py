@@ -35,7 +35,6 @@ from workers.engines import (
     TorchTrainerEngine,
 )
 from workers.engines.hf_rollout import load_causal_lm
-from workers.main import make_role
 from workers.roles.factory import dataset_from_config, load_tokenizer, make_hf_role
 from workers.roles.reference import ReferenceRole
 from workers.roles.reward_role import RewardRole
@@ -78,9 +77,11 @@ def engine_config(
 
 def task(rows: int, row_groups: Sequence[int], *, stage: str = "rollout",
          params: Mapping[str, Any] | None = None) -> m.TaskMsg:
+    # A train task says the staleness in force, as the controller's do (tis_cap "auto").
+    given = {**({"max_staleness": 0} if stage == "train" else {}), **(params or {})}
     return {"task_id": 1, "stage": stage, "rows": list(range(rows)),
             "groups": sorted(set(row_groups)), "row_groups": list(row_groups), "inputs": {},
-            "params": dict(params or {})}
+            "params": given}
 
 
 def params_equal(a: torch.nn.Module, b: torch.nn.Module) -> bool:
@@ -103,7 +104,7 @@ def train_inputs(out: RoleOutput, rewards: Sequence[float]) -> dict[str, list[An
 
 async def test_rollout_outputs_are_aligned_and_versioned(model_dir: Path) -> None:
     config = engine_config(model_dir)
-    role = make_role("hf", "rollout", config, seed=0)
+    role = make_hf_role("rollout", config, seed=0)
     assert isinstance(role, RolloutRole)
     dataset, tokenizer = dataset_from_config(config), role.tokenizer
     positions, groups = [5, 5, 5, 9, 9, 9], [10, 10, 10, 11, 11, 11]

@@ -75,7 +75,7 @@ def test_default_recipe_compiles_to_the_documented_job() -> None:
     config = spec.engine_config
     assert config["reward"]["fn"] == "workers.roles.rewards:numeric_partial_credit_batch"
     assert config["reward"]["batched"] is True
-    assert config["algorithm"]["tis_cap"] == 2.0  # stale samples are corrected
+    assert recipe.tis_cap == 2.0  # stale samples are corrected
     # Two groups per generate call, with the rate decaying over the run (the recipe says why).
     assert recipe.rollout.groups_per_task == 2
     assert (config["trainer"]["lr_schedule"], config["trainer"]["min_lr_ratio"]) == ("cosine", 0.1)

@@ -2,15 +2,15 @@
 
 `DataParallel` describes one rank: its rank and world size, the backend (``gloo`` on a CPU,
 ``nccl`` on CUDA, ``hccl`` on Ascend NPUs) and the rendezvous. The ranks of a run are processes
-``train.0 .. train.<N-1>``; a rank's number is its process index (`for_process`). Ranks on one
-node meet in a ``file://`` store inside the run's private directory (``/tmp/flowrl-<run_id>``,
-mode 0700), so nothing listens on a network port, and keep gloo's links on loopback. Ranks on
-several nodes (the opt-in ``trainer_rendezvous="cluster"``) meet in a TCPStore the controller
-hosts (``store = "host:port"``), under a key prefix of their group's generation so that a
-restarted group never reads a dead group's keys; gloo's (or NCCL's) interface is then the
-environment's choice (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``). That store and the
-collectives' links are neither authenticated nor encrypted (torch.distributed): trusted fabrics
-only.
+``train.0 .. train.<N-1>``; a rank's number is its process index (`DataParallel.of_process`).
+Ranks on one node meet in a ``file://`` store inside the run's private directory
+(``/tmp/flowrl-<run_id>``, mode 0700), so nothing listens on a network port, and keep gloo's
+links on loopback. Ranks on several nodes (the opt-in ``trainer_rendezvous="cluster"``) meet in
+a TCPStore the controller hosts (``store = "host:port"``), under a key prefix of their group's
+generation so that a restarted group never reads a dead group's keys; gloo's (or NCCL's)
+interface is then the environment's choice (``GLOO_SOCKET_IFNAME``, ``NCCL_SOCKET_IFNAME``).
+That store and the collectives' links are neither authenticated nor encrypted
+(torch.distributed): trusted fabrics only.
 
 `all_reduce_step` is what DDP does for a step whose micro-batches are accumulated locally
 (``no_sync`` on every micro-batch but the last): the ranks' gradient sums are added up in one
@@ -39,15 +39,16 @@ from __future__ import annotations
 
 import datetime
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import PrefixStore
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from flowrl.worker_spec import DEFAULT_DP_TIMEOUT_S, DataParallelSpec
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -58,7 +59,6 @@ __all__ = [
     "all_reduce_step",
     "backend_for",
     "broadcast_parameters",
-    "for_process",
     "full_tensor",
     "local_part",
     "parameter_checksum",
@@ -68,7 +68,7 @@ __all__ = [
 ]
 
 #: how long one collective (or the rendezvous) may wait for the other ranks.
-DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_TIMEOUT_S = DEFAULT_DP_TIMEOUT_S
 #: the file store's name inside the run directory.
 RENDEZVOUS_FILE = "train-ranks.store"
 
@@ -85,30 +85,6 @@ def backend_for(device: torch.device) -> str:
         return _BACKENDS[device.type]
     except KeyError:
         raise ValueError(f"no collective backend for device type {device.type!r}") from None
-
-
-def for_process(config: Mapping[str, Any], *, role: str, name: str,
-                run_dir: Path) -> dict[str, Any]:
-    """``config`` with this process's rank and rendezvous added to its ``data_parallel``
-    section, when ``role`` is ``train`` and the section exists (``trainer.ranks > 1``).
-
-    ``name`` is the process name the controller gives, ``train.<index>``.
-    """
-    section = config.get("data_parallel")
-    if role != "train" or not section:
-        return dict(config)
-    head, _, index = name.rpartition(".")
-    if head != "train" or not index.isdigit():
-        raise ValueError(f"a data-parallel trainer process must be named train.<rank>, "
-                         f"got {name!r}")
-    if section.get("store"):  # ranks on several nodes: the controller's store
-        return {**config, "data_parallel": {**section, "rank": int(index)}}
-    # A group the controller restarted (``generation``) meets in a fresh store: the old one
-    # holds the dead group's keys.
-    generation = int(section.get("generation", 0))
-    store = RENDEZVOUS_FILE if not generation else f"{RENDEZVOUS_FILE}.{generation}"
-    return {**config, "data_parallel": {
-        **section, "rank": int(index), "init_method": f"file://{run_dir / store}"}}
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -163,21 +139,24 @@ class DataParallel:
             raise ValueError(f"data_parallel.timeout_s must be > 0, got {self.timeout_s}")
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> DataParallel | None:
-        """From a worker's config (see `for_process`); None without a ``data_parallel``
-        section."""
-        section = config.get("data_parallel")
-        if not section:
-            return None
-        backend = section.get("backend")
-        return cls(rank=int(section["rank"]), world=int(section["world"]),
-                   init_method=str(section.get("init_method") or ""),
-                   timeout_s=float(section.get("timeout_s", DEFAULT_TIMEOUT_S)),
-                   backend=None if backend in (None, "auto") else str(backend),
-                   sharding=str(section.get("sharding", "replicate")),
-                   compute_dtype=str(section.get("compute_dtype", "float32")),
-                   store=str(section.get("store") or ""),
-                   generation=int(section.get("generation", 0)))
+    def of_process(cls, spec: DataParallelSpec, *, process: str, run_dir: Path) -> DataParallel:
+        """The rank of trainer process ``process`` (``train.<rank>``) in the group ``spec``
+        describes; ranks on one node meet in a file store in ``run_dir``."""
+        head, _, index = process.rpartition(".")
+        if head != "train" or not index.isdigit():
+            raise ValueError(f"a data-parallel trainer process must be named train.<rank>, "
+                             f"got {process!r}")
+        init_method = ""
+        if not spec.store:
+            # A group the controller restarted (``generation``) meets in a fresh store: the
+            # old one holds the dead group's keys.
+            store = (RENDEZVOUS_FILE if not spec.generation
+                     else f"{RENDEZVOUS_FILE}.{spec.generation}")
+            init_method = f"file://{run_dir / store}"
+        return cls(rank=int(index), world=spec.world, init_method=init_method,
+                   timeout_s=spec.timeout_s, sharding=spec.sharding,
+                   compute_dtype=spec.compute_dtype, store=spec.store,
+                   generation=spec.generation)
 
     @property
     def sharded(self) -> bool:

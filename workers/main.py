@@ -1,23 +1,27 @@
-"""Entry point of a worker process: ``python -m workers.main --role rollout ...``.
+"""Entry point of a worker process: ``python -m workers.main --spec FILE``.
 
-Hosts ``--count`` workers of one role in this process (real engines use one; simulated
-workers are cheap and many share a process). The process exits when the controller broadcasts
-``stop``, on SIGTERM/SIGINT, or when its parent dies (Linux parent-death signal), so a killed
-controller never leaves orphans behind.
+``FILE`` holds the process's `flowrl.worker_spec.WorkerSpec` (written by
+`flowrl.worker_launch.worker_command`, mode 0600, removed once read). The process hosts the
+spec's ``count`` workers of one role (real engines use one; simulated workers are cheap and
+many share a process). It exits when the controller broadcasts ``stop``, on SIGTERM/SIGINT, or
+when its parent dies (Linux parent-death signal), so a killed controller never leaves orphans
+behind.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import signal
-from typing import Any
+from pathlib import Path
 
 import structlog
 
 from flowrl.logs import bind, configure
+from flowrl.worker_launch import read_spec
+from flowrl.worker_spec import EngineSpec, ProcessSpec, WorkerSpec
+from transport.store_server import StoreClient
 from workers.lifecycle import die_with_parent, run_main
 from workers.runtime import Role, WeightSyncError, Worker, WorkerConfig
 
@@ -26,80 +30,80 @@ log = structlog.get_logger("flowrl.worker")
 #: exit code of a worker process that missed its weight-sync deadline.
 EXIT_WEIGHT_SYNC = 3
 
-def make_role(engine: str, role: str, config: dict[str, Any], seed: int) -> Role:
-    if engine == "sim":
+
+def make_role(process: ProcessSpec, run_id: str, seed: int) -> Role:
+    """One worker's role of ``process`` (its engine and settings), seeded with ``seed``."""
+    if process.sim is not None:
         from workers.sim import SIM_ROLES, SimCost
 
         try:
-            cls = SIM_ROLES[role]
+            cls = SIM_ROLES[process.role]
         except KeyError:
-            raise ValueError(f"no simulated role {role!r}; have {sorted(SIM_ROLES)}") from None
-        sim_role: Role = cls(SimCost.from_dict(config), seed)
+            raise ValueError(f"no simulated role {process.role!r}; have "
+                             f"{sorted(SIM_ROLES)}") from None
+        sim_role: Role = cls(SimCost.from_dict(process.sim), seed)
         return sim_role
-    if engine == "hf":
-        from workers.roles.factory import make_hf_role
+    assert isinstance(process.config, EngineSpec)  # ProcessSpec: an engine config unless sim
+    from workers.roles.factory import make_hf_role, make_vllm_role
 
-        return make_hf_role(role, config, seed)
-    if engine == "vllm":
-        from workers.roles.factory import make_vllm_role
-
-        return make_vllm_role(role, config, seed)
-    raise ValueError(f"unknown engine {engine!r}")
+    make = make_vllm_role if process.engine == "vllm" else make_hf_role
+    return make(process.role, process.config, seed, process=process.name, run_id=run_id)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m workers.main", description=__doc__)
-    p.add_argument("--run-id", required=True)
-    p.add_argument("--node", required=True)
-    p.add_argument("--controller", required=True)
-    p.add_argument("--broadcast", required=True)
-    p.add_argument("--store", required=True, help="this node's store server endpoint")
-    p.add_argument("--peers", default="{}", help="JSON: other nodes' store endpoints by node")
-    p.add_argument("--role", required=True)
-    p.add_argument("--name", required=True)
-    p.add_argument("--count", type=int, default=1)
-    p.add_argument("--capacity", type=int, default=1)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--engine", default="sim")
-    p.add_argument("--engine-config", default="{}")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--heartbeat", type=float, default=1.0)
-    p.add_argument("--weight-sync-timeout", type=float, default=60.0)
+    p = argparse.ArgumentParser(prog="python -m workers.main", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--spec", type=Path, required=True, help="the process's spec file")
     return p.parse_args(argv)
 
 
-async def serve(args: argparse.Namespace) -> None:
+def worker_configs(spec: WorkerSpec) -> list[WorkerConfig]:
+    """The configurations of the process's ``count`` workers."""
     from transport.curve import CurveKeys
-    from transport.endpoints import run_dir
-    from transport.store_server import StoreClient
-    from workers.distributed import for_process
 
-    config = for_process(json.loads(args.engine_config), role=args.role, name=args.name,
-                         run_dir=run_dir(args.run_id))
-    if args.engine != "sim":  # a simulation's config is its cost model, nothing else
-        config["run_id"] = args.run_id  # e.g. a restarted critic finds its own run's last save
+    p, at = spec.process, spec.endpoints
     keys = CurveKeys.from_env()  # the run's keys, when it spans nodes
-    store = StoreClient(args.run_id, args.node, args.store, peers=json.loads(args.peers),
-                        curve=keys)
-    workers = [
-        Worker(
-            WorkerConfig(name=f"{args.name}.{i}", role=args.role, node=args.node,
-                         controller=args.controller, broadcast=args.broadcast,
-                         capacity=args.capacity, heartbeat_s=args.heartbeat, curve=keys,
-                         weight_sync_timeout_s=args.weight_sync_timeout),
-            make_role(args.engine, args.role, config, args.seed * 100 + i),
-            store,
-        )
-        for i in range(args.count)
-    ]
-    def stop_all() -> None:
-        for w in workers:
-            w.stop()
+    return [WorkerConfig(name=f"{p.name}.{i}", role=p.role, node=at.node,
+                         controller=at.controller, broadcast=at.broadcast, capacity=p.capacity,
+                         heartbeat_s=p.heartbeat_s, curve=keys,
+                         weight_sync_timeout_s=p.weight_sync_timeout_s)
+            for i in range(p.count)]
 
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop_all)
+
+def store_client(spec: WorkerSpec) -> StoreClient:
+    """The process's client of its node's store (and, for reads, other nodes')."""
+    from transport.curve import CurveKeys
+
+    at = spec.endpoints
+    return StoreClient(at.run_id, at.node, at.store, peers=at.peers, curve=CurveKeys.from_env())
+
+
+def use_threads(spec: WorkerSpec) -> None:
+    """Give torch the process's threads (before any role is built)."""
+    import torch
+
+    torch.set_num_threads(max(1, spec.process.threads))
+
+
+def make_roles(spec: WorkerSpec) -> list[Role]:
+    """The roles of the process's ``count`` workers, each seeded apart."""
+    p = spec.process
+    return [make_role(p, spec.endpoints.run_id, p.seed * 100 + i) for i in range(p.count)]
+
+
+async def serve(spec: WorkerSpec) -> None:
+    store = store_client(spec)
     try:
+        workers = [Worker(config, role, store) for config, role in
+                   zip(worker_configs(spec), make_roles(spec), strict=True)]
+
+        def stop_all() -> None:
+            for w in workers:
+                w.stop()
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop_all)
         async with asyncio.TaskGroup() as tg:
             for w in workers:
                 tg.create_task(w.run())
@@ -115,11 +119,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     die_with_parent()
     configure()
-    bind(run_id=args.run_id, role=args.role, process=args.name)
-    import torch
-
-    torch.set_num_threads(max(1, args.threads))
-    run_main(serve(args))
+    spec = read_spec(args.spec)
+    bind(run_id=spec.endpoints.run_id, role=spec.process.role, process=spec.process.name)
+    use_threads(spec)
+    run_main(serve(spec))
 
 
 if __name__ == "__main__":

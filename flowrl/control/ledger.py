@@ -92,8 +92,10 @@ class StepLedger:
         return True
 
     def params(self, step: int, step_end: bool) -> dict[str, Any]:
-        """What a train task tells its trainer: the step, whether it ends it, which attempt."""
-        return {"step": step, "step_end": step_end, "attempt": self.attempt}
+        """What a train task tells its trainer: the step, whether it ends it, which attempt,
+        and the staleness in force (``tis_cap="auto"`` follows it)."""
+        return {"step": step, "step_end": step_end, "attempt": self.attempt,
+                "max_staleness": self.admission.gate.max_staleness}
 
     @property
     def pending(self) -> int:

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import signal
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -35,6 +33,9 @@ from flowrl.pipeline import PipelineSpec
 from flowrl.procs import Child, Supervisor
 from flowrl.registry import Registry, WorkerInfo
 from flowrl.rendezvous import RankRendezvous
+from flowrl.worker_launch import engine_config_of_group, process_spec, worker_command
+from flowrl.worker_spec import Endpoints as WorkerEndpoints
+from flowrl.worker_spec import WorkerSpec
 
 __all__ = ["MAX_RESTART_BACKOFF_S", "TRAIN_GROUP", "Endpoints", "Workforce"]
 
@@ -131,31 +132,21 @@ class Workforce:
         """Start ``proc`` on its node: here as a child, elsewhere through that node's agent."""
         self._processes[proc.name] = proc
         node = self.node_of(proc.role, proc.proc_no)
-        seed = self.spec.seed * 1000 + proc.proc_no
+        process = process_spec(self.spec, role=proc.role, proc_no=proc.proc_no,
+                               count=proc.count, capacity=proc.capacity, threads=proc.threads,
+                               engine_config=self.engine_config())
+        hub = self.hub
         if node != self.node:
-            assert self.hub is not None  # made whenever a pool names another node
-            self.hub.spawn(node, {
-                "name": proc.name, "role": proc.role, "count": proc.count,
-                "capacity": proc.capacity, "threads": proc.threads, "engine": self.spec.engine,
-                "engine_config": self.engine_config(), "seed": seed,
-                "heartbeat": self.spec.heartbeat_s})
+            assert hub is not None  # made whenever a pool names another node
+            hub.spawn(node, process)
             return None
         e = self.endpoints
-        argv = [
-            sys.executable, "-m", "workers.main", "--run-id", self.run_id, "--node", self.node,
-            "--controller", e.controller, "--broadcast", e.broadcast,
-            "--store", e.store, "--role", proc.role, "--count", str(proc.count),
-            "--capacity", str(proc.capacity), "--threads", str(proc.threads),
-            "--engine", self.spec.engine,
-            "--engine-config", json.dumps(self.engine_config()),
-            "--seed", str(seed), "--heartbeat", str(self.spec.heartbeat_s),
-            "--name", proc.name,
-            "--weight-sync-timeout", str(self.spec.weight_sync_timeout_s),
-        ]
-        if self.hub is None:
-            return await self.supervisor.spawn(proc.name, argv)
-        argv += ["--peers", json.dumps(self.hub.peers_for(self.node))]
-        return await self.supervisor.spawn(proc.name, argv, env=self.hub.keys.to_env())
+        argv = worker_command(WorkerSpec(process=process, endpoints=WorkerEndpoints(
+            run_id=self.run_id, node=self.node, controller=e.controller,
+            broadcast=e.broadcast, store=e.store,
+            peers={} if hub is None else hub.peers_for(self.node))))
+        return await self.supervisor.spawn(process.name, argv,
+                                           env=None if hub is None else hub.keys.to_env())
 
     def node_of(self, role: str, proc_no: int) -> str:
         """The node worker process ``proc_no`` of `role` runs on (its pool's nodes in turn)."""
@@ -166,16 +157,9 @@ class Workforce:
         """What worker processes are configured with: the spec's, plus, for data-parallel
         trainer ranks, the generation of a restarted group (its ranks meet in a fresh
         rendezvous) and the store that ranks on several nodes meet in."""
-        config = self.spec.engine_config
-        section = config.get("data_parallel")
-        extra: dict[str, Any] = {}
-        if self.generation:
-            extra["generation"] = self.generation
-        if self.rendezvous is not None:
-            extra["store"] = self.rendezvous.address
-        if not extra or not section:
-            return config
-        return {**config, "data_parallel": {**section, **extra}}
+        return engine_config_of_group(
+            self.spec.engine_config, generation=self.generation,
+            store=None if self.rendezvous is None else self.rendezvous.address)
 
     # ---- deaths ----------------------------------------------------------------------------
 

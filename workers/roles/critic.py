@@ -54,7 +54,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,6 +65,7 @@ from torch import Tensor
 
 from flowrl import messages as m
 from flowrl.algorithms import gae_advantages, token_level_rewards, value_loss
+from flowrl.worker_spec import EngineSpec
 from workers.engines.protocols import SequenceBatch
 from workers.engines.value_model import ValueModelEngine
 from workers.runtime import RoleOutput
@@ -131,20 +132,17 @@ class CriticSettings:
             raise ValueError(f"epochs must be >= 1, got {self.epochs}")
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> CriticSettings:
-        """From a worker's JSON config (`flowrl.recipe.Recipe.engine_config`)."""
-        c = config["critic"]
-        clip = c.get("value_clip")
-        output = config.get("output")
-        return cls(
-            rows_per_step=int(config["trainer"]["groups_per_step"])
-            * int(config["algorithm"]["group_size"]),
-            gamma=float(c["gamma"]), lam=float(c["lam"]),
-            value_clip=None if clip is None else float(clip), epochs=int(c.get("epochs", 1)),
-            output=None if output is None else Path(output),
-            checkpoint_every=int(config.get("checkpoint_every", 0)),
-            run_id=None if config.get("run_id") is None else str(config["run_id"]),
-        )
+    def from_spec(cls, spec: EngineSpec, *, run_id: str | None = None) -> CriticSettings:
+        """From a worker's `EngineSpec` (its ``critic`` section; ValueError without one);
+        ``run_id`` is the run the saves belong to."""
+        c = spec.critic
+        if c is None:
+            raise ValueError("critic: the config has no critic section (algorithm.name is not "
+                             "'ppo')")
+        return cls(rows_per_step=c.rows_per_step, gamma=c.gamma, lam=c.lam,
+                   value_clip=c.value_clip, epochs=c.epochs,
+                   output=None if spec.output is None else Path(spec.output),
+                   checkpoint_every=spec.checkpoint_every, run_id=run_id)
 
 
 def critic_targets(

@@ -40,7 +40,7 @@ import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, cast, get_args
+from typing import Any, Literal, get_args
 
 import structlog
 import torch
@@ -51,11 +51,13 @@ from flowrl.algorithms import (
     KLEstimator,
     LossAgg,
     compute_policy_loss,
+    default_tis_cap,
     dr_grpo_advantages,
     grpo_advantages,
     reinforce_pp_advantages,
     rloo_advantages,
 )
+from flowrl.worker_spec import EngineSpec
 from workers.engines.protocols import SequenceBatch, TrainerEngine, TrainerState
 from workers.runtime import RoleOutput
 
@@ -79,7 +81,9 @@ class TrainSettings:
     loss_agg: LossAgg = "token-mean"
     kl_coef: float = 0.0
     kl_estimator: KLEstimator = "k3"
-    tis_cap: float | None = None
+    #: a cap, None (off), or ``auto``: on (`DEFAULT_TIS_CAP`) for the tasks trained while
+    #: ``max_staleness > 0`` is in force (``params["max_staleness"]``; it may change mid-run).
+    tis_cap: float | Literal["auto"] | None = None
     #: the sampling temperature: logprobs are computed under the same tempered distribution.
     temperature: float = 1.0
     #: Dr. GRPO's constant per-row divisor (the generation budget); needed by
@@ -102,25 +106,26 @@ class TrainSettings:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
 
     @classmethod
-    def from_config(cls, config: Mapping[str, Any]) -> TrainSettings:
-        """From a worker's JSON config (`flowrl.recipe.Recipe.engine_config`)."""
-        a, s = config["algorithm"], config["sampling"]
-        output = config.get("output")
-        cap = a.get("tis_cap")
+    def from_spec(cls, spec: EngineSpec) -> TrainSettings:
+        """From a worker's `EngineSpec`."""
+        a = spec.algorithm
         return cls(
-            algorithm=cast(AdvantageName, a["name"]),
-            clip_low=float(a["clip_low"]),
-            clip_high=None if a.get("clip_high") is None else float(a["clip_high"]),
-            loss_agg=cast(LossAgg, a["loss_agg"]),
-            kl_coef=float(a["kl_coef"]),
-            kl_estimator=cast(KLEstimator, a["kl_estimator"]),
-            tis_cap=None if cap is None else float(cap),
-            temperature=float(s["temperature"]),
-            max_new_tokens=int(s["max_new_tokens"]),
-            output=None if output is None else Path(output),
-            checkpoint_every=int(config.get("checkpoint_every", 0)),
-            steps=None if config.get("steps") is None else int(config["steps"]),
+            algorithm=a.name, clip_low=a.clip_low, clip_high=a.clip_high, loss_agg=a.loss_agg,
+            kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, tis_cap=a.tis_cap,
+            temperature=spec.sampling.temperature, max_new_tokens=spec.sampling.max_new_tokens,
+            output=None if spec.output is None else Path(spec.output),
+            checkpoint_every=spec.checkpoint_every, steps=spec.steps,
         )
+
+    def tis_cap_at(self, max_staleness: int | None) -> float | None:
+        """The TIS cap of a task trained while ``max_staleness`` is in force: `tis_cap`, with
+        ``auto`` on (`default_tis_cap`) exactly when rows may be stale. ValueError when
+        ``auto`` meets a task that does not say (the controller always does)."""
+        if self.tis_cap != "auto":
+            return self.tis_cap
+        if max_staleness is None:
+            raise ValueError("tis_cap 'auto' needs the task's params['max_staleness']")
+        return default_tis_cap(max_staleness)
 
     @property
     def count_tokens(self) -> bool:
@@ -246,6 +251,7 @@ class _Step:
     clip: float = 0.0  # Σ clip_frac · tokens
     approx_kl: float = 0.0  # Σ approx_kl · tokens
     tis: float = 0.0  # Σ tis_mean · tokens
+    tis_tokens: int = 0  # tokens of the micro-batches trained with TIS on
 
 
 class TrainerRole:
@@ -285,15 +291,16 @@ class TrainerRole:
             # The controller ends every step with a step_end task; this means one went missing.
             log.warning("micro-batch of another step joins the accumulated gradients",
                         accumulating=self._step.step, task_step=step)
-        metrics = self.accumulate(batch)
+        metrics = self.accumulate(batch, self.settings.tis_cap_at(params.get("max_staleness")))
         self._step.step = step
         self._step.attempt = attempt
         if not params.get("step_end", False):
             return RoleOutput(fields={}, metrics=metrics)
         return self.finish_step()
 
-    def accumulate(self, batch: TrainBatch) -> dict[str, float]:
-        """Forward and backward of one micro-batch's loss *sum* into the gradients."""
+    def accumulate(self, batch: TrainBatch, tis_cap: float | None) -> dict[str, float]:
+        """Forward and backward of one micro-batch's loss *sum* into the gradients, with
+        truncated importance sampling capped at ``tis_cap`` (None: off)."""
         s = self.settings
         if batch.num_tokens == 0:
             raise ValueError("micro-batch has no response tokens")
@@ -305,7 +312,7 @@ class TrainerRole:
                 lps, lps.detach(), adv.to(dev), seqs.response_mask,
                 clip_eps_low=s.clip_low, clip_eps_high=s.clip_high, loss_agg=s.loss_agg,
                 max_tokens=s.max_new_tokens, num_tokens=1.0, num_seqs=1.0,
-                rollout_logprobs=batch.rollout_logprobs.to(dev), tis_cap=s.tis_cap,
+                rollout_logprobs=batch.rollout_logprobs.to(dev), tis_cap=tis_cap,
                 ref_logprobs=None if batch.ref_logprobs is None else batch.ref_logprobs.to(dev),
                 kl_coef=s.kl_coef, kl_estimator=s.kl_estimator,
             )
@@ -324,6 +331,7 @@ class TrainerRole:
         st.clip += out["clip_frac"] * tokens
         st.approx_kl += out["approx_kl"] * tokens
         st.tis += out.get("tis_mean", 0.0) * tokens
+        st.tis_tokens += tokens if tis_cap is not None else 0
         return {"tokens": float(tokens), "reward_mean": float(batch.rewards.mean()),
                 "micro_batches": float(st.micro_batches)}
 
@@ -352,8 +360,8 @@ class TrainerRole:
         }
         if s.kl_coef:
             metrics["kl"] = st.kl / denom
-        if s.tis_cap is not None:
-            metrics["tis_mean"] = st.tis / st.tokens
+        if st.tis_tokens:
+            metrics["tis_mean"] = st.tis / st.tis_tokens
         if self._checkpoint_due():
             try:
                 self.save_checkpoint()

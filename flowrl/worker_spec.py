@@ -1,0 +1,239 @@
+"""What a worker process is told: one typed spec, validated where it is built and on arrival.
+
+A recipe compiles its engines' settings once into an `EngineSpec` (`flowrl.recipe.Recipe.
+engine_spec`); a `PipelineSpec` carries it in its JSON form (``engine_config``), or a simulation's
+cost model. Each worker process gets a `WorkerSpec`: its `ProcessSpec` (what the controller
+decides: role, name, workers hosted, capacity, threads, seed, heartbeat and weight-sync
+deadline, engine settings) and its `Endpoints` (where it meets the run, known on its node). The
+process reads it from a file (`flowrl.worker_launch`), never from its command line.
+
+Guarantees:
+
+- Defaults are stated once: the recipe's (its sections), or here for what no recipe sets. The
+  worker side reads fields, never ``get(key, default)``.
+- Every model forbids unknown keys and is frozen; a malformed spec is a ValidationError naming
+  the field, before any model is loaded.
+- Nothing is sent that the worker side never reads: every field of these models is read by
+  `workers.main` or by the roles' factory (`tests/test_worker_spec.py` checks it).
+
+Imports pydantic and the standard library only, so `workers` and node agents may import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = [
+    "DEFAULT_DP_TIMEOUT_S",
+    "AlgorithmSpec",
+    "ArithmeticDataSpec",
+    "CriticSpec",
+    "DataParallelSpec",
+    "Endpoints",
+    "EngineSpec",
+    "FileDataSpec",
+    "ModelSpec",
+    "PolicyLossAgg",
+    "ProcessSpec",
+    "ResumeSpec",
+    "RewardSpec",
+    "RolloutSpec",
+    "SamplingSpec",
+    "TrainerSpec",
+    "WorkerSpec",
+    "engine_spec",
+]
+
+#: how long one collective (or the rendezvous) of data-parallel trainer ranks may wait.
+DEFAULT_DP_TIMEOUT_S = 600.0
+
+
+PolicyLossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+"""Loss aggregation as `flowrl.algorithms.compute_policy_loss` spells it."""
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
+
+
+class ModelSpec(_Spec):
+    #: a local model directory (the launcher resolves ``tiny`` before workers start).
+    path: str
+    #: resuming: the initial policy, which the reference and the critic start from.
+    reference_path: str | None = None
+
+
+class ArithmeticDataSpec(_Spec):
+    kind: Literal["arithmetic"]
+    count: int
+    max_operand: int
+    seed: int
+    max_prompt_tokens: int
+
+
+class FileDataSpec(_Spec):
+    kind: Literal["jsonl", "parquet"]
+    path: str
+    prompt_key: str
+    answer_key: str
+    prompt_template: str
+    max_prompt_tokens: int
+
+
+class AlgorithmSpec(_Spec):
+    name: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo"]
+    kl_coef: float
+    kl_estimator: Literal["k1", "k2", "k3"]
+    clip_low: float
+    clip_high: float
+    loss_agg: PolicyLossAgg
+    #: a cap, None (off), or ``auto``: resolved per train task from the staleness in force.
+    tis_cap: float | Literal["auto"] | None
+
+
+class SamplingSpec(_Spec):
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    stop: tuple[str, ...]
+
+
+class RolloutSpec(_Spec):
+    dtype: Literal["auto", "float32", "bfloat16", "float16"]
+
+
+class RewardSpec(_Spec):
+    #: ``module:function`` or ``/path/file.py:function``.
+    fn: str
+    batched: bool
+    timeout_s: float
+    concurrency: int
+
+
+class TrainerSpec(_Spec):
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    grad_clip: float | None
+    warmup_steps: int
+    lr_schedule: Literal["constant", "cosine"]
+    min_lr_ratio: float
+
+
+class CriticSpec(_Spec):
+    lr: float
+    weight_decay: float
+    grad_clip: float | None
+    gamma: float
+    lam: float
+    value_clip: float | None
+    epochs: int
+    #: rows per critic optimizer step (the actor's global batch).
+    rows_per_step: int
+
+
+class DataParallelSpec(_Spec):
+    """The trainer ranks' group; each rank's number is its process index."""
+
+    world: int = Field(ge=2)
+    sharding: Literal["replicate", "fsdp2"]
+    compute_dtype: Literal["float32", "bfloat16"]
+    timeout_s: float = Field(default=DEFAULT_DP_TIMEOUT_S, gt=0.0)
+    #: ranks on several nodes: the controller's rendezvous store, ``host:port``; "" on one node.
+    store: str = ""
+    #: restarts of the group before this one (it meets anew each time).
+    generation: int = Field(default=0, ge=0)
+
+
+class ResumeSpec(_Spec):
+    checkpoint: str
+    version: int = Field(ge=0)
+
+
+class EngineSpec(_Spec):
+    """What real-engine (``hf``, ``vllm``) workers are configured with."""
+
+    model: ModelSpec
+    data: Annotated[ArithmeticDataSpec | FileDataSpec, Field(discriminator="kind")]
+    algorithm: AlgorithmSpec
+    sampling: SamplingSpec
+    rollout: RolloutSpec
+    reward: RewardSpec
+    trainer: TrainerSpec
+    #: PPO only.
+    critic: CriticSpec | None = None
+    #: ``trainer.ranks > 1`` only.
+    data_parallel: DataParallelSpec | None = None
+    resume: ResumeSpec | None = None
+    #: the run's last step (the learning-rate schedule's end, always checkpointed).
+    steps: int
+    seed: int
+    output: str | None
+    checkpoint_every: int
+
+    @property
+    def start_version(self) -> int:
+        """The policy version the model path holds: 0, or the checkpoint's when resuming."""
+        return 0 if self.resume is None else self.resume.version
+
+
+def engine_spec(config: EngineSpec | Mapping[str, Any]) -> EngineSpec:
+    """``config`` as an `EngineSpec`, validated when given in its JSON form."""
+    return config if isinstance(config, EngineSpec) else EngineSpec.model_validate(config)
+
+
+_SimValue = int | float
+
+
+class ProcessSpec(_Spec):
+    """One worker process, as the controller decides it (the same on every node)."""
+
+    #: ``<role>.<index>``; also names its spec file.
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]+\.[0-9]+$", max_length=64)
+    role: str = Field(min_length=1)
+    #: workers hosted by the process.
+    count: int = Field(ge=1)
+    #: tasks one worker runs concurrently.
+    capacity: int = Field(ge=1)
+    threads: int = Field(ge=1)
+    seed: int = Field(ge=0)
+    heartbeat_s: float = Field(gt=0.0)
+    #: how long the process's workers may take to fetch and load one policy version.
+    weight_sync_timeout_s: float = Field(gt=0.0)
+    engine: Literal["sim", "hf", "vllm"]
+    #: real engines: their settings.
+    config: EngineSpec | None = None
+    #: ``engine="sim"``: the cost model (``workers.sim.SimCost`` fields).
+    sim: dict[str, _SimValue] | None = None
+
+    @model_validator(mode="after")
+    def _engine_settings(self) -> ProcessSpec:
+        if (self.engine == "sim") != (self.sim is not None) or (
+                self.engine == "sim") == (self.config is not None):
+            raise ValueError(f"engine {self.engine!r} takes "
+                             f"{'sim costs' if self.engine == 'sim' else 'an engine config'}"
+                             " and nothing else")
+        return self
+
+
+class Endpoints(_Spec):
+    """Where a worker process meets its run: known on the node it runs on."""
+
+    run_id: str = Field(min_length=1)
+    node: str = Field(min_length=1)
+    controller: str = Field(min_length=1)
+    broadcast: str = Field(min_length=1)
+    #: this node's store server.
+    store: str = Field(min_length=1)
+    #: other nodes' store servers, by node.
+    peers: dict[str, str] = Field(default_factory=dict)
+
+
+class WorkerSpec(_Spec):
+    """Everything a worker process is told (`flowrl.worker_launch` hands it over)."""
+
+    process: ProcessSpec
+    endpoints: Endpoints
