@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -56,14 +55,13 @@ from flowrl.control.step_metrics import StageMetrics, step_entry
 from flowrl.control.store_feed import StoreFeed
 from flowrl.control.weights import WeightVersions
 from flowrl.control.worker_api import WorkerApi
-from flowrl.control.workforce import Workforce
+from flowrl.control.workforce import Workforce, rank_rendezvous
 from flowrl.dp import RankShares, StepDivergence
 from flowrl.events import EventBus, Span
 from flowrl.index import Index, Task
 from flowrl.node import ClusterConfig, NodeHub, StoreRouter
 from flowrl.pipeline import PipelineSpec
 from flowrl.registry import Registry, WorkerInfo
-from flowrl.rendezvous import RankRendezvous
 from flowrl.resume import RunState, write_state
 from flowrl.staleness import StalenessGate
 from transport.endpoints import ipc_endpoint, new_run_id, remove_run_dir
@@ -138,7 +136,8 @@ class Controller:
             on_exit=lambda *a: self.workforce.on_remote_exit(*a))
         self.workforce = Workforce(
             spec, run_id=self.run_id, node=node, registry=self.registry, events=self.events,
-            hub=self._hub, rendezvous=self._rank_rendezvous(ranks, train_pool),
+            hub=self._hub,
+            rendezvous=rank_rendezvous(spec, self._hub, ranks is not None, train_pool),
             train_role=train.role if train else None, ranked=ranks is not None,
             worker_gone=self.worker_gone, fail_run=lambda e: self._fail_run(RunError(e)),
             stopping=lambda: self._stop.is_set() or self._fatal is not None)
@@ -177,24 +176,6 @@ class Controller:
         if resume is not None:
             self.ledger.resume(resume)
             self.admission.resume(resume)
-
-    def _rank_rendezvous(self, ranks: RankShares[Task] | None,
-                         train_pool: Any) -> RankRendezvous | None:
-        """Where data-parallel ranks on several nodes meet (None: in a file of their node's
-        run directory, or no ranks at all)."""
-        if ranks is None or train_pool is None or len(set(train_pool.nodes)) <= 1:
-            return None
-        assert self._hub is not None  # made whenever a pool names another node
-        if self._hub.config.trainer_rendezvous != "cluster":
-            raise ValueError(
-                f"data-parallel trainer ranks placed on nodes {sorted(set(train_pool.nodes))} "
-                "cannot meet in one node's run directory; ClusterConfig(trainer_rendezvous="
-                "'cluster') (recipe: placement.cluster.trainer_rendezvous) lets them meet "
-                "in a store this controller hosts (unauthenticated and unencrypted, as every "
-                "torch.distributed link: trusted fabrics only)")
-        section = self.spec.engine_config.get("data_parallel") or {}
-        return RankRendezvous(self._hub.config.host,
-                              timeout_s=float(section.get("timeout_s", 600.0)))
 
     # ---- what the run counts (read by the launcher, the monitor and tests) -----------------
 
@@ -286,14 +267,7 @@ class Controller:
             self._log().warning(
                 "trainer ranks meet across nodes in an unauthenticated store; their "
                 "collectives are unencrypted", store=self.workforce.rendezvous.start())
-        store = ipc_endpoint(self.run_id, f"store-{self.node}")
-        await self.workforce.supervisor.spawn(
-            f"node:{self.node}",
-            [sys.executable, "-m", "flowrl.node", "--run-id", self.run_id, "--node", self.node,
-             "--controller", endpoints.controller, "--store", store,
-             "--capacity", str(self.spec.store_capacity_bytes), *peer_store],
-            env=None if hub is None else hub.keys.to_env(),
-        )
+        await self.workforce.start_node_agent(peer_store)
         async with asyncio.timeout(self.start_timeout_s):
             await self._node_up.wait()
         if self._fatal is not None:

@@ -120,7 +120,7 @@ class Scheduler:
                 return
             admitted = 0
             while admitted < k and (adm.open(version)
-                                    and w.version >= adm.min_generation_version(adm.next_step)
+                                    and adm.gate.can_generate(w.version, adm.next_step)
                                     and adm.store_admits(version, now)):
                 pos = adm.take_position()
                 adm.admit(self.index.add_group(self.group_size,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import signal
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -29,13 +30,14 @@ import structlog
 
 from flowrl.events import EventBus
 from flowrl.node import NodeHub
-from flowrl.pipeline import PipelineSpec
+from flowrl.pipeline import PipelineSpec, PoolSpec
 from flowrl.procs import Child, Supervisor
 from flowrl.registry import Registry, WorkerInfo
 from flowrl.rendezvous import RankRendezvous
 from flowrl.worker_launch import engine_config_of_group, process_spec, worker_command
 from flowrl.worker_spec import Endpoints as WorkerEndpoints
 from flowrl.worker_spec import WorkerSpec
+from transport.endpoints import ipc_endpoint
 
 __all__ = ["MAX_RESTART_BACKOFF_S", "TRAIN_GROUP", "Endpoints", "Workforce"]
 
@@ -79,6 +81,24 @@ class _RemoteExit:
     expected_exit: bool = False
 
 
+def rank_rendezvous(spec: PipelineSpec, hub: NodeHub | None, ranked: bool,
+                    train_pool: PoolSpec | None) -> RankRendezvous | None:
+    """Where data-parallel ranks on several nodes meet (None: in a file of their node's run
+    directory, or no ranks at all)."""
+    if not ranked or train_pool is None or len(set(train_pool.nodes)) <= 1:
+        return None
+    assert hub is not None  # made whenever a pool names another node
+    if hub.config.trainer_rendezvous != "cluster":
+        raise ValueError(
+            f"data-parallel trainer ranks placed on nodes {sorted(set(train_pool.nodes))} "
+            "cannot meet in one node's run directory; ClusterConfig(trainer_rendezvous="
+            "'cluster') (recipe: placement.cluster.trainer_rendezvous) lets them meet "
+            "in a store this controller hosts (unauthenticated and unencrypted, as every "
+            "torch.distributed link: trusted fabrics only)")
+    section = spec.engine_config.get("data_parallel") or {}
+    return RankRendezvous(hub.config.host, timeout_s=float(section.get("timeout_s", 600.0)))
+
+
 class Workforce:
     def __init__(self, spec: PipelineSpec, *, run_id: str, node: str, registry: Registry,
                  events: EventBus, hub: NodeHub | None, rendezvous: RankRendezvous | None,
@@ -120,6 +140,18 @@ class Workforce:
         self._restart_q: asyncio.Queue[tuple[str, float]] = asyncio.Queue()
 
     # ---- starting --------------------------------------------------------------------------
+
+    async def start_node_agent(self, peer_store: list[str]) -> None:
+        """This node's agent: it owns the node's sample store (and serves it to other nodes
+        when ``peer_store`` says where) and reports ``node_up`` once it listens."""
+        hub = self.hub
+        await self.supervisor.spawn(
+            f"node:{self.node}",
+            [sys.executable, "-m", "flowrl.node", "--run-id", self.run_id, "--node", self.node,
+             "--controller", self.endpoints.controller,
+             "--store", ipc_endpoint(self.run_id, f"store-{self.node}"),
+             "--capacity", str(self.spec.store_capacity_bytes), *peer_store],
+            env=None if hub is None else hub.keys.to_env())
 
     async def start_pools(self) -> None:
         for pool in self.spec.pools:
