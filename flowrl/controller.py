@@ -8,28 +8,9 @@ ever sleeps to poll. `Admission` decides which groups enter, the `StepLedger` wh
 micro-batches make a step and when it commits, the `Workforce` keeps the worker processes
 alive, the `StoreFeed` frees memory and watches the store.
 
-Guarantees (the index guarantees the rest):
-
-- a row is trained at most once, and only by an optimizer step that completed: the train
-  micro-batches of a step are committed to the index when the step ends, and a trainer that dies
-  mid-step gives all of that step's rows back;
-- a train step at trainer version ``v`` only takes rows generated at version ``>= v -
-  max_staleness`` (staler rows are dropped and counted); with ``max_staleness = 0`` it is exactly
-  synchronous on-policy training;
-- a dead worker (process exit) or a hung one (missed heartbeats: its process is killed) has its
-  tasks failed at once, so their rows are redone by others, and its process restarted within
-  ``max_restarts``;
-- a task report that cannot be taken fails its task: its rows are redone, never lost;
-- with data-parallel trainer ranks (`flowrl.dp`) every rank gets a token-balanced share of every
-  step and exactly one step end; the step commits once all ranks reported it and agree on their
-  parameters. A rank that dies or fails a micro-batch takes the group down: every rank is
-  started again and the step redone, within ``max_restarts``.
-
-Bounds: a worker holds at most ``capacity + prefetch`` assigned tasks; admission holds at most
-``(max_staleness + 1) * groups_per_step`` groups ahead of the trainer, and admits groups for
-later steps than the next only while the sample store has room for them under
-``store_high_water`` (`flowrl.backpressure`); a run stuck on a store too small for one step
-stops with an error naming the capacity instead of waiting.
+Its guarantees (exactly-once training, the staleness bound, restarts, bounds on memory and
+queues) are stated where they are kept: `flowrl.control.ledger`, `flowrl.staleness`,
+`flowrl.control.workforce`, `flowrl.backpressure`; docs/architecture.md puts them together.
 """
 
 from __future__ import annotations
@@ -38,7 +19,6 @@ import asyncio
 import collections
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -47,25 +27,25 @@ from flowrl import messages as m
 from flowrl.backpressure import StoreBackpressure
 from flowrl.control.admission import Admission
 from flowrl.control.assignments import Assignment, Assignments
-from flowrl.control.ledger import LostTrainerState, StepLedger
+from flowrl.control.ledger import LostTrainerState, StepLedger, rank_shares
 from flowrl.control.reports import TaskReport, check_report
 from flowrl.control.run_view import RunCounters, status_snapshot
-from flowrl.control.scheduler import Scheduler
+from flowrl.control.scheduler import Scheduler, find_source_stage
 from flowrl.control.step_metrics import StageMetrics, step_entry
 from flowrl.control.store_feed import StoreFeed
 from flowrl.control.weights import WeightVersions
 from flowrl.control.worker_api import WorkerApi
 from flowrl.control.workforce import Workforce, rank_rendezvous
-from flowrl.dp import RankShares, StepDivergence
+from flowrl.dp import StepDivergence
 from flowrl.events import EventBus, Span
 from flowrl.index import Index, Task
 from flowrl.node import ClusterConfig, NodeHub, StoreRouter
 from flowrl.pipeline import PipelineSpec
 from flowrl.registry import Registry, WorkerInfo
-from flowrl.resume import RunState, write_state
+from flowrl.resume import RunState, save_beside_checkpoint
 from flowrl.staleness import StalenessGate
 from transport.endpoints import ipc_endpoint, new_run_id, remove_run_dir
-from transport.pubsub import DroppedSubscriber, Publisher
+from transport.pubsub import Publisher
 from transport.rpc import RpcClient, RpcServer
 from transport.shm import claim_run_dir
 
@@ -107,17 +87,12 @@ class Controller:
         self.assignments = Assignments()
         train = next((s for s in self.graph.order if s.consumes_version_bound), None)
         train_pool = spec.pool(train.role) if train else None
-        ranks: RankShares[Task] | None = None
-        if train is not None and train_pool is not None and train_pool.count > 1:
-            if train_pool.per_process != 1:
-                raise ValueError("data-parallel trainer ranks need a process each "
-                                 f"(per_process=1), got per_process={train_pool.per_process}")
-            ranks = RankShares(train_pool.count, spec.groups_per_step, train.micro_batch)
+        ranks = rank_shares(train, train_pool, spec.groups_per_step)
         self.ledger = StepLedger(self.index, self.admission, ranks=ranks)
         self.weights = WeightVersions()
         self.store_feed = StoreFeed(
-            self.admission.store, landed_groups=self._landed_groups,
-            room_opened=self._store_room_opened, progress_mark=self._progress_mark,
+            self.admission, self.index, find_source_stage(self.graph).name, spec.group_size,
+            version=lambda: self.version, wake=self._wake, progress_mark=self._progress_mark,
             started_tasks=self.assignments.started,
             may_stall=lambda: self._running and not self._paused and self._fatal is None
             and not self._stop.is_set(),
@@ -246,7 +221,7 @@ class Controller:
         hub = self._hub
         self._pub = (Publisher(ipc_endpoint(self.run_id, "pub")) if hub is None
                      else hub.publisher(ipc_endpoint(self.run_id, "pub")))
-        self._pub.on_drop = self._subscriber_dropped
+        self._pub.on_drop = self.workforce.subscriber_dropped
         endpoints.broadcast = await self._pub.start()
         loop = asyncio.get_running_loop()
         self._owned = [loop.create_task(self.store_feed.run(), name="flowrl-free"),
@@ -636,7 +611,11 @@ class Controller:
             since_last_s=(now - self._last_step_at) if self._last_step_at else None,
             stages=self._stage_metrics.take())
         self._last_step_at = now
-        self._save_run_state()
+        if self.spec.output is not None:
+            try:  # completes the trainer's checkpoint of this version, when it wrote one
+                save_beside_checkpoint(self.spec.output, self.run_state())
+            except OSError as exc:  # the step is committed; only resuming from here is lost
+                self._log().error("run state not saved", error=repr(exc))
         self.step_log.append(entry)
         self._log().debug("step", **entry)
         self.events.emit("step", **entry)
@@ -650,22 +629,7 @@ class Controller:
 
     def run_state(self) -> RunState:
         """What `--resume` needs to continue from this version (see `flowrl.resume`)."""
-        t = self.ledger.trained_positions
-        return RunState(version=self.version, trained_below=t.below,
-                        trained_above=sorted(t.above), admitted_to=self.admission.next_position,
-                        groups_trained=t.count)
-
-    def _save_run_state(self) -> None:
-        """Complete the trainer's checkpoint of this version, when it wrote one."""
-        if self.spec.output is None:
-            return
-        step_dir = Path(self.spec.output) / f"step_{self.version}"
-        if not step_dir.is_dir():
-            return
-        try:
-            write_state(step_dir, self.run_state())
-        except OSError as exc:  # the step is committed; only resuming from here is lost
-            self._log().error("run state not saved", path=str(step_dir), error=repr(exc))
+        return self.ledger.run_state()
 
     async def _publish_loop(self) -> None:
         """Broadcasts leave in order from one owned task, never from fire-and-forget tasks."""
@@ -683,18 +647,6 @@ class Controller:
     def _on_node_lost(self, node: str) -> None:
         if not self._stop.is_set():
             self._fail_run(RunError(f"node agent {node!r} stopped answering"))
-
-    def _subscriber_dropped(self, dropped: DroppedSubscriber) -> None:
-        """A broadcast subscriber stopped reading: a worker process that is still connected
-        is hung, and is treated like one that missed its heartbeats."""
-        self._log().warning("broadcast subscriber dropped", subscriber=dropped.name,
-                            reason=dropped.reason, connected=dropped.connected)
-        if not dropped.connected or self._stop.is_set():
-            return
-        for info in self.registry.all():
-            if info.name.rsplit(".", 1)[0] == dropped.name:
-                self.worker_gone(info.worker_id, f"stopped reading broadcasts ({dropped.reason})")
-                self.workforce.hung(info)
 
     def _fail_run(self, error: RunError) -> None:
         """Stop the run with ``error``: every waiter wakes up and raises it."""
@@ -715,16 +667,6 @@ class Controller:
                              **self.admission.store.statistics(time.perf_counter()))
         else:
             self.events.emit("store_resumed", version=self.version)
-
-    def _store_room_opened(self) -> None:
-        if (self.admission.store.room(self.admission.untrained(self.version))
-                and self.admission.open(self.version)):
-            self._wake()  # admission waited for this
-
-    def _landed_groups(self) -> int:
-        """Live groups whose data the first stage has written into the store."""
-        stage = self.index.statistics().stages.get(self.scheduler.source.name)
-        return 0 if stage is None else stage.done // max(1, self.spec.group_size)
 
     def _progress_mark(self) -> tuple[int, ...]:
         """Changes whenever the run moves: a task starts or ends, a step commits, a group is

@@ -97,6 +97,16 @@ def write_state(step_dir: Path, state: RunState) -> None:
     os.replace(tmp, step_dir / STATE_FILE)
 
 
+def save_beside_checkpoint(output: str | os.PathLike[str], state: RunState) -> bool:
+    """Complete the trainer's checkpoint of ``state.version`` under ``output`` with ``state``,
+    when the trainer wrote one (False when it did not)."""
+    step_dir = Path(output) / f"step_{state.version}"
+    if not step_dir.is_dir():
+        return False
+    write_state(step_dir, state)
+    return True
+
+
 def latest_checkpoint(output: str | os.PathLike[str]) -> tuple[Path, RunState]:
     """The newest complete checkpoint under ``output`` (or ``output`` itself when it is one)."""
     root = Path(output)

@@ -23,10 +23,23 @@ from typing import Any
 
 from flowrl.control.admission import Admission
 from flowrl.dp import RankShares, merge_step_ends
+from flowrl.graph import StageSpec
 from flowrl.index import Index, Task
+from flowrl.pipeline import PoolSpec
 from flowrl.resume import RunState, TrainedPositions
 
-__all__ = ["LostTrainerState", "StepCommit", "StepLedger"]
+__all__ = ["LostTrainerState", "StepCommit", "StepLedger", "rank_shares"]
+
+
+def rank_shares(train: StageSpec | None, pool: PoolSpec | None,
+                groups_per_step: int) -> RankShares[Task] | None:
+    """How a step is shared among the train pool's data-parallel ranks (None: one trainer)."""
+    if train is None or pool is None or pool.count <= 1:
+        return None
+    if pool.per_process != 1:
+        raise ValueError("data-parallel trainer ranks need a process each "
+                         f"(per_process=1), got per_process={pool.per_process}")
+    return RankShares(pool.count, groups_per_step, train.micro_batch)
 
 
 class LostTrainerState(RuntimeError):
@@ -72,6 +85,13 @@ class StepLedger:
         self.version = self.train_step = state.version
         self.trained_positions = TrainedPositions(state.trained_below, state.trained_above,
                                                   state.groups_trained)
+
+    def run_state(self) -> RunState:
+        """What `--resume` needs to continue from this version (see `flowrl.resume`)."""
+        t = self.trained_positions
+        return RunState(version=self.version, trained_below=t.below,
+                        trained_above=sorted(t.above),
+                        admitted_to=self.admission.next_position, groups_trained=t.count)
 
     # ---- handing out -----------------------------------------------------------------------
 

@@ -16,7 +16,8 @@ from typing import Any
 
 import structlog
 
-from flowrl.backpressure import StoreBackpressure
+from flowrl.control.admission import Admission
+from flowrl.index import Index
 from transport.handles import looks_like_handle
 from transport.rpc import RpcClient
 
@@ -31,22 +32,25 @@ STORE_CHECK_S = 1.0
 
 
 class StoreFeed:
-    def __init__(self, backpressure: StoreBackpressure, *,
-                 landed_groups: Callable[[], int],
-                 room_opened: Callable[[], None],
+    def __init__(self, admission: Admission, index: Index, source_stage: str, group_size: int,
+                 *, version: Callable[[], int], wake: Callable[[], None],
                  progress_mark: Callable[[], Hashable],
                  started_tasks: Callable[[], int],
                  may_stall: Callable[[], bool],
                  weights_bytes: Callable[[], int | None],
                  stalled: Callable[[str], None]) -> None:
-        """``landed_groups()``: live groups whose data the first stage wrote; ``room_opened()``:
-        a refresh found room for admission; ``progress_mark()``: changes whenever the run
-        moves; ``started_tasks()``: tasks a worker has taken; ``may_stall()``: whether a stall
-        is worth looking for now (running, not paused); ``weights_bytes()``: one weight
-        version's size; ``stalled(error)``: the run is stuck on its store."""
-        self.backpressure = backpressure
-        self._landed_groups = landed_groups
-        self._room_opened = room_opened
+        """``version()``: the policy version; ``wake()``: admission may go on (a refresh found
+        room); ``progress_mark()``: changes whenever the run moves; ``started_tasks()``: tasks
+        a worker has taken; ``may_stall()``: whether a stall is worth looking for now
+        (running, not paused); ``weights_bytes()``: one weight version's size;
+        ``stalled(error)``: the run is stuck on its store."""
+        self.admission = admission
+        self.backpressure = admission.store
+        self._index = index
+        self._source_stage = source_stage
+        self._group_size = group_size
+        self._version = version
+        self._wake = wake
         self._progress_mark = progress_mark
         self._started_tasks = started_tasks
         self._may_stall = may_stall
@@ -108,7 +112,15 @@ class StoreFeed:
         landed = self._landed_groups()  # before the call: bytes per group err high
         self.stats = await self.store.call("stats", {}, timeout=10.0)
         self.backpressure.observe(self.stats, landed)
-        self._room_opened()
+        version = self._version()
+        if (self.backpressure.room(self.admission.untrained(version))
+                and self.admission.open(version)):
+            self._wake()  # admission waited for this
+
+    def _landed_groups(self) -> int:
+        """Live groups whose data the first stage has written into the store."""
+        stage = self._index.statistics().stages.get(self._source_stage)
+        return 0 if stage is None else stage.done // max(1, self._group_size)
 
     async def _check_stall(self) -> None:
         """The run has been quiet: stop it if it is stuck on a store too small for a step."""

@@ -38,6 +38,7 @@ from flowrl.worker_launch import engine_config_of_group, process_spec, worker_co
 from flowrl.worker_spec import Endpoints as WorkerEndpoints
 from flowrl.worker_spec import WorkerSpec
 from transport.endpoints import ipc_endpoint
+from transport.pubsub import DroppedSubscriber
 
 __all__ = ["MAX_RESTART_BACKOFF_S", "TRAIN_GROUP", "Endpoints", "Workforce"]
 
@@ -242,6 +243,19 @@ class Workforce:
             if child.pid == info.pid:
                 self._hung.add(name)
                 self.supervisor.kill(child.pid, signal.SIGKILL)
+
+    def subscriber_dropped(self, dropped: DroppedSubscriber) -> None:
+        """A broadcast subscriber stopped reading: a worker process that is still connected
+        is hung, and is treated like one that missed its heartbeats."""
+        log.warning("broadcast subscriber dropped", subscriber=dropped.name,
+                    reason=dropped.reason, connected=dropped.connected)
+        if not dropped.connected or self._stopping():
+            return
+        for info in self.registry.all():
+            if info.name.rsplit(".", 1)[0] == dropped.name:
+                self._worker_gone(info.worker_id,
+                                  f"stopped reading broadcasts ({dropped.reason})")
+                self.hung(info)
 
     async def _kill_remote(self, node: str, name: str) -> None:
         assert self.hub is not None
