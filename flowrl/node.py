@@ -52,7 +52,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -64,7 +64,7 @@ from flowrl.logs import bind, configure
 from flowrl.messages import DataPlane, TrainerRendezvous
 from transport.curve import CurveKeys, for_endpoint
 from transport.endpoints import ipc_endpoint, tcp_endpoint
-from transport.errors import DeadlineExceeded, TransportError
+from transport.errors import DeadlineExceeded, SharedMemoryTooSmall, TransportError
 from transport.handles import looks_like_handle
 from transport.pubsub import Publisher, Subscriber
 from transport.rpc import Handler, RpcClient, RpcServer
@@ -323,14 +323,22 @@ def main(argv: list[str] | None = None) -> None:
     if args.run_id is not None:
         die_with_parent()
         bind(run_id=args.run_id, role="node", node=args.node)
-        run_main(serve_beside(args))
+        _run_agent(serve_beside(args))
         return
     bind(role="node", node=args.node)
 
     async def agent() -> None:
         await _Agent(args, _keys(args)).run()
 
-    run_main(agent())
+    _run_agent(agent())
+
+
+def _run_agent(main: Coroutine[Any, Any, None]) -> None:
+    try:
+        run_main(main)
+    except SharedMemoryTooSmall as exc:  # the operator's to fix: one line, not a traceback
+        log.error("node agent cannot start its store", error=str(exc))
+        raise SystemExit(1) from None
 
 
 # =================================================================================================

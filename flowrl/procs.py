@@ -28,6 +28,8 @@ class Child:
     proc: asyncio.subprocess.Process
     watcher: asyncio.Task[None]
     expected_exit: bool = False
+    #: the last error line it logged (its event and error), for the reason it exited
+    last_error: str = ""
 
     @property
     def pid(self) -> int:
@@ -63,7 +65,10 @@ class Supervisor:
     async def _watch(self, name: str, proc: asyncio.subprocess.Process) -> None:
         assert proc.stdout is not None
         while line := await proc.stdout.readline():
-            relay(name, line.decode(errors="replace"))
+            error = relay(name, line.decode(errors="replace"))
+            running = self._children.get(proc.pid)
+            if error is not None and running is not None:
+                running.last_error = error[:500]
         code = await proc.wait()
         child = self._children.pop(proc.pid, None)
         if child is not None:

@@ -16,6 +16,8 @@ Guarantees:
 - `sweep` removes segments whose owner is dead and the run directories (``/tmp/flowrl-<run_id>``)
   of runs that have no live owner left; it never removes anything a live owner holds, nor
   anything another user owns.
+- `check_room` refuses a capacity the shared-memory filesystem cannot hold, naming it and its
+  free space: a tmpfs past its size raises SIGBUS in whoever touches the page, long after start.
 
 Readers map segments copy-on-write (`map_private`): zero-copy reads, and a reader that writes
 into its view can never corrupt the shared buffer. Writers map them shared and pre-faulted.
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from transport import endpoints
+from transport.errors import SharedMemoryTooSmall
 
 SHM_DIR = Path("/dev/shm")
 RUN_DIR_BASE = Path("/tmp")
@@ -167,6 +170,27 @@ def map_readonly(name: str) -> mmap.mmap:
         return mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
+
+
+def free_bytes(directory: Path = SHM_DIR) -> int:
+    """Bytes an unprivileged process may still write to the filesystem of `directory`."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+def check_room(capacity: int, directory: Path = SHM_DIR) -> None:
+    """Raise `SharedMemoryTooSmall` when `directory` (the shared-memory filesystem) has less
+    than `capacity` bytes free."""
+    free = free_bytes(directory)
+    if capacity > free:
+        raise SharedMemoryTooSmall(
+            f"{directory} has {_mib(free)} free, less than the store's capacity of "
+            f"{_mib(capacity)}: workers would die of SIGBUS once the store fills. Lower the "
+            f"store's capacity, or give {directory} more room (a container's --shm-size)")
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB"
 
 
 def size_of(name: str) -> int:
