@@ -8,9 +8,10 @@ maps a position to the same example without any coordination.
 A malformed row is skipped and counted, not fatal (`Dataset.skipped` tells how many): a line that
 is not valid UTF-8 JSON, a value that is not an object, a missing prompt or answer key, a prompt
 that is not a non-blank string, an answer that is neither a string nor a number (a Parquet row's
-null counts as missing), or a prompt or answer that is not text (a lone surrogate such as
-``"\ud800"`` is valid JSON but encodes to nothing a tokenizer or the wire accepts). A file with no usable row raises ValueError; so does a Parquet file
-that is not one, or one without the prompt or answer column, naming the file. Parquet needs
+null counts as missing), or a prompt or answer that is not text (a lone surrogate, escaped as
+``\\ud800`` in the JSON, is valid JSON but encodes to nothing a tokenizer or the wire accepts).
+A file with no usable row raises ValueError; so does a Parquet file that is not one, or one
+without the prompt or answer column, naming the file. Parquet needs
 ``pyarrow`` (the ``parquet`` extra), imported only when such a file is read.
 
 A prompt template (``"Question: {prompt}\nAnswer:"``) wraps each prompt; ``{prompt}`` is replaced

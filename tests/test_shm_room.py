@@ -39,7 +39,7 @@ def test_check_room_names_the_directory_and_its_free_space(tmp_path: Path) -> No
 
 def test_a_store_larger_than_dev_shm_is_refused_and_leaves_nothing() -> None:
     run_id = f"t{new_run_id()}"
-    with pytest.raises(SharedMemoryTooSmall, match="^/dev/shm has .* MiB free"):
+    with pytest.raises(SharedMemoryTooSmall, match=r"^/dev/shm has .* MiB free"):
         SampleStore(run_id, "node0", capacity_bytes=too_big())
     assert not shm.run_dir_path(run_id).exists()
     assert shm.list_segments(f"flowrl-{run_id}-") == []

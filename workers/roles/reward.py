@@ -5,8 +5,9 @@ into one `RewardResult` each. Guarantees:
 
 - ``score`` never raises because of the user function (only when the caller cancels it): a call
   that raises, exceeds ``timeout_s`` or returns garbage (not a number, NaN or infinite, too big
-  for a float such as ``10**400``, a batch of the wrong length) gives its samples ``reward = 0.0, ok = False`` and the error text, and is
-  counted by kind in `RewardRunner.statistics`.
+  for a float such as ``10**400``, a batch of the wrong length) gives its samples
+  ``reward = 0.0, ok = False`` and the error text, and is counted by kind in
+  `RewardRunner.statistics`.
 - The event loop stays free: sync functions run in threads, async functions on the loop under a
   timeout scope. At most ``max_concurrency`` calls run at once.
 - Threads are bounded. Python cannot kill a thread, so a sync call that hangs past its timeout
