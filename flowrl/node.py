@@ -44,11 +44,20 @@ queues, loss detection), `FanOutPublisher` (broadcasts to local and remote subsc
 
 from __future__ import annotations
 
+import os
+
+from workers.lifecycle import PARENT_ENV, die_with_parent, run_main
+
+if __name__ == "__main__" and PARENT_ENV in os.environ:
+    # Started by a flowrl process (the controller, a Ray agent's actor): armed first thing,
+    # as the imports below take seconds (torch) and a parent killed meanwhile must not leave
+    # this process behind.
+    die_with_parent()
+
 import argparse
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import sys
 import time
@@ -70,7 +79,6 @@ from transport.pubsub import Publisher, Subscriber
 from transport.rpc import Handler, RpcClient, RpcServer
 from transport.store import SampleStore
 from transport.store_server import StoreServer
-from workers.lifecycle import die_with_parent, run_main
 
 __all__ = ["ClusterConfig", "FanOutPublisher", "NodeHub", "StoreRouter", "main"]
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import structlog
 
 from flowrl.logs import FORMAT_ENV, relay
+from workers.lifecycle import PARENT_ENV
 
 log = structlog.get_logger("flowrl.procs")
 
@@ -48,7 +49,9 @@ class Supervisor:
     async def spawn(
         self, name: str, argv: Sequence[str], env: dict[str, str] | None = None
     ) -> Child:
-        full_env = {**os.environ, **(env or {})}
+        # PARENT_ENV: a child that dies with its parent (`die_with_parent`) can tell when this
+        # process died before it asked
+        full_env = {**os.environ, **(env or {}), PARENT_ENV: str(os.getpid())}
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         full_env.setdefault(FORMAT_ENV, "json")  # the relay parses children's lines
         proc = await asyncio.create_subprocess_exec(

@@ -14,8 +14,9 @@ Guarantees:
 - names of one store never collide with another store's (owner pid + start) nor with another
   run's; names are parsed from the right, so run ids may contain ``-``;
 - `sweep` removes segments whose owner is dead and the run directories (``/tmp/flowrl-<run_id>``)
-  of runs that have no live owner left; it never removes anything a live owner holds, nor
-  anything another user owns.
+  of runs that have no live owner left, and empty unmarked ones past a grace period (what a run
+  killed while starting leaves); it never removes anything a live owner holds, nor anything
+  another user owns.
 - `check_room` refuses a capacity the shared-memory filesystem cannot hold, naming it and its
   free space: a tmpfs past its size raises SIGBUS in whoever touches the page, long after start.
 
@@ -298,11 +299,13 @@ def _run_dir_state(path: Path, sockets: Iterable[str]) -> tuple[bool, bool]:
 def sweep(*, unowned: bool = False, run_id: str | None = None, grace_s: float = 30.0) -> list[str]:
     """Remove what dead runs left behind; return the removed paths.
 
-    Always: segments whose owner process is dead, and run directories whose owner markers all
-    name dead processes (with no segment of a live owner and no bound socket inside).
+    Always: segments whose owner process is dead, run directories whose owner markers all
+    name dead processes (with no segment of a live owner and no bound socket inside), and
+    empty unmarked run directories older than `grace_s` (a run that is starting up has not
+    marked its directory yet; one killed then leaves it empty, and an empty directory holds
+    nothing anyone uses).
     With `unowned`: also ``flowrl-*`` segments whose names carry no owner (no store wrote
-    them), and unmarked run directories with nothing live inside that are older than `grace_s`
-    (a run that is starting up has not marked its directory yet).
+    them), and unmarked run directories with nothing live inside that are older than `grace_s`.
     With `run_id`: only that run's segments and directory.
     """
     removed: list[str] = []
@@ -338,11 +341,15 @@ def sweep(*, unowned: bool = False, run_id: str | None = None, grace_s: float = 
         if alive:
             continue
         if not marked:
-            if not unowned:
-                continue
             with contextlib.suppress(OSError):
                 if now - path.stat().st_mtime < grace_s:
                     continue
+            if not unowned:
+                # rmdir, not rmtree: whatever appeared inside meanwhile is spared with it
+                with contextlib.suppress(OSError):
+                    path.rmdir()
+                    removed.append(str(path))
+                continue
         shutil.rmtree(path, ignore_errors=True)
         if not path.exists():
             removed.append(str(path))

@@ -8,6 +8,13 @@ controller never leaves orphans behind.
 
 from __future__ import annotations
 
+from workers.lifecycle import die_with_parent, run_main
+
+if __name__ == "__main__":
+    # First thing: the imports below take seconds (torch), and a parent killed meanwhile must
+    # not leave this process behind.
+    die_with_parent()
+
 import argparse
 import asyncio
 import json
@@ -18,7 +25,6 @@ from typing import Any
 import structlog
 
 from flowrl.logs import bind, configure
-from workers.lifecycle import die_with_parent, run_main
 from workers.runtime import Role, WeightSyncError, Worker, WorkerConfig
 
 log = structlog.get_logger("flowrl.worker")
@@ -113,7 +119,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
-    die_with_parent()
+    die_with_parent()  # (again, when called other than as ``python -m workers.main``)
     configure()
     bind(run_id=args.run_id, role=args.role, process=args.name)
     import torch
