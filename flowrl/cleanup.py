@@ -3,10 +3,10 @@
 By default it removes shared-memory segments whose owner (the node store process named in the
 segment's name) is dead, run directories (``/tmp/flowrl-<run_id>``) whose marked owners are all
 dead, and empty unmarked run directories older than ``--grace`` seconds (what a run killed
-while starting leaves). ``--all`` also removes ``flowrl-*`` segments that name no owner and unmarked run
-directories with no live socket or segment inside (older than ``--grace`` seconds, so a run that
-is just starting is spared). Anything a live process owns is never touched. Prints one line per
-removed path.
+while starting leaves). ``--all`` also removes ``flowrl-*`` segments that name no owner and
+unmarked run directories with no live socket or segment inside (older than ``--grace``
+seconds, so a run that is just starting is spared). Anything a live process owns is never
+touched. Prints one line per removed path.
 """
 
 from __future__ import annotations

@@ -32,10 +32,12 @@ server also serves reads unencrypted, their requests authenticated with the run'
 (`transport.store_server`); readers find that endpoint themselves.
 
 Lifetime guarantees: an agent exits on SIGTERM/SIGINT, when the controller broadcasts ``stop``
-or answers a poll with stop, when its parent dies (beside the controller: Linux parent-death
-signal), and — orphaned — when the controller has not answered for ``--orphan-s`` seconds (it
-exits within ``orphan_s`` plus one call timeout). On exit it stops its workers (polite, then
-TERM, then KILL) before it removes its segments, since workers may still be reading them.
+or answers a poll with stop, when its parent dies (beside the controller, or started by a flowrl
+process that sets ``FLOWRL_PARENT_PID``: Linux parent-death signal, armed before the heavy
+imports, so also while it is starting), and — orphaned — when the controller has not answered
+for ``--orphan-s`` seconds (it exits within ``orphan_s`` plus one call timeout). On exit it
+stops its workers (polite, then TERM, then KILL) before it removes its segments, since workers
+may still be reading them.
 
 Controller side: `NodeHub` (the tcp+curve endpoint, the registry of remote agents, their spawn
 queues, loss detection), `FanOutPublisher` (broadcasts to local and remote subscribers) and
