@@ -1,11 +1,12 @@
 """``python -m flowrl.cleanup``: remove what dead flowrl runs left in /dev/shm and /tmp.
 
 By default it removes shared-memory segments whose owner (the node store process named in the
-segment's name) is dead, and run directories (``/tmp/flowrl-<run_id>``) whose marked owners are
-all dead. ``--all`` also removes ``flowrl-*`` segments that name no owner and unmarked run
-directories with no live socket or segment inside (older than ``--grace`` seconds, so a run that
-is just starting is spared). Anything a live process owns is never touched. Prints one line per
-removed path.
+segment's name) is dead, run directories (``/tmp/flowrl-<run_id>``) whose marked owners are all
+dead, and empty unmarked run directories older than ``--grace`` seconds (what a run killed
+while starting leaves). ``--all`` also removes ``flowrl-*`` segments that name no owner and
+unmarked run directories with no live socket or segment inside (older than ``--grace``
+seconds, so a run that is just starting is spared). Anything a live process owns is never
+touched. Prints one line per removed path.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=30.0,
         metavar="SECONDS",
-        help="with --all, spare unmarked run directories younger than this (default: 30)",
+        help="spare unmarked run directories younger than this (default: 30)",
     )
     return p.parse_args(argv)
 

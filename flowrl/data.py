@@ -7,9 +7,11 @@ maps a position to the same example without any coordination.
 
 A malformed row is skipped and counted, not fatal (`Dataset.skipped` tells how many): a line that
 is not valid UTF-8 JSON, a value that is not an object, a missing prompt or answer key, a prompt
-that is not a non-blank string, or an answer that is neither a string nor a number (a Parquet
-row's null counts as missing). A file with no usable row raises ValueError; so does a Parquet file
-that is not one, or one without the prompt or answer column, naming the file. Parquet needs
+that is not a non-blank string, an answer that is neither a string nor a number (a Parquet row's
+null counts as missing), or a prompt or answer that is not text (a lone surrogate, escaped as
+``\\ud800`` in the JSON, is valid JSON but encodes to nothing a tokenizer or the wire accepts).
+A file with no usable row raises ValueError; so does a Parquet file that is not one, or one
+without the prompt or answer column, naming the file. Parquet needs
 ``pyarrow`` (the ``parquet`` extra), imported only when such a file is read.
 
 A prompt template (``"Question: {prompt}\nAnswer:"``) wraps each prompt; ``{prompt}`` is replaced
@@ -138,7 +140,19 @@ def _example(row: object, prompt_key: str, answer_key: str, template: str) -> Ex
     # bool is an int subclass, but True is no answer anyone means.
     if isinstance(answer, bool) or not isinstance(answer, str | int | float):
         return None
+    if not _is_text(prompt) or not _is_text(str(answer)):
+        return None
     return Example(template.replace(PROMPT_PLACEHOLDER, prompt), str(answer))
+
+
+def _is_text(value: str) -> bool:
+    """Whether ``value`` encodes as UTF-8 (JSON's ``\\ud800`` escapes decode to lone
+    surrogates, which do not)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")

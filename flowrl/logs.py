@@ -54,18 +54,19 @@ def bind(**context: Any) -> None:
 _relay_log = structlog.get_logger("flowrl.child")
 
 
-def relay(child: str, line: str) -> None:
-    """Re-emit one output line of a child process through this process's logger."""
+def relay(child: str, line: str) -> str | None:
+    """Re-emit one output line of a child process through this process's logger; return what
+    it says when it is an error line (its event, and its ``error`` field if any), else None."""
     text = line.rstrip("\n")
     if not text:
-        return
+        return None
     try:
         record = json.loads(text)
     except ValueError:
         record = None
     if not isinstance(record, dict):
         _relay_log.info(text, process=child)
-        return
+        return None
     event = str(record.pop("event", ""))
     level = str(record.pop("level", "info"))
     record.pop("timestamp", None)
@@ -77,3 +78,7 @@ def relay(child: str, line: str) -> None:
         method(event, **record)
     except Exception:  # a child's odd line must never take the relay down
         _relay_log.info(text, process=child)
+    if level not in ("error", "critical"):
+        return None
+    error = record.get("error")
+    return event if error is None else f"{event}: {error}"

@@ -32,10 +32,12 @@ server also serves reads unencrypted, their requests authenticated with the run'
 (`transport.store_server`); readers find that endpoint themselves.
 
 Lifetime guarantees: an agent exits on SIGTERM/SIGINT, when the controller broadcasts ``stop``
-or answers a poll with stop, when its parent dies (beside the controller: Linux parent-death
-signal), and — orphaned — when the controller has not answered for ``--orphan-s`` seconds (it
-exits within ``orphan_s`` plus one call timeout). On exit it stops its workers (polite, then
-TERM, then KILL) before it removes its segments, since workers may still be reading them.
+or answers a poll with stop, when its parent dies (beside the controller, or started by a flowrl
+process that sets ``FLOWRL_PARENT_PID``: Linux parent-death signal, armed before the heavy
+imports, so also while it is starting), and — orphaned — when the controller has not answered
+for ``--orphan-s`` seconds (it exits within ``orphan_s`` plus one call timeout). On exit it
+stops its workers (polite, then TERM, then KILL) before it removes its segments, since workers
+may still be reading them.
 
 Controller side: `NodeHub` (the tcp+curve endpoint, the registry of remote agents, their spawn
 queues, loss detection), `FanOutPublisher` (broadcasts to local and remote subscribers) and
@@ -44,13 +46,23 @@ queues, loss detection), `FanOutPublisher` (broadcasts to local and remote subsc
 
 from __future__ import annotations
 
+import os
+
+from workers.lifecycle import PARENT_ENV, die_with_parent, run_main
+
+if __name__ == "__main__" and PARENT_ENV in os.environ:
+    # Started by a flowrl process (the controller, a Ray agent's actor): armed first thing,
+    # as the imports below take seconds (torch) and a parent killed meanwhile must not leave
+    # this process behind.
+    die_with_parent()
+
 import argparse
 import asyncio
 import contextlib
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -65,13 +77,12 @@ from flowrl.worker_launch import worker_command
 from flowrl.worker_spec import Endpoints, ProcessSpec, WorkerSpec
 from transport.curve import CurveKeys, for_endpoint
 from transport.endpoints import ipc_endpoint, tcp_endpoint
-from transport.errors import DeadlineExceeded, TransportError
+from transport.errors import DeadlineExceeded, SharedMemoryTooSmall, TransportError
 from transport.handles import looks_like_handle
 from transport.pubsub import DroppedSubscriber, Publisher, Subscriber
 from transport.rpc import Handler, RpcClient, RpcServer
 from transport.store import SampleStore
 from transport.store_server import StoreServer
-from workers.lifecycle import die_with_parent, run_main
 
 __all__ = ["ClusterConfig", "FanOutPublisher", "NodeHub", "StoreRouter", "main"]
 
@@ -316,14 +327,22 @@ def main(argv: list[str] | None = None) -> None:
     if args.run_id is not None:
         die_with_parent()
         bind(run_id=args.run_id, role="node", node=args.node)
-        run_main(serve_beside(args))
+        _run_agent(serve_beside(args))
         return
     bind(role="node", node=args.node)
 
     async def agent() -> None:
         await _Agent(args, _keys(args)).run()
 
-    run_main(agent())
+    _run_agent(agent())
+
+
+def _run_agent(main: Coroutine[Any, Any, None]) -> None:
+    try:
+        run_main(main)
+    except SharedMemoryTooSmall as exc:  # the operator's to fix: one line, not a traceback
+        log.error("node agent cannot start its store", error=str(exc))
+        raise SystemExit(1) from None
 
 
 # =================================================================================================

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import structlog
 
 from flowrl.logs import FORMAT_ENV, relay
+from workers.lifecycle import PARENT_ENV
 
 log = structlog.get_logger("flowrl.procs")
 
@@ -28,6 +29,8 @@ class Child:
     proc: asyncio.subprocess.Process
     watcher: asyncio.Task[None]
     expected_exit: bool = False
+    #: the last error line it logged (its event and error), for the reason it exited
+    last_error: str = ""
 
     @property
     def pid(self) -> int:
@@ -46,7 +49,9 @@ class Supervisor:
     async def spawn(
         self, name: str, argv: Sequence[str], env: dict[str, str] | None = None
     ) -> Child:
-        full_env = {**os.environ, **(env or {})}
+        # PARENT_ENV: a child that dies with its parent (`die_with_parent`) can tell when this
+        # process died before it asked
+        full_env = {**os.environ, **(env or {}), PARENT_ENV: str(os.getpid())}
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         full_env.setdefault(FORMAT_ENV, "json")  # the relay parses children's lines
         proc = await asyncio.create_subprocess_exec(
@@ -63,7 +68,10 @@ class Supervisor:
     async def _watch(self, name: str, proc: asyncio.subprocess.Process) -> None:
         assert proc.stdout is not None
         while line := await proc.stdout.readline():
-            relay(name, line.decode(errors="replace"))
+            error = relay(name, line.decode(errors="replace"))
+            running = self._children.get(proc.pid)
+            if error is not None and running is not None:
+                running.last_error = error[:500]
         code = await proc.wait()
         child = self._children.pop(proc.pid, None)
         if child is not None:

@@ -37,20 +37,27 @@ Ray is optional (``pip install 'flowrl[ray]'``) and imported only here, only whe
 from __future__ import annotations
 
 import asyncio
+import os
+
+from workers.lifecycle import PARENT_ENV, die_with_parent, take_niceness
+
+if __name__ == "__main__":
+    # An agent started by its actor: armed before the imports below (torch: seconds), so an
+    # actor killed meanwhile leaves no agent behind.
+    die_with_parent()
+
 import contextlib
 import importlib
 import ipaddress
-import os
 import signal
 import sys
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from flowrl.controller import RunError
 from flowrl.recipe import RayConfig, RayResources
 from transport.curve import ENV as KEYS_ENV
-from workers.lifecycle import take_niceness
 
 if TYPE_CHECKING:
     from flowrl.controller import Controller
@@ -59,10 +66,6 @@ if TYPE_CHECKING:
 __all__ = ["RayAgents", "import_ray"]
 
 log = structlog.get_logger("flowrl.ray_placement")
-
-# Set in an agent's environment: the actor's pid, to catch an actor that died before the
-# agent asked to die with it.
-_PARENT_ENV: Final = "FLOWRL_AGENT_PARENT"
 
 
 def import_ray() -> Any:
@@ -104,7 +107,7 @@ class _AgentActor:
             log.warning("the node agent and its workers keep Ray's low CPU priority: lowering "
                         "niceness needs root, CAP_SYS_NICE or RLIMIT_NICE", node=self.node,
                         niceness=got, wanted=self.niceness)
-        env = {**os.environ, KEYS_ENV: self.keys, _PARENT_ENV: str(os.getpid())}
+        env = {**os.environ, KEYS_ENV: self.keys, PARENT_ENV: str(os.getpid())}
         self.proc = await asyncio.create_subprocess_exec(
             *argv, env=env, stdin=asyncio.subprocess.DEVNULL)
         return {"pid": self.proc.pid, "host": self.host}
@@ -282,13 +285,10 @@ class RayAgents:
 
 
 def _agent_main() -> None:
-    """An agent started by its actor: ``python -m flowrl.node`` that dies with the actor."""
+    """An agent started by its actor: ``python -m flowrl.node`` that dies with the actor (armed
+    at this module's start; its environment names the actor, `PARENT_ENV`)."""
     from flowrl.node import main
-    from workers.lifecycle import die_with_parent
 
-    die_with_parent()
-    if str(os.getppid()) != os.environ.get(_PARENT_ENV, str(os.getppid())):
-        sys.exit("the agent's actor is gone")
     main(sys.argv[1:])
 
 

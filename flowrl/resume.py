@@ -10,6 +10,14 @@ trained (in flight when the controller died) are redone first on resume, in orde
 
 ``groups_trained`` counts trained groups, so ``groups_trained == trained_below +
 len(trained_above)`` proves no position was trained twice.
+
+A state file is checked before anything is built from it (`RunState.from_json`,
+`latest_checkpoint`): a state that is not one the controller could have written is refused
+with ValueError naming the file, never half used: its version must match its ``step_N``
+directory, every position in ``trained_above`` must lie in ``[trained_below, admitted_to)``
+once, ``groups_trained`` must count them, and the positions to redo and ``trained_above``
+are bounded (`MAX_TRACKED`; a real run holds at most its staleness window of groups there), so
+a corrupted range such as ``admitted_to = 10**18`` is refused instead of exhausting memory.
 """
 
 from __future__ import annotations
@@ -22,10 +30,25 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["STATE_FILE", "RunState", "TrainedPositions", "latest_checkpoint", "write_state"]
+__all__ = [
+    "MAX_TRACKED",
+    "STATE_FILE",
+    "RunState",
+    "TrainedPositions",
+    "latest_checkpoint",
+    "write_state",
+]
 
 STATE_FILE = "run_state.json"
 _STEP_DIR = re.compile(r"step_(\d+)")
+#: the most positions a state may list in ``trained_above``, and the most it may leave to redo
+#: (admitted, not trained). A run holds at most its staleness window of groups in either, a few
+#: thousand at most; past this a state is corrupted, and using it would exhaust memory.
+MAX_TRACKED = 1 << 20
+# Integers the controller writes stay far below this (the wire's bound on positions too).
+_MAX_INT = 1 << 62
+# A state of MAX_TRACKED positions of 19 digits, with room to spare.
+_MAX_FILE_BYTES = 64 << 20
 
 
 class TrainedPositions:
@@ -81,13 +104,37 @@ class RunState:
         if not isinstance(data, dict) or set(data) != keys:
             raise ValueError(f"{source}: expected an object with keys {sorted(keys)}")
         ints = ("version", "trained_below", "admitted_to", "groups_trained")
-        if not all(type(data[k]) is int and data[k] >= 0 for k in ints) or not (
+        if not all(type(data[k]) is int and 0 <= data[k] < _MAX_INT for k in ints) or not (
             isinstance(data["trained_above"], list)
             and all(type(p) is int for p in data["trained_above"])
         ):
-            raise ValueError(f"{source}: {sorted(ints)} must be non-negative integers and "
-                             "trained_above a list of integers")
-        return cls(**data)
+            raise ValueError(f"{source}: {sorted(ints)} must be non-negative integers below "
+                             f"2**62 and trained_above a list of integers")
+        state = cls(**data)
+        problem = state._inconsistency()
+        if problem is not None:
+            raise ValueError(f"{source}: not a run state the controller writes: {problem}")
+        return state
+
+    def _inconsistency(self) -> str | None:
+        """Why this state cannot be one the controller wrote (see the module doc), or None."""
+        below, above, to = self.trained_below, self.trained_above, self.admitted_to
+        if below > to:
+            return f"trained_below ({below}) is past admitted_to ({to})"
+        if len(above) > MAX_TRACKED:
+            return f"trained_above lists {len(above)} positions (at most {MAX_TRACKED})"
+        if len(set(above)) != len(above):
+            return "trained_above lists a position twice"
+        if above and not (below <= min(above) and max(above) < to):
+            return (f"trained_above has positions outside [trained_below, admitted_to) = "
+                    f"[{below}, {to})")
+        if to - below - len(above) > MAX_TRACKED:
+            return (f"{to - below - len(above)} positions between trained_below ({below}) and "
+                    f"admitted_to ({to}) are left to redo (at most {MAX_TRACKED})")
+        if self.groups_trained != below + len(above):
+            return (f"groups_trained ({self.groups_trained}) is not trained_below + "
+                    f"len(trained_above) ({below + len(above)})")
+        return None
 
 
 def write_state(step_dir: Path, state: RunState) -> None:
@@ -125,7 +172,16 @@ def latest_checkpoint(output: str | os.PathLike[str]) -> tuple[Path, RunState]:
     path = candidates[0]
     source = str(path / STATE_FILE)
     try:
-        data = json.loads((path / STATE_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        with open(path / STATE_FILE, "rb") as f:
+            raw = f.read(_MAX_FILE_BYTES + 1)
+        if len(raw) > _MAX_FILE_BYTES:
+            raise ValueError(f"larger than {_MAX_FILE_BYTES >> 20} MiB")
+        data = json.loads(raw)
+    except (OSError, ValueError) as exc:  # JSON and UTF-8 errors are ValueErrors
         raise ValueError(f"{source}: {exc}") from None
-    return path, RunState.from_json(data, source=source)
+    state = RunState.from_json(data, source=source)
+    step = _STEP_DIR.fullmatch(path.name)
+    if step is not None and int(step.group(1)) != state.version:
+        raise ValueError(f"{source}: its version ({state.version}) is not its checkpoint's "
+                         f"step ({path.name}): the state belongs to another checkpoint")
+    return path, state

@@ -24,6 +24,8 @@ from flowrl.pipeline import PipelineSpec
 from flowrl.recipe import CONTROLLER_NODE, TINY_MODEL, ClusterSettings, Recipe
 from flowrl.resume import RunState, latest_checkpoint
 from flowrl.worker_spec import ModelSpec, ResumeSpec
+from transport import shm
+from transport.errors import SharedMemoryTooSmall
 
 
 def cache_dir() -> Path:
@@ -105,6 +107,17 @@ async def placed_controller(
         yield ctl
 
 
+def check_store_room(recipe: Recipe) -> None:
+    """Refuse a store this node's shared memory cannot hold, before anything starts (the node
+    agent checks again, on every node, when it creates its store)."""
+    try:
+        shm.check_room(recipe.placement.store_capacity_mb << 20)
+    except SharedMemoryTooSmall as exc:
+        raise SharedMemoryTooSmall(
+            f"{exc} (placement.store_capacity_mb = {recipe.placement.store_capacity_mb})"
+        ) from None
+
+
 async def run_recipe(
     recipe: Recipe, *, on_step: Callable[[dict[str, Any]], None] | None = None,
     steps: int | None = None, monitor: bool = True,
@@ -124,6 +137,7 @@ async def run_recipe(
     if found is not None and found[1].version >= total:
         raise ValueError(f"--resume: {found[0]} is at step {found[1].version} of {total}: "
                          "nothing left to train (raise --steps to train further)")
+    check_store_room(recipe)
     spec = await asyncio.to_thread(compile_recipe, recipe, resume=found)
     me = asyncio.current_task()
     loop = asyncio.get_running_loop()

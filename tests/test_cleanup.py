@@ -129,6 +129,32 @@ def test_all_removes_unowned_leftovers_but_not_live_sockets(run_ids: list[str]) 
     assert shm.list_segments(f"flowrl-{stale_run}-") == []
 
 
+def test_plain_cleanup_removes_an_empty_unmarked_run_directory(run_ids: list[str]) -> None:
+    """What a run killed while starting can leave: its directory, made before anything was
+    marked or bound in it (or made again by a process of the run that outlived it). Empty, it
+    holds nothing anyone could be using; only the grace spares a run that is just starting."""
+    old_run, young_run, socket_run = run_ids
+    old_dir, young_dir, socket_dir = (shm.run_dir_path(r) for r in run_ids)
+    for d in (old_dir, young_dir, socket_dir):
+        d.mkdir(mode=0o700)
+    (socket_dir / "ctl.sock").touch()  # not empty: plain cleanup leaves it to --all
+    long_ago = time.time() - 3600
+    for d in (old_dir, socket_dir):
+        os.utime(d, (long_ago, long_ago))
+    try:
+        assert _cleanup("--run-id", old_run) == [f"removed {old_dir}"]
+        assert _cleanup("--run-id", young_run) == ["nothing to remove"]
+        assert _cleanup("--grace", "0", "--run-id", young_run) == [f"removed {young_dir}"]
+        assert _cleanup("--run-id", socket_run) == ["nothing to remove"]
+        assert _cleanup("--all", "--run-id", socket_run) == [f"removed {socket_dir}"]
+    finally:
+        for d in (old_dir, young_dir, socket_dir):
+            if d.exists():
+                for entry in d.iterdir():
+                    entry.unlink()
+                d.rmdir()
+
+
 def test_help_is_fast_and_imports_no_torch() -> None:
     code = "import sys, flowrl.cleanup; print('torch' in sys.modules)"
     done = subprocess.run(

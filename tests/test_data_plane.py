@@ -101,19 +101,55 @@ def test_a_signed_request_verifies_once_and_only_unchanged_and_in_time() -> None
     )
 
 
-def test_nonces_are_remembered_for_one_window_and_bounded() -> None:
-    clock = Clock()
+def test_nonces_are_remembered_for_two_windows_and_bounded() -> None:
+    clock, elapsed = Clock(), Clock()
     key = bytes(range(32))
     client = RequestAuth(key, clock=clock)
-    server = RequestAuth(key, clock=clock, max_nonces=3)
+    server = RequestAuth(key, clock=clock, monotonic=elapsed, max_nonces=3)
     frames = encode([1, "read", None])
     signed = [client.sign(frames) for _ in range(4)]
     assert [server.verify([a, *frames]) for a in signed] == [True, True, True, False]
     assert server.statistics().full == 1
-    clock.now += 31.0  # the three remembered ones leave the window...
-    assert server.verify([client.sign(frames), *frames])  # ...and make room
+    clock.now += 31.0
+    elapsed.now += 59.0  # out of the window, but remembered for two...
+    assert not server.verify([client.sign(frames), *frames])
+    assert server.statistics().full == 2
+    elapsed.now += 2.0  # ...then forgotten, which makes room
+    assert server.verify([client.sign(frames), *frames])
     assert not server.verify([signed[0], *frames])  # an old one is refused by its timestamp
     assert server.statistics().stale == 1
+
+
+def test_a_wall_clock_stepped_back_never_reopens_a_replay() -> None:
+    """The server's wall clock jumps ahead (its nonces would leave a wall-clock window) and is
+    then set back: the captured request's timestamp is fresh again, its nonce still known."""
+    clock = Clock()
+    key = bytes(range(32))
+    client = RequestAuth(key, clock=clock)
+    server = RequestAuth(key, clock=clock)  # the real monotonic clock: microseconds pass
+    frames = encode([1, "read", None])
+    captured = client.sign(frames)
+    assert server.verify([captured, *frames])
+    clock.now += 3600.0  # stepped ahead an hour...
+    assert server.verify([client.sign(frames), *frames])  # (requests go on meanwhile)
+    clock.now -= 3600.0  # ...and back
+    assert not server.verify([captured, *frames])
+    assert server.statistics().replayed == 1
+
+
+def test_nonces_expire_by_elapsed_time_when_the_wall_clock_goes_back() -> None:
+    """A wall clock set back an hour does not keep nonces an hour longer (refusing every request
+    as `full` meanwhile): they expire after two windows of elapsed time."""
+    clock, elapsed = Clock(), Clock()
+    key = bytes(range(32))
+    client = RequestAuth(key, clock=clock)
+    server = RequestAuth(key, clock=clock, monotonic=elapsed, max_nonces=2)
+    frames = encode([1, "read", None])
+    assert all(server.verify([client.sign(frames), *frames]) for _ in range(2))
+    clock.now -= 3600.0
+    elapsed.now += 61.0
+    assert server.verify([client.sign(frames), *frames])
+    assert server.statistics().full == 0
 
 
 def test_the_key_comes_from_the_runs_client_secret(keys: CurveKeys) -> None:

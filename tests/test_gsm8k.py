@@ -131,6 +131,9 @@ def test_malformed_rows_are_skipped_and_counted(tmp_path: Path) -> None:
         json.dumps({"question": "q?", "answer": None}),
         json.dumps({"question": "q?", "answer": True}),
         json.dumps({"question": "q?", "answer": {"n": 1}}),
+        # Valid JSON, but a lone surrogate is no text: it cannot be encoded (UTF-8, tokenizers).
+        json.dumps({"question": "q\ud800?", "answer": "#### 1"}),
+        json.dumps({"question": "q?", "answer": "#### \udfff"}),
     ]
     lines = [good[0], *bad, "", good[1]]
     path.write_bytes("\n".join(lines).encode() + b"\n\xff\xfe not utf-8\n")

@@ -50,6 +50,55 @@ def test_latest_checkpoint_is_the_newest_complete_one(tmp_path: Path) -> None:
         latest_checkpoint(tmp_path)
 
 
+@pytest.mark.timeout(20)  # the old code allocated until memory ran out on some of these
+@pytest.mark.parametrize(
+    ("state", "error"),
+    [
+        pytest.param({"admitted_to": 10**18}, "left to redo", id="huge-redo-range"),
+        pytest.param({"trained_below": 10**18}, "past admitted_to", id="below-past-admitted"),
+        pytest.param({"admitted_to": 2**70}, "below 2", id="beyond-2-62"),
+        pytest.param({"trained_above": list(range(20, 20 + (1 << 20) + 1)),
+                      "admitted_to": 1 << 22}, "at most", id="enormous-trained-above"),
+        pytest.param({"trained_above": [9, 9]}, "twice", id="duplicate-position"),
+        pytest.param({"trained_above": [3]}, "outside", id="position-below-the-prefix"),
+        pytest.param({"trained_above": [12]}, "outside", id="position-never-admitted"),
+        pytest.param({"groups_trained": 5}, "groups_trained", id="miscounted"),
+    ],
+)
+def test_a_corrupted_state_is_refused_naming_the_file(
+    tmp_path: Path, state: dict[str, object], error: str
+) -> None:
+    step = tmp_path / "step_2"
+    step.mkdir()
+    write_state(step, RunState(2, 8, [9], 12, 9))
+    assert latest_checkpoint(tmp_path)[1].redo() == [8, 10, 11]  # the uncorrupted one is fine
+    data = {**json.loads((step / STATE_FILE).read_text()), **state}
+    if "trained_above" in state and "groups_trained" not in state:
+        data["groups_trained"] = data["trained_below"] + len(data["trained_above"])
+    (step / STATE_FILE).write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=error) as info:
+        latest_checkpoint(tmp_path)
+    assert str(step / STATE_FILE) in str(info.value)
+
+
+def test_a_state_of_another_step_is_refused(tmp_path: Path) -> None:
+    """A state whose version is not its directory's step (copied from another checkpoint)
+    would resume weights of one step with the data positions of another."""
+    for n in (2, 4):
+        (tmp_path / f"step_{n}").mkdir()
+    write_state(tmp_path / "step_2", RunState(2, 8, [], 8, 8))
+    write_state(tmp_path / "step_4", RunState(2, 8, [], 8, 8))
+    with pytest.raises(ValueError, match=r"version \(2\) is not its checkpoint's step \(step_4\)"):
+        latest_checkpoint(tmp_path)
+    assert latest_checkpoint(tmp_path / "step_2")[1].version == 2
+
+
+def test_an_oversized_state_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / STATE_FILE).write_bytes(b" " * ((64 << 20) + 1))
+    with pytest.raises(ValueError, match="larger than 64 MiB"):
+        latest_checkpoint(tmp_path)
+
+
 def _leftovers_of(run_ids: set[str]) -> set[str]:
     """Shared-memory segments and run directories of these runs that exist now."""
     prefixes = tuple(f"flowrl-{r}" for r in run_ids)

@@ -163,6 +163,15 @@ async def test_a_raising_function_fails_only_its_sample() -> None:
     assert (stats.samples, stats.ok, stats.failures["error"]) == (3, 2, 1)
 
 
+async def test_an_error_that_cannot_be_printed_is_still_an_error() -> None:
+    def fn(prompt: str, response: str, **meta: Any) -> float:
+        raise ValueError(10**5000)  # str() of it raises: the int is too long to print
+
+    out = await runner(fn).score(SAMPLES[:1])
+    assert (out[0].ok, out[0].kind) == (False, "error")
+    assert (out[0].error or "").startswith("ValueError")
+
+
 async def test_unexpected_keyword_is_an_error_not_a_crash() -> None:
     def fn(prompt: str, response: str) -> float:
         return 1.0
@@ -249,6 +258,20 @@ async def _coroutine_result() -> float:
     return 1.0
 
 
+class _BadFloat:
+    """A value whose conversion to float raises something other than TypeError/ValueError."""
+
+    def __float__(self) -> float:
+        raise ZeroDivisionError("no float for you")
+
+
+class _BadSequence:
+    """A batch result whose length cannot be taken."""
+
+    def __len__(self) -> int:
+        raise RuntimeError("no length")
+
+
 @pytest.mark.parametrize(
     ("value", "expected"),
     [
@@ -262,6 +285,10 @@ async def _coroutine_result() -> float:
         (None, None),
         ([1.0], None),
         (1 + 2j, None),
+        pytest.param(10**400, None, id="int-too-big-for-a-float"),
+        pytest.param(Fraction(10**400, 3), None, id="fraction-too-big-for-a-float"),
+        pytest.param(-(10**5000), None, id="int-too-big-to-print"),
+        pytest.param(_BadFloat(), None, id="float-raises"),
     ],
 )
 async def test_garbage_values_fail_the_sample(value: Any, expected: RewardResult | None) -> None:
@@ -308,6 +335,9 @@ async def test_a_sync_function_returning_a_coroutine_is_invalid_and_quiet() -> N
         ({"a": 1.0, "b": 1.0, "c": 1.0}, ["invalid"] * 3),
         (42, ["invalid"] * 3),
         ([1.0, math.nan, "x"], [None, "invalid", "invalid"]),
+        pytest.param([10**400, Fraction(10**400), 0.5], ["invalid", "invalid", None],
+                     id="too-big-for-a-float"),
+        pytest.param(_BadSequence(), ["invalid"] * 3, id="len-raises"),
     ],
 )
 async def test_batched_garbage(value: Any, kinds: list[str | None]) -> None:

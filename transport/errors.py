@@ -51,3 +51,8 @@ class BindRefused(TransportError):
 
 class UnknownSegment(TransportError):
     """A handle names a shared-memory segment the store does not hold (never written, or freed)."""
+
+
+class SharedMemoryTooSmall(TransportError):
+    """The shared-memory filesystem has less room than a store's capacity: segments written
+    past its free space would kill their writers and readers with SIGBUS."""

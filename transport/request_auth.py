@@ -13,9 +13,12 @@ Guarantees of `RequestAuth.verify`:
   nonce was not admitted before within that window: a captured request replayed later is
   refused, which matters because store segments are reused and a replayed read would return
   newer data;
-- a nonce is remembered until its timestamp leaves the window (after that the timestamp alone
-  refuses it), so memory is bounded by the requests of one window; past ``max_nonces``
-  remembered, requests are refused until old ones expire;
+- a nonce is remembered for two windows of elapsed time (a monotonic clock: a wall clock set
+  back or ahead neither forgets nor keeps it sooner or later), the longest its timestamp can
+  stay within the window of a wall clock that runs true; after that the timestamp alone
+  refuses it. Memory is bounded by the requests of two windows; past ``max_nonces``
+  remembered, requests are refused until old ones expire. A replay after those two windows is
+  refused by its timestamp unless the verifier's wall clock has been set back to it;
 - only a request with a right tag is remembered: a peer without the key cannot fill the memory;
 - it never raises on hostile input: every refusal is counted by reason (`statistics`).
 
@@ -71,9 +74,11 @@ class RequestAuth:
         window_s: float = 30.0,
         max_nonces: int = 1 << 20,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`clock`: wall-clock seconds (the two sides are on different machines, so a
-        monotonic clock would not compare)."""
+        """`clock`: wall-clock seconds, for timestamps (the two sides are on different
+        machines, so a monotonic clock would not compare); `monotonic`: seconds that never go
+        back, for how long nonces are remembered."""
         if len(key) < 32:
             raise ValueError("the key must have at least 32 bytes")
         if not window_s > 0:
@@ -82,8 +87,11 @@ class RequestAuth:
         self._window_ns = int(window_s * _NS)
         self._max_nonces = max_nonces
         self._clock = clock
+        self._monotonic = monotonic
         self._seen: set[bytes] = set()
-        self._expiry: list[tuple[int, bytes]] = []  # heap of (timestamp + window, nonce)
+        # heap of (monotonic admission time + two windows, nonce): admitted at wall time N, a
+        # timestamp is within N ± window, so a true wall clock leaves it behind within 2 windows
+        self._expiry: list[tuple[int, bytes]] = []
         self._accepted = 0
         self._malformed = 0
         self._bad_tag = 0
@@ -131,11 +139,11 @@ class RequestAuth:
         if not hmac.compare_digest(tag, self._tag(ts, nonce, frames[1:])):
             self._bad_tag += 1
             return False
-        now = self._now_ns()
-        if abs(now - ts) > self._window_ns:
+        if abs(self._now_ns() - ts) > self._window_ns:
             self._stale += 1
             return False
-        self._expire(now)
+        elapsed = int(self._monotonic() * _NS)
+        self._expire(elapsed)
         if nonce in self._seen:
             self._replayed += 1
             return False
@@ -143,13 +151,13 @@ class RequestAuth:
             self._full += 1
             return False
         self._seen.add(nonce)
-        heapq.heappush(self._expiry, (ts + self._window_ns, nonce))
+        heapq.heappush(self._expiry, (elapsed + 2 * self._window_ns, nonce))
         self._accepted += 1
         return True
 
-    def _expire(self, now: int) -> None:
+    def _expire(self, elapsed: int) -> None:
         expiry, seen = self._expiry, self._seen
-        while expiry and expiry[0][0] < now:  # its timestamp alone refuses it from now on
+        while expiry and expiry[0][0] < elapsed:  # its timestamp alone refuses it from now on
             seen.discard(heapq.heappop(expiry)[1])
 
     def statistics(self) -> AuthStats:

@@ -14,8 +14,11 @@ Guarantees:
 - names of one store never collide with another store's (owner pid + start) nor with another
   run's; names are parsed from the right, so run ids may contain ``-``;
 - `sweep` removes segments whose owner is dead and the run directories (``/tmp/flowrl-<run_id>``)
-  of runs that have no live owner left; it never removes anything a live owner holds, nor
-  anything another user owns.
+  of runs that have no live owner left, and empty unmarked ones past a grace period (what a run
+  killed while starting leaves); it never removes anything a live owner holds, nor anything
+  another user owns.
+- `check_room` refuses a capacity the shared-memory filesystem cannot hold, naming it and its
+  free space: a tmpfs past its size raises SIGBUS in whoever touches the page, long after start.
 
 Readers map segments copy-on-write (`map_private`): zero-copy reads, and a reader that writes
 into its view can never corrupt the shared buffer. Writers map them shared and pre-faulted.
@@ -34,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from transport import endpoints
+from transport.errors import SharedMemoryTooSmall
 
 SHM_DIR = Path("/dev/shm")
 RUN_DIR_BASE = Path("/tmp")
@@ -169,6 +173,27 @@ def map_readonly(name: str) -> mmap.mmap:
         os.close(fd)
 
 
+def free_bytes(directory: Path = SHM_DIR) -> int:
+    """Bytes an unprivileged process may still write to the filesystem of `directory`."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+def check_room(capacity: int, directory: Path = SHM_DIR) -> None:
+    """Raise `SharedMemoryTooSmall` when `directory` (the shared-memory filesystem) has less
+    than `capacity` bytes free."""
+    free = free_bytes(directory)
+    if capacity > free:
+        raise SharedMemoryTooSmall(
+            f"{directory} has {_mib(free)} free, less than the store's capacity of "
+            f"{_mib(capacity)}: workers would die of SIGBUS once the store fills. Lower the "
+            f"store's capacity, or give {directory} more room (a container's --shm-size)")
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB"
+
+
 def size_of(name: str) -> int:
     return os.stat(path_of(name)).st_size
 
@@ -274,11 +299,13 @@ def _run_dir_state(path: Path, sockets: Iterable[str]) -> tuple[bool, bool]:
 def sweep(*, unowned: bool = False, run_id: str | None = None, grace_s: float = 30.0) -> list[str]:
     """Remove what dead runs left behind; return the removed paths.
 
-    Always: segments whose owner process is dead, and run directories whose owner markers all
-    name dead processes (with no segment of a live owner and no bound socket inside).
+    Always: segments whose owner process is dead, run directories whose owner markers all
+    name dead processes (with no segment of a live owner and no bound socket inside), and
+    empty unmarked run directories older than `grace_s` (a run that is starting up has not
+    marked its directory yet; one killed then leaves it empty, and an empty directory holds
+    nothing anyone uses).
     With `unowned`: also ``flowrl-*`` segments whose names carry no owner (no store wrote
-    them), and unmarked run directories with nothing live inside that are older than `grace_s`
-    (a run that is starting up has not marked its directory yet).
+    them), and unmarked run directories with nothing live inside that are older than `grace_s`.
     With `run_id`: only that run's segments and directory.
     """
     removed: list[str] = []
@@ -314,11 +341,15 @@ def sweep(*, unowned: bool = False, run_id: str | None = None, grace_s: float = 
         if alive:
             continue
         if not marked:
-            if not unowned:
-                continue
             with contextlib.suppress(OSError):
                 if now - path.stat().st_mtime < grace_s:
                     continue
+            if not unowned:
+                # rmdir, not rmtree: whatever appeared inside meanwhile is spared with it
+                with contextlib.suppress(OSError):
+                    path.rmdir()
+                    removed.append(str(path))
+                continue
         shutil.rmtree(path, ignore_errors=True)
         if not path.exists():
             removed.append(str(path))

@@ -18,7 +18,8 @@ Guarantees:
   name and renamed when done), so a reader never sees a half-written row.
 - `used_bytes` never exceeds `capacity_bytes`: a `put` that does not fit waits, first in first
   served, until `free` makes room (backpressure instead of an out-of-memory death). A put larger
-  than the whole capacity fails at once.
+  than the whole capacity fails at once. A store whose capacity ``/dev/shm`` cannot hold at its
+  start is refused (`SharedMemoryTooSmall`, naming the free space), not left to SIGBUS later.
 - A segment lives while it holds at least one unfreed handle. When its last handle is freed it
   is renamed away (handles to it fail from then on) and either kept in a small pool of warm
   segments that later puts rewrite (fresh shared memory costs a page fault per 4 KiB) or unlinked.
@@ -201,7 +202,8 @@ class SampleStore:
         self._pool_limit = capacity_bytes // 4 if pool_bytes is None else pool_bytes
         self.owner = shm.Owner.current()
         self.prefix = shm.owner_prefix(run_id, self.owner)
-        self.swept = shm.sweep()
+        self.swept = shm.sweep()  # first: dead runs' segments give their room back
+        shm.check_room(capacity_bytes)
         shm.claim_run_dir(run_id, self.owner)
         # Its own segments come back from the pool: keep their mappings (no page faults).
         self._writes = MappingCache(cache_bytes, writable=True)

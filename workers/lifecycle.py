@@ -1,8 +1,11 @@
-"""Process lifecycle helpers shared by every flowrl child process."""
+"""Process lifecycle helpers shared by every flowrl child process.
+
+Light on purpose (the standard library only, asyncio not even): entry points import it and
+call `die_with_parent` before their heavy imports (torch, transformers: seconds).
+"""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ctypes
 import gc
@@ -10,17 +13,29 @@ import os
 import signal
 import sys
 from collections.abc import Coroutine
-from typing import Any
+from typing import Any, Final
 
 _PR_SET_PDEATHSIG = 1
+
+#: set by whoever starts a flowrl child process (`flowrl.procs.Supervisor`, a Ray agent's
+#: actor) to its own pid: the child can tell that its parent died before it asked to die with it
+PARENT_ENV: Final = "FLOWRL_PARENT_PID"
 
 
 def die_with_parent() -> None:
     """Ask Linux to SIGTERM this process when its parent dies, so no child outlives a killed
-    controller (elsewhere heartbeats to the controller time out instead)."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    controller (elsewhere heartbeats to the controller time out instead).
+
+    A parent that died before this call sends no signal: when ``$FLOWRL_PARENT_PID`` names a
+    process that is no longer the parent, this process SIGTERMs itself at once. The variable is
+    removed, so that this process's own children never mistake it for theirs."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    parent = os.environ.pop(PARENT_ENV, None)
+    if parent is not None and parent != str(os.getppid()):
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def take_niceness(niceness: int) -> int:
@@ -43,6 +58,8 @@ def run_main(coro: Coroutine[Any, Any, None]) -> None:
     try:
         import uvloop
     except ImportError:
+        import asyncio
+
         asyncio.run(coro)
     else:
         uvloop.run(coro)

@@ -10,6 +10,13 @@ behind.
 
 from __future__ import annotations
 
+from workers.lifecycle import die_with_parent, run_main
+
+if __name__ == "__main__":
+    # First thing: the imports below take seconds (torch), and a parent killed meanwhile must
+    # not leave this process behind.
+    die_with_parent()
+
 import argparse
 import asyncio
 import os
@@ -22,7 +29,6 @@ from flowrl.logs import bind, configure
 from flowrl.worker_launch import read_spec
 from flowrl.worker_spec import EngineSpec, ProcessSpec, WorkerSpec
 from transport.store_server import StoreClient
-from workers.lifecycle import die_with_parent, run_main
 from workers.runtime import Role, WeightSyncError, Worker, WorkerConfig
 
 log = structlog.get_logger("flowrl.worker")
@@ -117,7 +123,7 @@ async def serve(spec: WorkerSpec) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
-    die_with_parent()
+    die_with_parent()  # (again, when called other than as ``python -m workers.main``)
     configure()
     spec = read_spec(args.spec)
     bind(run_id=spec.endpoints.run_id, role=spec.process.role, process=spec.process.name)

@@ -206,7 +206,9 @@ class Workforce:
 
     def on_child_exit(self, child: Child, code: int) -> None:
         if child.name.startswith("node:") and not self._stopping():
-            self._fail_run(f"node agent {child.name} exited with code {code}")
+            last = getattr(child, "last_error", "")  # a remote exit has none
+            self._fail_run(f"node agent {child.name} exited with code {code}"
+                           f"{': ' + last if last else ''}")
             return
         for info in self.registry.by_pid(child.pid):
             self._worker_gone(info.worker_id, f"process {child.pid} exited with code {code}")

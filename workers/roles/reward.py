@@ -4,9 +4,10 @@
 into one `RewardResult` each. Guarantees:
 
 - ``score`` never raises because of the user function (only when the caller cancels it): a call
-  that raises, exceeds ``timeout_s`` or returns garbage (not a number, NaN or infinite, a batch of
-  the wrong length) gives its samples ``reward = 0.0, ok = False`` and the error text, and is
-  counted by kind in `RewardRunner.statistics`.
+  that raises, exceeds ``timeout_s`` or returns garbage (not a number, NaN or infinite, too big
+  for a float such as ``10**400``, a batch of the wrong length) gives its samples
+  ``reward = 0.0, ok = False`` and the error text, and is counted by kind in
+  `RewardRunner.statistics`.
 - The event loop stays free: sync functions run in threads, async functions on the loop under a
   timeout scope. At most ``max_concurrency`` calls run at once.
 - Threads are bounded. Python cannot kill a thread, so a sync call that hangs past its timeout
@@ -116,19 +117,30 @@ def _is_async(fn: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call)
 
 
+def _text(value: object, convert: Callable[[object], str]) -> str:
+    """``convert(value)``, or a placeholder when the user's object cannot be printed (an int
+    of more than 4300 digits, a ``__str__`` or ``__repr__`` that raises)."""
+    try:
+        return convert(value)
+    except Exception:
+        return f"<{type(value).__name__} that cannot be printed>"
+
+
 def _describe(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}"
+    text = f"{type(e).__name__}: {_text(e, str)}"
     return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 3] + "..."
 
 
 def _short_repr(value: Any) -> str:
-    text = repr(value)
+    text = _text(value, repr)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _as_reward(value: Any) -> float:
     """A finite float, or `_Failure("invalid")`. Accepts bools, ints, floats and scalars that
-    convert with ``float()`` (numpy, 0-d tensors); never parses strings."""
+    convert with ``float()`` (numpy, 0-d tensors); never parses strings. A number too big for
+    a float (``10**400``, a huge ``Fraction``) is invalid, as is any value whose conversion
+    raises."""
     if inspect.iscoroutine(value):
         value.close()  # a sync function returned a coroutine: close it so it warns nobody
         raise _Failure("invalid", "returned a coroutine; declare the function `async def`")
@@ -139,11 +151,26 @@ def _as_reward(value: Any) -> float:
                                   "expected a number")
     try:
         x = float(value)
-    except (TypeError, ValueError) as e:
-        raise _Failure("invalid", f"returned {_short_repr(value)}: {e}") from None
+    except Exception as e:  # OverflowError for 10**400; anything a user's __float__ raises
+        raise _Failure("invalid", f"returned {type(value).__name__} {_short_repr(value)}: "
+                                  f"{_describe(e)}") from None
     if not math.isfinite(x):
         raise _Failure("invalid", f"returned {x}, expected a finite number")
     return x
+
+
+def _as_batch(values: Any, samples: int) -> list[Any]:
+    """A batched function's result as a list of `samples` values, or `_Failure("invalid")`."""
+    if isinstance(values, str | bytes | Mapping) or not hasattr(values, "__len__"):
+        raise _Failure("invalid", f"returned {type(values).__name__}, expected one number per "
+                                  f"sample ({samples})")
+    try:
+        out = list(values)
+    except Exception as e:  # a user's sequence whose iteration raises
+        raise _Failure("invalid", f"returned {type(values).__name__}: {_describe(e)}") from None
+    if len(out) != samples:
+        raise _Failure("invalid", f"returned {len(out)} values for {samples} samples")
+    return out
 
 
 class RewardRunner:
@@ -211,14 +238,7 @@ class RewardRunner:
         args = ([s.prompt for s in samples], [s.response for s in samples],
                 [dict(s.meta) for s in samples])
         try:
-            values = await self._call(args, {})
-            if isinstance(values, str | bytes | Mapping) or not hasattr(values, "__len__"):
-                raise _Failure("invalid", f"returned {type(values).__name__}, expected one "
-                                          f"number per sample ({len(samples)})")
-            values = list(values)
-            if len(values) != len(samples):
-                raise _Failure("invalid", f"returned {len(values)} values for "
-                                          f"{len(samples)} samples")
+            values = _as_batch(await self._call(args, {}), len(samples))
         except _Failure as f:
             return [RewardResult(0.0, False, str(f), f.kind) for _ in samples]
         out = []
