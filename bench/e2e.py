@@ -296,7 +296,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     # The recipe's 4 MB of weights copy from cache; a real model's copy from DRAM, where the
     # fixed costs vanish and page faults would dominate without the store's warm pool.
     with tempfile.TemporaryDirectory(prefix="flowrl-e2e-ws-") as tmp:
-        from workers.tiny_model import build_tiny_model
+        from flowrl.tiny_model import build_tiny_model
 
         hidden = 512 if args.quick else 1024
         big = await asyncio.to_thread(build_tiny_model, Path(tmp) / "model", hidden=hidden,

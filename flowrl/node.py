@@ -60,6 +60,7 @@ from typing import Any, Final
 import structlog
 
 from flowrl import messages as m
+from flowrl.lifecycle import die_with_parent, run_main
 from flowrl.logs import bind, configure
 from flowrl.messages import DataPlane, TrainerRendezvous
 from transport.curve import CurveKeys, for_endpoint
@@ -70,7 +71,6 @@ from transport.pubsub import Publisher, Subscriber
 from transport.rpc import Handler, RpcClient, RpcServer
 from transport.store import SampleStore
 from transport.store_server import StoreServer
-from workers.lifecycle import die_with_parent, run_main
 
 __all__ = ["ClusterConfig", "FanOutPublisher", "NodeHub", "StoreRouter", "main"]
 

@@ -48,9 +48,9 @@ from typing import TYPE_CHECKING, Any, Final
 import structlog
 
 from flowrl.controller import RunError
+from flowrl.lifecycle import take_niceness
 from flowrl.recipe import RayConfig, RayResources
 from transport.curve import ENV as KEYS_ENV
-from workers.lifecycle import take_niceness
 
 if TYPE_CHECKING:
     from flowrl.controller import Controller
@@ -283,8 +283,8 @@ class RayAgents:
 
 def _agent_main() -> None:
     """An agent started by its actor: ``python -m flowrl.node`` that dies with the actor."""
+    from flowrl.lifecycle import die_with_parent
     from flowrl.node import main
-    from workers.lifecycle import die_with_parent
 
     die_with_parent()
     if str(os.getppid()) != os.environ.get(_PARENT_ENV, str(os.getppid())):

@@ -129,7 +129,7 @@ class _Section(BaseModel):
 
 
 class TinyModelConfig(_Section):
-    """A tiny Qwen2 model built locally (no model hub): ``workers.tiny_model.build_tiny_model``."""
+    """A tiny Qwen2 model built locally (no model hub): ``flowrl.tiny_model.build_tiny_model``."""
 
     hidden: int = Field(default=128, ge=8, le=4096)
     """Hidden size; must divide by `heads`."""

@@ -3,7 +3,7 @@
     python -m flowrl.launch recipes/tiny_cpu.py                        # about 1 min
     python -m flowrl.launch recipes/tiny_cpu.py --set max_staleness=0  # synchronous
 
-Model: a ~0.9M-parameter Qwen2 built locally (``workers.tiny_model``, byte-level tokenizer) and
+Model: a ~0.9M-parameter Qwen2 built locally (``flowrl.tiny_model``, byte-level tokenizer) and
 cached under ``~/.cache/flowrl/models``. Its warm start is 200 language-modelling steps (~10 s
 on two free cores) on a corpus of single-digit ``a+b=c``, ``a-b=c`` and ``a*b=c`` lines: enough
 to answer in the right format (digits, then end of text), not enough to know the sums: it

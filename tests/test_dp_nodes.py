@@ -37,8 +37,8 @@ from flowrl.recipe import (
 )
 from flowrl.rendezvous import RankRendezvous
 from flowrl.run import cluster_config
+from flowrl.tiny_model import build_tiny_model
 from workers.distributed import DataParallel, for_process, split_address
-from workers.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.timeout(60)
 

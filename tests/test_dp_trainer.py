@@ -37,11 +37,11 @@ from flowrl.recipe import (
     RolloutConfig,
     TrainerConfig,
 )
+from flowrl.tiny_model import build_tiny_model
 from workers.distributed import DataParallel, for_process, full_tensor, local_part
 from workers.engines import TorchTrainerEngine
 from workers.engines.protocols import TrainerState
 from workers.roles.trainer import TrainerRole, TrainSettings
-from workers.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.timeout(60)
 

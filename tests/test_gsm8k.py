@@ -23,10 +23,10 @@ from flowrl.data import jsonl, parquet
 from flowrl.recipe import Recipe
 from flowrl.recipe_file import RecipeError, load_recipe
 from flowrl.run import compile_recipe
+from flowrl.tiny_model import build_tiny_model
 from workers.roles.factory import dataset_from_config, rollout_dtype
 from workers.roles.reward import resolve_reward_fn
 from workers.roles.rewards import final_number, gsm8k_gold, gsm8k_numeric, gsm8k_numeric_batch
-from workers.tiny_model import build_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/gsm8k.py"

@@ -26,6 +26,7 @@ from flowrl.recipe import (
     RolloutConfig,
     TrainerConfig,
 )
+from flowrl.tiny_model import build_tiny_model
 from workers.devices import set_threads
 from workers.engines import (
     Generation,
@@ -42,7 +43,6 @@ from workers.roles.reward_role import RewardRole
 from workers.roles.rollout import RolloutRole
 from workers.roles.trainer import AdvantageName, TrainBatch, TrainerRole, TrainSettings
 from workers.runtime import RoleOutput
-from workers.tiny_model import build_tiny_model
 
 set_threads(2)
 pytestmark = pytest.mark.timeout(60)

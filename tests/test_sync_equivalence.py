@@ -28,11 +28,11 @@ from flowrl.recipe import (
     TrainerConfig,
 )
 from flowrl.run import compile_recipe
+from flowrl.tiny_model import build_tiny_model
 from workers.engines import HFRolloutEngine, SamplingParams, SequenceBatch, TorchTrainerEngine
 from workers.engines.protocols import mix_seed
 from workers.roles.factory import dataset_from_config, load_tokenizer
 from workers.roles.rewards import numeric_partial_credit
-from workers.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.timeout(240)
 

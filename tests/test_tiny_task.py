@@ -7,8 +7,8 @@ import re
 import pytest
 
 from flowrl.recipe_file import load_recipe
+from flowrl.tiny_model import synthetic_corpus
 from workers.roles.rewards import numeric_partial_credit, numeric_partial_credit_batch
-from workers.tiny_model import synthetic_corpus
 
 
 @pytest.mark.parametrize(

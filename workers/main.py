@@ -17,8 +17,8 @@ from typing import Any
 
 import structlog
 
+from flowrl.lifecycle import die_with_parent, run_main
 from flowrl.logs import bind, configure
-from workers.lifecycle import die_with_parent, run_main
 from workers.runtime import Role, WeightSyncError, Worker, WorkerConfig
 
 log = structlog.get_logger("flowrl.worker")

@@ -4,7 +4,7 @@ export, a live dashboard, and a few token-guarded control actions.
 Endpoints (all in the controller's own event loop; every handler is O(snapshot), none blocks):
 
 - ``GET /`` — the dashboard (static files shipped in this package; no network access needed);
-- ``GET /status`` — exactly `Controller.status()` as JSON;
+- ``GET /status`` — exactly the run's `status()` (`flowrl.monitor.view.RunView`) as JSON;
 - ``GET /metrics`` — Prometheus text exposition (`flowrl.monitor.metrics`);
 - ``GET /events`` — Server-Sent Events, one per controller event, ``id:`` = its ``seq``.
   ``Last-Event-ID`` (or ``?last_id=N``) first replays the kept events after ``N``;
@@ -48,7 +48,7 @@ from flowrl.monitor.trace import chrome_trace, recent_spans
 from transport.errors import BindRefused
 
 if TYPE_CHECKING:
-    from flowrl.controller import Controller
+    from flowrl.monitor.view import RunView
     from flowrl.recipe import MonitorConfig
 
 __all__ = ["MAX_STALENESS", "MonitorServer", "dumps"]
@@ -115,10 +115,10 @@ def dumps(obj: Any) -> str:
 
 
 class MonitorServer:
-    """One controller's HTTP monitor; ``await start()`` returns its URL, ``aclose()`` stops it."""
+    """One run's HTTP monitor; ``await start()`` returns its URL, ``aclose()`` stops it."""
 
-    def __init__(self, ctl: Controller, config: MonitorConfig) -> None:
-        self._ctl = ctl
+    def __init__(self, run: RunView, config: MonitorConfig) -> None:
+        self._run = run
         self.host = config.host
         self.port = config.port or 0
         self.loopback = is_loopback(self.host)
@@ -129,7 +129,7 @@ class MonitorServer:
         self.token_generated = config.token is None
         self.token: SecretStr = config.token or SecretStr(secrets.token_urlsafe(24))
         self.url = ""
-        self._metrics = ControllerMetrics(ctl)
+        self._metrics = ControllerMetrics(run)
         self._runner: web.AppRunner | None = None
         self._closing = asyncio.Event()
         self._static = {
@@ -147,9 +147,9 @@ class MonitorServer:
         app.router.add_get("/metrics", self._metrics_text)
         app.router.add_get("/events", self._events)
         app.router.add_get("/trace", self._trace)
-        app.router.add_post("/pause", self._control(lambda _: self._ctl.pause()))
-        app.router.add_post("/resume", self._control(lambda _: self._ctl.resume()))
-        app.router.add_post("/stop", self._control(lambda _: self._ctl.stop()))
+        app.router.add_post("/pause", self._control(lambda _: self._run.pause()))
+        app.router.add_post("/resume", self._control(lambda _: self._run.resume()))
+        app.router.add_post("/stop", self._control(lambda _: self._run.stop()))
         app.router.add_post("/staleness", self._staleness)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
                                      shutdown_timeout=SHUTDOWN_S, logger=_http_log)
@@ -211,7 +211,7 @@ class MonitorServer:
         return web.Response(body=found[0], content_type=found[1], headers=_NO_STORE)
 
     async def _status(self, request: web.Request) -> web.Response:
-        return web.Response(text=dumps(self._ctl.status()), content_type="application/json",
+        return web.Response(text=dumps(self._run.status()), content_type="application/json",
                             headers=_NO_STORE)
 
     async def _metrics_text(self, request: web.Request) -> web.Response:
@@ -221,7 +221,7 @@ class MonitorServer:
     async def _trace(self, request: web.Request) -> web.Response:
         window = _float_param(request, "window")
         after = _float_param(request, "after")
-        bus = self._ctl.events
+        bus = self._run.events
         now = time.time()
         cutoffs = [now - max(0.0, window)] if window is not None else []
         if after is not None:
@@ -230,10 +230,10 @@ class MonitorServer:
         # Snapshot in the loop (O(spans returned)); the JSON, ~10 us a span, is built in a
         # thread so a full export of every kept span does not stall the controller.
         spans = recent_spans(bus.spans, since)
-        roles = [p.role for p in self._ctl.spec.pools]
-        workers = [(w.worker_id, w.role) for w in self._ctl.registry.all()]
+        roles = self._run.roles()
+        workers = self._run.worker_roles()
         other = {"now_us": round((now - bus.t0) * 1e6, 1), "window_s": window,
-                 "run_id": self._ctl.run_id}
+                 "run_id": self._run.run_id}
         body = await asyncio.to_thread(_render_trace, spans, bus.t0, roles, workers, other)
         return web.Response(text=body, content_type="application/json", headers=_NO_STORE)
 
@@ -259,7 +259,7 @@ class MonitorServer:
 
     async def _stream(self, last_id: int | None) -> AsyncGenerator[dict[str, Any] | None, None]:
         """Replayed then live events in ``seq`` order, None for a keepalive; ends at close."""
-        bus = self._ctl.events
+        bus = self._run.events
         # Without a last id the stream starts now: after the newest event kept so far.
         sent = last_id if last_id is not None else bus.recent[-1]["seq"] if bus.recent else 0
         # subscribe() is an async generator; it must be closed to drop its queue at once.
@@ -307,9 +307,9 @@ class MonitorServer:
         return handler
 
     def _control_reply(self) -> web.Response:
-        ctl = self._ctl
-        return web.json_response({"ok": True, "paused": ctl.paused, "version": ctl.version,
-                                  "max_staleness": ctl.gate.max_staleness})
+        run = self._run
+        return web.json_response({"ok": True, "paused": run.paused, "version": run.version,
+                                  "max_staleness": run.max_staleness})
 
     async def _staleness(self, request: web.Request) -> web.Response:
         try:
@@ -320,7 +320,7 @@ class MonitorServer:
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_STALENESS:
             raise web.HTTPBadRequest(
                 text=f"max_staleness must be an integer in [0, {MAX_STALENESS}]")
-        self._ctl.set_max_staleness(n)
+        self._run.set_max_staleness(n)
         log.info("monitor control", action="staleness", max_staleness=n, peer=request.remote)
         return self._control_reply()
 
