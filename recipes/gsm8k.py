@@ -36,7 +36,7 @@ CPU variant (a 0.5B model on a few cores; minutes per step)::
 (``rollout.dtype="auto"`` is float32 on a CPU.)
 """
 
-from flowrl.recipe import (
+from flowrl import (
     AlgorithmConfig,
     DataConfig,
     ModelConfig,
@@ -44,8 +44,8 @@ from flowrl.recipe import (
     RewardConfig,
     RolloutConfig,
     TrainerConfig,
+    given,
 )
-from flowrl.recipe_file import given
 
 TEMPLATE = (
     "Question: {prompt}\n"

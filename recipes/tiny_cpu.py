@@ -27,7 +27,7 @@ ended at 0.75-0.89 (one run in six collapsed to 0.52 in an earlier session), one
 task at 0.86-0.90 and half the speed.
 """
 
-from flowrl.recipe import (
+from flowrl import (
     AlgorithmConfig,
     ArithmeticConfig,
     DataConfig,
