@@ -381,7 +381,7 @@ def check_fn_ref(ref: str) -> tuple[str, str]:
 class RewardConfig(_Section):
     """The reward function and the workers that call it."""
 
-    fn: str | Callable[..., Any] = "workers.roles.reward:exact_match"
+    fn: str | Callable[..., Any] = "workers.roles.builtin_rewards:exact_match"
     """``"module:function"``, ``"path/to/file.py:function"``, or a module-level function.
     Per sample: ``fn(prompt, response, **row_meta) -> float`` (row_meta holds ``answer``);
     batched: ``fn(prompts, responses, metas) -> list[float]``. Sync or async."""

@@ -10,9 +10,9 @@ to answer in the right format (digits, then end of text), not enough to know the
 answers 12% of this task's prompts exactly at temperature 1 (6 of 36 greedily).
 
 Task: ``a+b=`` with ``a, b`` in ``0..5`` (36 distinct prompts), the answer checked exactly. The
-reward (``workers.roles.rewards.numeric_partial_credit``) is 1.0 for the exact sum, at most 0.5
-for another number (less the farther it is), 0.0 for anything else. RL alone lifts the mean
-reward from about 0.45 over the first ten steps to 0.90-0.97 over the last ten (six seeds,
+reward (``workers.roles.builtin_rewards.numeric_partial_credit``) is 1.0 for the exact sum, at
+most 0.5 for another number (less the farther it is), 0.0 for anything else. RL alone lifts the
+mean reward from about 0.45 over the first ten steps to 0.90-0.97 over the last ten (six seeds,
 about 40 s of training each on two quiet cores). bench/README.md has the measured figures.
 
 Asynchronous: rollout runs up to one policy version ahead of training (``max_staleness=1``),
@@ -48,7 +48,8 @@ recipe = Recipe(
     # Two groups per generate call: ~1.4x the samples/s of one (bench/README.md).
     rollout=RolloutConfig(temperature=1.0, max_new_tokens=4, groups_per_task=2, threads=1),
     # Batched: one call per reward task (one thread) instead of one per response.
-    reward=RewardConfig(fn="workers.roles.rewards:numeric_partial_credit_batch", batched=True),
+    reward=RewardConfig(fn="workers.roles.builtin_rewards:numeric_partial_credit_batch",
+                        batched=True),
     trainer=TrainerConfig(lr=1e-3, lr_schedule="cosine", min_lr_ratio=0.1, groups_per_step=16,
                           micro_batch_groups=8, threads=1),
 )

@@ -57,7 +57,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def engine_config(
-    model_dir: Path, *, reward_fn: str = "workers.roles.reward:exact_match",
+    model_dir: Path, *, reward_fn: str = "workers.roles.builtin_rewards:exact_match",
     max_prompt_tokens: int = 64, lr: float = 1e-3, output: Path | None = None,
     checkpoint_every: int = 0, kl_coef: float = 0.0,
 ) -> dict[str, Any]:

@@ -150,8 +150,8 @@ def make_vllm_role(role: str, config: dict[str, Any], seed: int) -> Role:
 
 
 def _reward(config: dict[str, Any]) -> Role:
-    from workers.roles.reward import RewardRunner, resolve_reward_fn
     from workers.roles.reward_role import RewardRole
+    from workers.roles.reward_runner import RewardRunner, resolve_reward_fn
 
     r = config["reward"]
     runner = RewardRunner(resolve_reward_fn(str(r["fn"])), batched=bool(r["batched"]),
