@@ -308,7 +308,8 @@ class RolloutConfig(_Section):
     stop: tuple[str, ...] = ()
     """Strings that end a response (besides the model's end-of-sequence token)."""
     threads: int = Field(default=1, ge=1, le=1024)
-    """torch threads per rollout worker process (DESIGN §7)."""
+    """torch threads per rollout worker process (one by default, so that rollout and training
+    processes overlap on few cores instead of fighting over them)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     """Weights and compute of the rollout engine; ``auto`` is bfloat16 where the worker's device
     supports it (CUDA with bf16, NPU), else float32. The trainer keeps float32 weights; they are
