@@ -58,7 +58,7 @@ from flowrl.rendezvous import RankRendezvous
 from flowrl.resume import RunState, TrainedPositions, write_state
 from flowrl.staleness import StalenessGate
 from transport.endpoints import ipc_endpoint, new_run_id, remove_run_dir
-from transport.handles import Handle, looks_like_handle
+from transport.handles import Handle, is_handle
 from transport.pubsub import Publisher
 from transport.rpc import Handler, RpcClient, RpcServer
 from transport.shm import claim_run_dir
@@ -1348,8 +1348,8 @@ class Controller:
             while not self._free_q.empty():  # batch what piled up
                 handles.extend(self._free_q.get_nowait())
             wanted, self._store_stats_wanted = self._store_stats_wanted, False
-            # Inline field values (prompt positions, rewards) hold no memory; handles are lists.
-            handles = [h for h in handles if looks_like_handle(h)]
+            # Inline field values (prompt positions, rewards) hold no memory.
+            handles = [h for h in handles if is_handle(h)]
             if self._store is not None and (handles or wanted):
                 try:
                     if handles:

@@ -65,8 +65,8 @@ from flowrl.logs import bind, configure
 from flowrl.messages import DataPlane, TrainerRendezvous
 from transport.curve import CurveKeys, for_endpoint
 from transport.endpoints import ipc_endpoint, tcp_endpoint
-from transport.errors import DeadlineExceeded, TransportError
-from transport.handles import looks_like_handle
+from transport.errors import DeadlineExceeded, MalformedMessage, TransportError
+from transport.handles import Handle
 from transport.pubsub import Publisher, Subscriber
 from transport.rpc import Handler, RpcClient, RpcServer
 from transport.store import SampleStore
@@ -418,7 +418,10 @@ class StoreRouter(RpcClient):
         if op == "free":
             by_node: dict[str, list[Any]] = {}
             for h in payload["handles"]:
-                node = h[0] if looks_like_handle(h) else self._node
+                try:
+                    node = Handle.from_wire(h).node
+                except MalformedMessage:  # the own store refuses it and says why
+                    node = self._node
                 by_node.setdefault(node, []).append(h)
             own = super().call  # zero-argument super() is unavailable in a comprehension
             calls: list[Awaitable[Any]] = [
