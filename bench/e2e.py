@@ -21,7 +21,7 @@ dispatch to the last optimizer step; process start-up and the model build are no
 - ``samples_per_s_sync``, ``samples_per_s_async``, ``speedup_async`` (async ÷ sync).
 - ``reward_first_sync`` / ``reward_first_async``: mean reward of the first 10 steps;
   ``reward_final_sync`` / ``reward_final_async``: of the last 10 steps (the reward is
-  ``workers.roles.rewards.numeric_partial_credit``: 1.0 for an exact sum).
+  ``workers.roles.builtin_rewards.numeric_partial_credit``: 1.0 for an exact sum).
 - ``overhead_share`` (of the async run): CPU seconds spent on orchestration and transport ÷ wall
   seconds, where orchestration and transport are (a) the whole controller process (this one:
   index, scheduler, RPC, the children's log relay), (b) the whole node agent (the store server),
@@ -226,7 +226,7 @@ def _run_trl(recipe: Recipe, model_dir: Path, steps: int) -> float:
     from trl import GRPOConfig, GRPOTrainer  # type: ignore[import-not-found]
 
     from flowrl.data import arithmetic
-    from workers.roles.rewards import numeric_partial_credit
+    from workers.roles.builtin_rewards import numeric_partial_credit
 
     torch.set_num_threads(2)  # the whole machine, as our two compute processes have
     a = recipe.data.arithmetic
@@ -296,7 +296,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     # The recipe's 4 MB of weights copy from cache; a real model's copy from DRAM, where the
     # fixed costs vanish and page faults would dominate without the store's warm pool.
     with tempfile.TemporaryDirectory(prefix="flowrl-e2e-ws-") as tmp:
-        from workers.tiny_model import build_tiny_model
+        from flowrl.tiny_model import build_tiny_model
 
         hidden = 512 if args.quick else 1024
         big = await asyncio.to_thread(build_tiny_model, Path(tmp) / "model", hidden=hidden,

@@ -58,9 +58,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(args.threads)
+    from flowrl.tiny_model import build_tiny_model
     from workers.engines import HFRolloutEngine, SamplingParams
     from workers.engines.vllm_rollout import VLLMRolloutEngine
-    from workers.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="flowrl-bench-vllm-") as tmp:
         model = build_tiny_model(Path(tmp) / "tiny")

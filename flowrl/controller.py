@@ -393,6 +393,18 @@ class Controller:
         """The bearer token the monitor's control endpoints require (kept secret in reprs)."""
         return None if self._monitor is None else self._monitor.token
 
+    # ---- the monitor's view of the run (flowrl.monitor.view.RunView) ----------------------
+
+    @property
+    def max_staleness(self) -> int:
+        return self.gate.max_staleness
+
+    def roles(self) -> list[str]:
+        return [p.role for p in self.spec.pools]
+
+    def worker_roles(self) -> list[tuple[str, str]]:
+        return [(w.worker_id, w.role) for w in self.registry.all()]
+
     def _log(self) -> Any:
         """The controller's logger with the context every line carries."""
         return log.bind(run_id=self.run_id, role="controller", version=self.version)

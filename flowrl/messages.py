@@ -2,7 +2,8 @@
 
 Pure definitions (no I/O, nothing heavy imported) so that `workers` may import them without
 pulling in the controller. Every payload is a msgpack map; tensors never ride in these messages,
-only store handles (lists) and small scalars.
+only store handles (msgpack ext type ``transport.codec.HANDLE_EXT``, so a field's values are
+told apart from inline ones by type: `transport.handles.is_handle`) and small scalars.
 
 Requests (worker -> controller, over the controller's ROUTER socket):
 

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import os
 
-from workers.lifecycle import PARENT_ENV, die_with_parent, run_main
+from flowrl.lifecycle import PARENT_ENV, die_with_parent, run_main
 
 if __name__ == "__main__" and PARENT_ENV in os.environ:
     # Started by a flowrl process (the controller, a Ray agent's actor): armed first thing,
@@ -77,8 +77,13 @@ from flowrl.worker_launch import worker_command
 from flowrl.worker_spec import Endpoints, ProcessSpec, WorkerSpec
 from transport.curve import CurveKeys, for_endpoint
 from transport.endpoints import ipc_endpoint, tcp_endpoint
-from transport.errors import DeadlineExceeded, SharedMemoryTooSmall, TransportError
-from transport.handles import looks_like_handle
+from transport.errors import (
+    DeadlineExceeded,
+    MalformedMessage,
+    SharedMemoryTooSmall,
+    TransportError,
+)
+from transport.handles import Handle
 from transport.pubsub import DroppedSubscriber, Publisher, Subscriber
 from transport.rpc import Handler, RpcClient, RpcServer
 from transport.store import SampleStore
@@ -437,7 +442,10 @@ class StoreRouter(RpcClient):
         if op == "free":
             by_node: dict[str, list[Any]] = {}
             for h in payload["handles"]:
-                node = h[0] if looks_like_handle(h) else self._node
+                try:
+                    node = Handle.from_wire(h).node
+                except MalformedMessage:  # the own store refuses it and says why
+                    node = self._node
                 by_node.setdefault(node, []).append(h)
             own = super().call  # zero-argument super() is unavailable in a comprehension
             calls: list[Awaitable[Any]] = [

@@ -25,7 +25,7 @@ class PoolSpec:
     per_process: int = 1
     #: tasks one worker runs concurrently.
     capacity: int = 1
-    #: torch threads per worker process (DESIGN §7: rollout and training overlap, not fight).
+    #: torch threads per worker process (few, so rollout and training overlap, not fight).
     threads: int = 1
     #: nodes the pool's processes run on, process ``p`` on ``nodes[p % len(nodes)]``; empty:
     #: the controller's node. Another node needs its agent (``python -m flowrl.node``).

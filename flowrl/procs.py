@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import structlog
 
+from flowrl.lifecycle import PARENT_ENV
 from flowrl.logs import FORMAT_ENV, relay
-from workers.lifecycle import PARENT_ENV
 
 log = structlog.get_logger("flowrl.procs")
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import os
 
-from workers.lifecycle import PARENT_ENV, die_with_parent, take_niceness
+from flowrl.lifecycle import PARENT_ENV, die_with_parent, take_niceness
 
 if __name__ == "__main__":
     # An agent started by its actor: armed before the imports below (torch: seconds), so an

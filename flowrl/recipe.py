@@ -144,7 +144,7 @@ class _Section(BaseModel):
 
 
 class TinyModelConfig(_Section):
-    """A tiny Qwen2 model built locally (no model hub): ``workers.tiny_model.build_tiny_model``."""
+    """A tiny Qwen2 model built locally (no model hub): ``flowrl.tiny_model.build_tiny_model``."""
 
     hidden: int = Field(default=128, ge=8, le=4096)
     """Hidden size; must divide by `heads`."""
@@ -324,7 +324,8 @@ class RolloutConfig(_Section):
     stop: tuple[str, ...] = ()
     """Strings that end a response (besides the model's end-of-sequence token)."""
     threads: int = Field(default=1, ge=1, le=1024)
-    """torch threads per rollout worker process (DESIGN §7)."""
+    """torch threads per rollout worker process (one by default, so that rollout and training
+    processes overlap on few cores instead of fighting over them)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     """Weights and compute of the rollout engine; ``auto`` is bfloat16 where the worker's device
     supports it (CUDA with bf16, NPU), else float32. The trainer keeps float32 weights; they are
@@ -397,7 +398,7 @@ def check_fn_ref(ref: str) -> tuple[str, str]:
 class RewardConfig(_Section):
     """The reward function and the workers that call it."""
 
-    fn: str | Callable[..., Any] = "workers.roles.reward:exact_match"
+    fn: str | Callable[..., Any] = "workers.roles.builtin_rewards:exact_match"
     """``"module:function"``, ``"path/to/file.py:function"``, or a module-level function.
     Per sample: ``fn(prompt, response, **row_meta) -> float`` (row_meta holds ``answer``);
     batched: ``fn(prompts, responses, metas) -> list[float]``. Sync or async."""

@@ -39,7 +39,7 @@ def prepare_model(recipe: Recipe) -> Path | None:
         return None
     if recipe.model.path != TINY_MODEL:
         return Path(recipe.model.path)
-    from workers.tiny_model import build_tiny_model
+    from flowrl.tiny_model import build_tiny_model
 
     settings = recipe.model.tiny.model_dump(mode="json")
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]

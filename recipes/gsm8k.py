@@ -17,7 +17,7 @@ counted in a warning, not fatal. Each question is wrapped in `TEMPLATE`. A Parqu
 the same columns (GSM8K as the Hugging Face Hub ships it) works too: ``--set data.kind=parquet``
 (needs pyarrow: ``pip install 'flowrl[parquet]'``).
 
-Reward: ``workers.roles.rewards.gsm8k_numeric_batch``: 1.0 when the response's final number
+Reward: ``workers.roles.builtin_rewards.gsm8k_numeric_batch``: 1.0 when the response's final number
 (``#### N``, ``\\boxed{N}``, ``the answer is N``, else its last number) equals the number after
 ``####`` in the answer, compared as decimals (``1,234`` = ``1234``, ``3.50`` = ``3.5``), else 0.
 
@@ -36,7 +36,7 @@ CPU variant (a 0.5B model on a few cores; minutes per step)::
 (``rollout.dtype="auto"`` is float32 on a CPU.)
 """
 
-from flowrl.recipe import (
+from flowrl import (
     AlgorithmConfig,
     DataConfig,
     ModelConfig,
@@ -44,8 +44,8 @@ from flowrl.recipe import (
     RewardConfig,
     RolloutConfig,
     TrainerConfig,
+    given,
 )
-from flowrl.recipe_file import given
 
 TEMPLATE = (
     "Question: {prompt}\n"
@@ -71,6 +71,6 @@ recipe = Recipe(
     rollout=RolloutConfig(dtype="auto", temperature=1.0, max_new_tokens=1024,
                           stop=("\nQuestion:",)),
     # Batched: one call (one reward thread) per reward task instead of one per response.
-    reward=RewardConfig(fn="workers.roles.rewards:gsm8k_numeric_batch", batched=True),
+    reward=RewardConfig(fn="workers.roles.builtin_rewards:gsm8k_numeric_batch", batched=True),
     trainer=TrainerConfig(lr=1e-6, groups_per_step=16, micro_batch_groups=2, warmup_steps=10),
 )

@@ -7,7 +7,7 @@ in seconds. Try ``--set max_staleness=0`` against the default 1 to see what asyn
     python -m flowrl.launch recipes/sim_grpo.py --set steps=50
 """
 
-from flowrl.recipe import (
+from flowrl import (
     AlgorithmConfig,
     PlacementConfig,
     Recipe,

@@ -3,16 +3,16 @@
     python -m flowrl.launch recipes/tiny_cpu.py                        # about 1 min
     python -m flowrl.launch recipes/tiny_cpu.py --set max_staleness=0  # synchronous
 
-Model: a ~0.9M-parameter Qwen2 built locally (``workers.tiny_model``, byte-level tokenizer) and
+Model: a ~0.9M-parameter Qwen2 built locally (``flowrl.tiny_model``, byte-level tokenizer) and
 cached under ``~/.cache/flowrl/models``. Its warm start is 200 language-modelling steps (~10 s
 on two free cores) on a corpus of single-digit ``a+b=c``, ``a-b=c`` and ``a*b=c`` lines: enough
 to answer in the right format (digits, then end of text), not enough to know the sums: it
 answers 12% of this task's prompts exactly at temperature 1 (6 of 36 greedily).
 
 Task: ``a+b=`` with ``a, b`` in ``0..5`` (36 distinct prompts), the answer checked exactly. The
-reward (``workers.roles.rewards.numeric_partial_credit``) is 1.0 for the exact sum, at most 0.5
-for another number (less the farther it is), 0.0 for anything else. RL alone lifts the mean
-reward from about 0.45 over the first ten steps to 0.90-0.97 over the last ten (six seeds,
+reward (``workers.roles.builtin_rewards.numeric_partial_credit``) is 1.0 for the exact sum, at
+most 0.5 for another number (less the farther it is), 0.0 for anything else. RL alone lifts the
+mean reward from about 0.45 over the first ten steps to 0.90-0.97 over the last ten (six seeds,
 about 40 s of training each on two quiet cores). bench/README.md has the measured figures.
 
 Asynchronous: rollout runs up to one policy version ahead of training (``max_staleness=1``),
@@ -27,7 +27,7 @@ ended at 0.75-0.89 (one run in six collapsed to 0.52 in an earlier session), one
 task at 0.86-0.90 and half the speed.
 """
 
-from flowrl.recipe import (
+from flowrl import (
     AlgorithmConfig,
     ArithmeticConfig,
     DataConfig,
@@ -48,7 +48,8 @@ recipe = Recipe(
     # Two groups per generate call: ~1.4x the samples/s of one (bench/README.md).
     rollout=RolloutConfig(temperature=1.0, max_new_tokens=4, groups_per_task=2, threads=1),
     # Batched: one call per reward task (one thread) instead of one per response.
-    reward=RewardConfig(fn="workers.roles.rewards:numeric_partial_credit_batch", batched=True),
+    reward=RewardConfig(fn="workers.roles.builtin_rewards:numeric_partial_credit_batch",
+                        batched=True),
     trainer=TrainerConfig(lr=1e-3, lr_schedule="cosine", min_lr_ratio=0.1, groups_per_step=16,
                           micro_batch_groups=8, threads=1),
 )

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from transport._zsocket import new_socket
 from transport.codec import DTYPES, MAX_MESSAGE_BYTES, decode, encode, frames_nbytes
 from transport.errors import MalformedMessage, MessageTooLarge
+from transport.handles import Handle, is_handle, rows_from_wire, to_wire
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -362,3 +363,47 @@ def test_fuzz_mutated_messages_raise_only_malformed(obj: Any, data: st.DataObjec
         frames.append(bytearray(data.draw(_frame)))
     with contextlib.suppress(MalformedMessage):
         decode([memoryview(f) for f in frames], max_bytes=1 << 20)
+
+
+# ---- handles in field values ---------------------------------------------------------------------
+
+_SEG = "flowrl-run1-10-20-10-3"
+
+
+def _handles(count: int) -> list[Handle]:
+    return [Handle("n", _SEG, 64 + 32 * i, "int64", (4,)) for i in range(count)]
+
+
+def test_a_handle_is_told_from_an_inline_value_by_type() -> None:
+    hs = _handles(3)
+    span = [0, 4, 8, 12, 16]  # an inline value of a handle's length
+    out = decode(encode({"tokens": to_wire(hs), "span": [span], "reward": [1.0]}))
+    assert [is_handle(v) for v in out["tokens"]] == [True] * 3
+    assert not is_handle(out["span"][0])
+    assert out["span"] == [span]
+    assert not is_handle(out["reward"][0])
+    assert not is_handle(list(hs[0]))
+    assert not is_handle(hs[0])
+    assert [Handle.from_wire(v) for v in out["tokens"]] == hs
+    rows = rows_from_wire(out["tokens"])
+    assert list(rows) == hs
+    assert rows.run is not None
+    # Sent on again (the controller passes a report's handles on to a task), it is the same.
+    again = decode(encode({"inputs": out["tokens"]}))["inputs"]
+    assert again == out["tokens"]
+    assert all(map(is_handle, again))
+
+
+@pytest.mark.parametrize("bad", [
+    msgpack.ExtType(2, b"\xc1"),  # not msgpack
+    msgpack.ExtType(2, msgpack.packb([1, 2, 3])),  # not a handle's fields
+    msgpack.ExtType(2, msgpack.packb(["n", "nope", 0, "int64", [1]])),  # bad segment
+    msgpack.ExtType(3, msgpack.packb(["n", _SEG, 0, "int64", [1]])),  # not the handle type
+])
+def test_a_malformed_handle_is_a_malformed_message(bad: msgpack.ExtType) -> None:
+    with pytest.raises(MalformedMessage):
+        Handle.from_wire(bad)
+    with pytest.raises(MalformedMessage):
+        rows_from_wire([bad])
+    with pytest.raises(MalformedMessage):
+        rows_from_wire([*to_wire(_handles(2)), bad])

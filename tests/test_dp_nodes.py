@@ -37,9 +37,9 @@ from flowrl.recipe import (
 )
 from flowrl.rendezvous import RankRendezvous
 from flowrl.run import cluster_config
+from flowrl.tiny_model import build_tiny_model
 from flowrl.worker_spec import DataParallelSpec
 from workers.distributed import DataParallel, split_address
-from workers.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.timeout(60)
 

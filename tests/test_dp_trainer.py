@@ -37,12 +37,12 @@ from flowrl.recipe import (
     RolloutConfig,
     TrainerConfig,
 )
+from flowrl.tiny_model import build_tiny_model
 from flowrl.worker_spec import DataParallelSpec
 from workers.distributed import DataParallel, full_tensor, local_part
 from workers.engines import TorchTrainerEngine
 from workers.engines.protocols import TrainerState
 from workers.roles.trainer import TrainerRole, TrainSettings
-from workers.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.timeout(60)
 

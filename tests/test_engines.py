@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from flowrl.recipe import ModelConfig, Recipe, TrainerConfig
+from flowrl.tiny_model import build_tiny_model
 from workers.devices import pick_device, set_threads
 from workers.engines import (
     Generation,
@@ -28,7 +29,6 @@ from workers.engines.hf_rollout import _sample
 from workers.engines.protocols import counter_uniforms, mix_seed, stream_keys_of
 from workers.roles.factory import make_hf_role
 from workers.roles.trainer import TrainerRole
-from workers.tiny_model import build_tiny_model
 
 set_threads(2)
 

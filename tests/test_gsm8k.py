@@ -23,11 +23,16 @@ from flowrl.data import jsonl, parquet
 from flowrl.recipe import Recipe, RolloutConfig
 from flowrl.recipe_file import RecipeError, load_recipe
 from flowrl.run import compile_recipe
+from flowrl.tiny_model import build_tiny_model
 from flowrl.worker_spec import EngineSpec
+from workers.roles.builtin_rewards import (
+    final_number,
+    gsm8k_gold,
+    gsm8k_numeric,
+    gsm8k_numeric_batch,
+)
 from workers.roles.factory import dataset_from_config, rollout_dtype
-from workers.roles.reward import resolve_reward_fn
-from workers.roles.rewards import final_number, gsm8k_gold, gsm8k_numeric, gsm8k_numeric_batch
-from workers.tiny_model import build_tiny_model
+from workers.roles.reward_runner import resolve_reward_fn
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/gsm8k.py"
@@ -112,7 +117,8 @@ def test_batched_checker_matches_the_per_sample_one() -> None:
     metas = [{"answer": r["answer"]} for r in ROWS]
     prompts = [str(r["question"]) for r in ROWS]
     assert gsm8k_numeric_batch(prompts, responses, metas) == [1.0, 1.0, 0.0, 1.0, 1.0]
-    assert resolve_reward_fn("workers.roles.rewards:gsm8k_numeric_batch") is gsm8k_numeric_batch
+    ref = "workers.roles.builtin_rewards:gsm8k_numeric_batch"
+    assert resolve_reward_fn(ref) is gsm8k_numeric_batch
 
 
 # ---- the dataset ---------------------------------------------------------------------------------

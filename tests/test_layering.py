@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -16,10 +17,12 @@ pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parent.parent
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 
-# Layers (DESIGN.md §1): what each package may never import (contracts may forbid more).
-REQUIRED = {
-    ("transport",): {"flowrl", "workers"},
-    ("workers",): {"flowrl.controller"},
+# The layers (docs/architecture.md), top to bottom: workers, flowrl, transport; the monitor
+# sees a run through its view, never the controller; workers never reach the controller.
+PACKAGE_LAYERS = ["workers", "flowrl", "transport"]
+FORBIDDEN = {
+    ("workers",): {"flowrl.controller", "flowrl.node", "flowrl.monitor"},
+    ("flowrl.monitor",): {"flowrl.controller"},
 }
 
 
@@ -41,15 +44,25 @@ def _lint(cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedP
     )
 
 
+def _layer_modules(contract: dict[str, Any]) -> set[str]:
+    """Every module a layers contract names, with its container."""
+    tails = {t for layer in contract["layers"] for t in re.split(r"[|:\s]+", layer) if t}
+    containers = contract.get("containers") or [""]
+    return {f"{c}.{t}" if c else t for c in containers for t in tails}
+
+
 def test_contracts_are_declared() -> None:
     config = _config()
     assert set(config["root_packages"]) == {"flowrl", "workers", "transport"}
+    contracts = config["contracts"]
+    assert [c["layers"] for c in contracts
+            if c["type"] == "layers" and not c.get("containers")] == [PACKAGE_LAYERS]
     declared = {
         tuple(c["source_modules"]): set(c["forbidden_modules"])
-        for c in config["contracts"]
+        for c in contracts
         if c["type"] == "forbidden"
     }
-    for source, forbidden in REQUIRED.items():
+    for source, forbidden in FORBIDDEN.items():
         assert forbidden <= declared.get(source, set()), source
 
 
@@ -59,23 +72,35 @@ def test_the_code_keeps_the_contracts() -> None:
     assert ", 0 broken." in result.stdout
 
 
+VIOLATIONS = {
+    "transport.codec": "flowrl.controller",  # the bottom layer reaching up
+    "flowrl.node": "workers.main",  # flowrl reaching up into workers
+    "workers.main": "flowrl.controller",  # a worker reaching the controller
+    "flowrl.monitor": "flowrl.controller",  # the monitor bypassing its view
+    "flowrl.index": "flowrl.controller",  # flowrl's core reaching up
+}
+
+
 def test_the_contracts_catch_a_violation(tmp_path: Path) -> None:
-    """The same contracts, run on a tiny tree where transport imports flowrl, must fail."""
-    named = {"transport.codec", "workers.main", "flowrl.controller"}
+    """The same contracts, run on a tiny tree that breaks each layer once, must fail."""
+    named = set(VIOLATIONS) | set(VIOLATIONS.values())
     for contract in _config()["contracts"]:
         named.update(contract.get("source_modules", ()), contract.get("forbidden_modules", ()))
+        if contract["type"] == "layers":
+            named |= _layer_modules(contract)
     for module in sorted(named):  # every module a contract names must exist
         parts = module.split(".")
         for depth in range(1, len(parts) + 1):
             path = tmp_path.joinpath(*parts[:depth])
             path.mkdir(exist_ok=True)
             (path / "__init__.py").touch()
-    (tmp_path / "transport" / "codec" / "__init__.py").write_text("import flowrl.controller\n")
-    (tmp_path / "workers" / "main" / "__init__.py").write_text("from flowrl import controller\n")
+    for importer, imported in VIOLATIONS.items():
+        (tmp_path.joinpath(*importer.split(".")) / "__init__.py").write_text(
+            f"import {imported}\n")
     (tmp_path / "pyproject.toml").write_bytes((ROOT / "pyproject.toml").read_bytes())
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     result = _lint(tmp_path, env)
     assert result.returncode != 0
     assert "BROKEN" in result.stdout, result.stdout + result.stderr
-    assert "transport.codec -> flowrl.controller" in result.stdout
-    assert "workers.main -> flowrl.controller" in result.stdout
+    for importer, imported in VIOLATIONS.items():
+        assert f"{importer} -> {imported}" in result.stdout, (importer, result.stdout)

@@ -25,6 +25,7 @@ from flowrl.recipe import (
     TrainerConfig,
 )
 from flowrl.recipe_file import RecipeError, load_recipe
+from flowrl.tiny_model import build_tiny_model
 from flowrl.worker_spec import engine_spec
 from workers.engines.protocols import SequenceBatch
 from workers.engines.value_model import ValueModelEngine
@@ -37,7 +38,6 @@ from workers.roles.critic import (
 )
 from workers.roles.factory import make_hf_role
 from workers.roles.trainer import TrainSettings
-from workers.tiny_model import build_tiny_model
 
 PAD = 1
 

@@ -57,7 +57,7 @@ def sim_recipe(steps: int, placement: dict[str, Any]) -> Recipe:
 
 # ---- CPU priority (no Ray) ------------------------------------------------------------------
 
-TAKE_NICENESS = "from workers.lifecycle import take_niceness; print(take_niceness(0))"
+TAKE_NICENESS = "from flowrl.lifecycle import take_niceness; print(take_niceness(0))"
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,

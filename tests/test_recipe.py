@@ -30,7 +30,7 @@ from flowrl.recipe import (
     TrainerConfig,
 )
 from flowrl.recipe_file import RecipeError, load_recipe, parse_override
-from workers.roles.reward import resolve_reward_fn
+from workers.roles.reward_runner import resolve_reward_fn
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "s3cr3t-t0ken-abcdefgh"
@@ -421,7 +421,7 @@ def test_numbers_given_to_text_fields_become_text(tmp_path: Path) -> None:
 
 
 def test_import_is_light() -> None:
-    code = ("import sys, flowrl.recipe_file, workers.roles.reward; "
+    code = ("import sys, flowrl.recipe_file, workers.roles.reward_runner; "
             "heavy = [m for m in ('torch', 'transformers', 'numpy', 'zmq') if m in sys.modules]; "
             "assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=60)

@@ -20,7 +20,7 @@ from flowrl.recipe import (
     RolloutConfig,
     TrainerConfig,
 )
-from workers.tiny_model import build_tiny_model
+from flowrl.tiny_model import build_tiny_model
 
 REWARDS = '''
 from fractions import Fraction

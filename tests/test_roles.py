@@ -26,6 +26,7 @@ from flowrl.recipe import (
     RolloutConfig,
     TrainerConfig,
 )
+from flowrl.tiny_model import build_tiny_model
 from workers.devices import set_threads
 from workers.engines import (
     Generation,
@@ -41,7 +42,6 @@ from workers.roles.reward_role import RewardRole
 from workers.roles.rollout import RolloutRole
 from workers.roles.trainer import AdvantageName, TrainBatch, TrainerRole, TrainSettings
 from workers.runtime import RoleOutput
-from workers.tiny_model import build_tiny_model
 
 set_threads(2)
 pytestmark = pytest.mark.timeout(60)
@@ -56,7 +56,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def engine_config(
-    model_dir: Path, *, reward_fn: str = "workers.roles.reward:exact_match",
+    model_dir: Path, *, reward_fn: str = "workers.roles.builtin_rewards:exact_match",
     max_prompt_tokens: int = 64, lr: float = 1e-3, output: Path | None = None,
     checkpoint_every: int = 0, kl_coef: float = 0.0,
 ) -> dict[str, Any]:

@@ -28,11 +28,11 @@ from flowrl.recipe import (
     TrainerConfig,
 )
 from flowrl.run import compile_recipe
+from flowrl.tiny_model import build_tiny_model
 from workers.engines import HFRolloutEngine, SamplingParams, SequenceBatch, TorchTrainerEngine
 from workers.engines.protocols import mix_seed
+from workers.roles.builtin_rewards import numeric_partial_credit
 from workers.roles.factory import dataset_from_config, load_tokenizer
-from workers.roles.rewards import numeric_partial_credit
-from workers.tiny_model import build_tiny_model
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -53,7 +53,7 @@ def recipe(tmp_path_factory: pytest.TempPathFactory) -> Recipe:
         data=DataConfig(arithmetic=ArithmeticConfig(max_operand=5)),
         algorithm=AlgorithmConfig(group_size=GROUP),
         rollout=RolloutConfig(temperature=1.0, max_new_tokens=4, groups_per_task=2),
-        reward=RewardConfig(fn="workers.roles.rewards:numeric_partial_credit_batch",
+        reward=RewardConfig(fn="workers.roles.builtin_rewards:numeric_partial_credit_batch",
                             batched=True),
         # Two micro-batches per step: the run streams them, the loop takes the step at once.
         trainer=TrainerConfig(lr=1e-3, groups_per_step=GROUPS_PER_STEP, micro_batch_groups=2,

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from workers.tiny_model import MANIFEST, build_tiny_model, synthetic_corpus
+from flowrl.tiny_model import MANIFEST, build_tiny_model, synthetic_corpus
 
 torch.set_num_threads(2)
 
@@ -118,7 +118,7 @@ def test_rejects_bad_shapes(tmp_path: Path) -> None:
 def test_cli_builds_a_model(tmp_path: Path) -> None:
     out = tmp_path / "cli"
     proc = subprocess.run(
-        [sys.executable, "-m", "workers.tiny_model", str(out), "--hidden", "32", "--layers", "1",
+        [sys.executable, "-m", "flowrl.tiny_model", str(out), "--hidden", "32", "--layers", "1",
          "--vocab-size", "400"],
         capture_output=True,
         text=True,

@@ -7,8 +7,8 @@ import re
 import pytest
 
 from flowrl.recipe_file import load_recipe
-from workers.roles.rewards import numeric_partial_credit, numeric_partial_credit_batch
-from workers.tiny_model import synthetic_corpus
+from flowrl.tiny_model import synthetic_corpus
+from workers.roles.builtin_rewards import numeric_partial_credit, numeric_partial_credit_batch
 
 
 @pytest.mark.parametrize(
@@ -73,7 +73,7 @@ def test_default_recipe_compiles_to_the_documented_job() -> None:
     threads = {p.role: p.threads for p in spec.pools}
     assert threads["rollout"] == threads["train"] == 1
     config = spec.engine_config
-    assert config["reward"]["fn"] == "workers.roles.rewards:numeric_partial_credit_batch"
+    assert config["reward"]["fn"] == "workers.roles.builtin_rewards:numeric_partial_credit_batch"
     assert config["reward"]["batched"] is True
     assert recipe.tis_cap == 2.0  # stale samples are corrected
     # Two groups per generate call, with the rate decaying over the run (the recipe says why).

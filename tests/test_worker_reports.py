@@ -88,7 +88,9 @@ class Script:
 
 
 @asynccontextmanager
-async def worker_against(script: Script) -> AsyncIterator[tuple[Worker, asyncio.Task[None]]]:
+async def worker_against(
+    script: Script, role: Any = None
+) -> AsyncIterator[tuple[Worker, asyncio.Task[None]]]:
     run_id = new_run_id()
     run_dir(run_id)
     server = RpcServer(ipc_endpoint(run_id, "ctl"), script.handlers())
@@ -100,7 +102,7 @@ async def worker_against(script: Script) -> AsyncIterator[tuple[Worker, asyncio.
                               controller=server.endpoint, broadcast=pub.endpoint,
                               heartbeat_s=5.0, poll_s=5.0, rpc_timeout_s=5.0)
         store = StoreClient(run_id, "node0", ipc_endpoint(run_id, "store"))  # never used
-        worker = Worker(config, Echo(), store)
+        worker = Worker(config, role or Echo(), store)
         running = asyncio.create_task(worker.run())
         try:
             yield worker, running
@@ -130,3 +132,27 @@ async def test_reports_ride_on_the_next_poll_and_survive_a_lost_poll() -> None:
     # could not know whether task 3's report arrived, so it sent it once more on its own
     # (the controller ignores a report it already took).
     assert [r for op, r in script.calls if op == "task_done"] == [3]
+
+
+class Recorder(Echo):
+    """Keeps the inputs each task brought."""
+
+    def __init__(self) -> None:
+        self.inputs: list[dict[str, list[Any]]] = []
+
+    async def run(self, task: m.TaskMsg, inputs: dict[str, list[Any]]) -> RoleOutput:
+        self.inputs.append(inputs)
+        return await super().run(task, inputs)
+
+
+async def test_an_inline_value_shaped_like_a_handle_stays_inline() -> None:
+    # Spans of five numbers have a handle's length; only a value sent as a handle
+    # (`transport.handles.to_wire`) is read from the store (this one has none).
+    script = Script()
+    script.fail_first_report = False
+    role = Recorder()
+    spans = [[0, 4, 8, 12, 16], [1, 2, 3, 4, 5]]
+    async with worker_against(script, role):
+        script.tasks.put_nowait({**task(1), "rows": [1, 2], "inputs": {"span": spans}})
+        await script.until(lambda: ("get_task", 1) in script.calls)
+    assert role.inputs == [{"span": spans}]

@@ -27,12 +27,12 @@ from flowrl.recipe import (
     TrainerConfig,
 )
 from flowrl.run import compile_recipe
+from flowrl.tiny_model import build_tiny_model
 from flowrl.worker_launch import read_spec, spec_file, worker_command
 from flowrl.worker_spec import Endpoints, EngineSpec, ProcessSpec, WorkerSpec, engine_spec
 from transport.endpoints import remove_run_dir
 from workers import main as worker_main
 from workers.distributed import DataParallel
-from workers.tiny_model import build_tiny_model
 
 SIM = {"prompt_len": 8, "max_new_tokens": 16}
 TINY = TinyModelConfig(hidden=32, layers=1, heads=2, kv_heads=1, max_positions=64)

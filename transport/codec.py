@@ -3,7 +3,10 @@
 Wire format. Frame 0 is msgpack. Every torch.Tensor or numpy.ndarray inside the payload is
 replaced by msgpack ExtType 1 whose data is msgpack `[kind, dtype, shape, frame]` (kind 0 =
 torch, 1 = numpy; dtype a name from `DTYPES`; frame the index of the extra frame holding the
-raw little-endian, C-ordered bytes). No pickle: nothing on the wire can name a Python type.
+raw little-endian, C-ordered bytes). A store handle in a field value travels as ExtType 2
+(`HANDLE_EXT`, made by `transport.handles.handle_to_wire`) and decodes as that `msgpack.ExtType`,
+unvalidated (`transport.handles` validates it where it is used), so a receiver tells handles from
+inline values by type, never by shape. No pickle: nothing on the wire can name a Python type.
 
 Guarantees:
 - `encode` copies no tensor bytes: an extra frame is a memoryview over the tensor's own memory
@@ -35,17 +38,20 @@ import zmq
 
 from transport.errors import MalformedMessage, MessageTooLarge
 
-__all__ = ["DTYPES", "MAX_MESSAGE_BYTES", "decode", "encode", "frames_nbytes"]
+__all__ = ["DTYPES", "HANDLE_EXT", "MAX_MESSAGE_BYTES", "decode", "encode", "frames_nbytes"]
 
 MAX_MESSAGE_BYTES: Final = 1 << 30
 """Default cap on one message: the sum of its frames (and of the sizes its header declares)."""
 
 _EXT_TENSOR: Final = 1
+HANDLE_EXT: Final = 2
+"""msgpack ext type of a store handle: its data is the msgpack array of the handle's fields."""
 _TORCH: Final = 0
 _NUMPY: Final = 1
 _MAX_NDIM: Final = 32
 
 Frame = bytes | memoryview | zmq.Frame
+_tuple_new: Final = tuple.__new__
 
 
 class _DType(NamedTuple):
@@ -167,6 +173,10 @@ def _tensor_hook(
     used: set[int] = set()
 
     def hook(code: int, data: bytes) -> Any:
+        if code == HANDLE_EXT:
+            # ExtType's own constructor re-checks what msgpack guarantees, in three Python
+            # frames per handle; the controller decodes every row's handles.
+            return _tuple_new(msgpack.ExtType, (code, data))
         if code != _EXT_TENSOR:
             raise MalformedMessage(f"unknown ext type {code}")
         desc = msgpack.unpackb(data)

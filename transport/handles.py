@@ -1,9 +1,14 @@
 """Handles: where one row of one field lives in a node's sample store.
 
-A `Handle` is a plain tuple ``(node, segment, offset, dtype, shape)`` that travels as a msgpack
-list and is validated on arrival (`Handle.from_wire`). Rows of one field of one put are packed
-back to back, so the handles of a micro-batch read back in order form one contiguous byte
-range: `contiguous_runs` finds such runs, so a read costs one operation per run, not per row.
+A `Handle` is a plain tuple ``(node, segment, offset, dtype, shape)``, validated on arrival
+(`Handle.from_wire`). Where a value may be a handle or an inline value (a field of a task or of
+a report: rewards and prompt positions travel inline), a handle travels as msgpack ext type
+`transport.codec.HANDLE_EXT` (`to_wire`), so `is_handle` tells them apart by type, never by
+shape. Messages that carry nothing but handles (store reads and frees) may send them as lists.
+
+Rows of one field of one put are packed back to back, so the handles of a micro-batch read
+back in order form one contiguous byte range: `contiguous_runs` finds such runs, so a read costs
+one operation per run, not per row.
 
 Finding that out costs a few C-level passes over the rows on every read. `Rows` is an immutable
 sequence of handles that carries the answer, found once: `rows_from_wire` decodes a message's
@@ -21,9 +26,11 @@ from collections.abc import Iterable, Sequence
 from itertools import repeat
 from typing import Any, NamedTuple
 
+import msgpack
 import torch
 
 from transport import shm
+from transport.codec import HANDLE_EXT
 from transport.errors import MalformedMessage
 
 __all__ = [
@@ -34,8 +41,11 @@ __all__ = [
     "Run",
     "contiguous_runs",
     "dtype_name",
+    "handle_to_wire",
+    "is_handle",
     "rows_from_wire",
     "single_run",
+    "to_wire",
 ]
 
 DTYPES: dict[str, torch.dtype] = {
@@ -83,11 +93,14 @@ class Handle(NamedTuple):
 
     @classmethod
     def from_wire(cls, value: Any) -> Handle:
-        """Validate a decoded handle (a list or tuple) and return it; MalformedMessage if bad.
+        """Validate a decoded handle (its ext form, a list or a tuple) and return it;
+        MalformedMessage if bad.
 
         Called once per row on every decoded message: kept to type checks and dict lookups
         (segment names are parsed once, then remembered).
         """
+        if type(value) is msgpack.ExtType:
+            value = _unwrap(value)
         if type(value) not in (list, tuple, cls) or len(value) != 5:
             raise MalformedMessage(f"a handle is a 5-element list, got {value!r:.200}")
         node, segment, offset, dtype, shape = value
@@ -118,10 +131,47 @@ _PUBLISHED: set[str] = set()
 _PUBLISHED_MAX = 4096
 
 
-def looks_like_handle(value: Any) -> bool:
-    """Whether a decoded field value is a store handle (a 5-element list) rather than an inline
-    scalar such as a prompt position or a reward. Shape only: `Handle.from_wire` validates."""
-    return isinstance(value, list | tuple) and len(value) == len(Handle._fields)
+def handle_to_wire(handle: Handle) -> msgpack.ExtType:
+    """`handle` as it travels in a field value: msgpack ext type `HANDLE_EXT`."""
+    return msgpack.ExtType(HANDLE_EXT, msgpack.packb(handle))
+
+
+def to_wire(handles: Iterable[Handle]) -> list[msgpack.ExtType]:
+    """`handle_to_wire` of each handle."""
+    return [msgpack.ExtType(HANDLE_EXT, msgpack.packb(h)) for h in handles]
+
+
+def is_handle(value: Any) -> bool:
+    """Whether a decoded field value is a store handle (sent by `to_wire`) rather than an inline
+    value such as a prompt position or a reward. Its validity is `Handle.from_wire`'s check."""
+    return type(value) is msgpack.ExtType and value.code == HANDLE_EXT
+
+
+def _unwrap_all(values: list[Any] | tuple[Any, ...]) -> list[Any]:
+    """The fields of every handle of `values` (all in their ext form), decoded as one msgpack
+    array in one call rather than one call per handle; MalformedMessage if undecodable. A
+    handle whose bytes spill into the next one's can only misplace the sender's own handles,
+    and each comes out validated by the caller all the same."""
+    if not all(type(v) is msgpack.ExtType and v.code == HANDLE_EXT for v in values):
+        return [_unwrap(v) if type(v) is msgpack.ExtType else v for v in values]
+    n = len(values)
+    header = (bytes([0x90 | n]) if n < 16 else b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16
+              else b"\xdd" + n.to_bytes(4, "big"))
+    try:
+        fields: list[Any] = msgpack.unpackb(header + b"".join([v.data for v in values]))
+    except Exception as exc:  # whatever msgpack raises on hostile bytes
+        raise MalformedMessage(f"undecodable handles: {type(exc).__name__}: {exc}") from None
+    return fields
+
+
+def _unwrap(value: Any) -> Any:
+    """The fields of a handle in its ext form, unvalidated; MalformedMessage if undecodable."""
+    if value.code != HANDLE_EXT:
+        raise MalformedMessage(f"ext type {value.code} is not a handle")
+    try:
+        return msgpack.unpackb(value.data)
+    except Exception as exc:  # whatever msgpack raises on hostile bytes
+        raise MalformedMessage(f"undecodable handle: {type(exc).__name__}: {exc}") from None
 
 
 class Run(NamedTuple):
@@ -226,7 +276,8 @@ _SEQUENCES = {list, tuple, Handle}
 
 
 def rows_from_wire(value: Any) -> Rows:
-    """Validate a decoded list of handles, as `Handle.from_wire` does each, into `Rows`.
+    """Validate a decoded list of handles (ext forms or lists), as `Handle.from_wire` does
+    each, into `Rows`.
 
     Equal-length 1-D rows of one field of one put, in order — what a put returns and a reader
     asks for — are checked column by column (a few C-level passes) and rebuilt from the first
@@ -237,6 +288,8 @@ def rows_from_wire(value: Any) -> Rows:
         raise MalformedMessage(f"handles travel as a list, got {type(value).__name__}")
     if isinstance(value, Rows):
         return value
+    if value and type(value[0]) is msgpack.ExtType:  # a field's handles, in their ext form
+        value = _unwrap_all(value)
     fast = _uniform_from_wire(value) if len(value) > 1 else None
     if fast is not None:
         return fast

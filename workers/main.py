@@ -10,7 +10,7 @@ behind.
 
 from __future__ import annotations
 
-from workers.lifecycle import die_with_parent, run_main
+from flowrl.lifecycle import die_with_parent, run_main
 
 if __name__ == "__main__":
     # First thing: the imports below take seconds (torch), and a parent killed meanwhile must

@@ -42,7 +42,7 @@ import torch
 from flowrl import messages as m
 from transport.curve import CurveKeys, for_endpoint
 from transport.errors import ClosedError, DeadlineExceeded, TransportError
-from transport.handles import Handle, looks_like_handle, rows_from_wire
+from transport.handles import Handle, handle_to_wire, is_handle, rows_from_wire, to_wire
 from transport.pubsub import Subscriber
 from transport.rpc import RpcClient
 
@@ -147,7 +147,7 @@ async def publish_weights(
     handles = await store.put(
         {key: [weights[n].reshape(-1) for n in names] for key, names in groups.items()},
         spare=nbytes <= SPARE_WEIGHTS_MAX)
-    return {n: [h, list(weights[n].shape)]
+    return {n: [handle_to_wire(h), list(weights[n].shape)]
             for key, names in groups.items() for n, h in zip(names, handles[key], strict=True)}
 
 
@@ -304,7 +304,7 @@ class Worker:
     async def _read_inputs(self, inputs: dict[str, list[Any]]) -> dict[str, list[Any]]:
         out: dict[str, list[Any]] = {}
         for name, values in inputs.items():
-            if values and looks_like_handle(values[0]):
+            if values and is_handle(values[0]):
                 out[name] = await self.store.get(rows_from_wire(values))
             else:
                 out[name] = list(values)
@@ -316,7 +316,7 @@ class Worker:
             k: list(v) for k, v in out.fields.items() if k not in tensors
         }
         if tensors:
-            fields.update(await self.store.put(tensors))
+            fields.update({k: to_wire(hs) for k, hs in (await self.store.put(tensors)).items()})
         done: m.DoneMsg = {
             "worker_id": self.worker_id,
             "task_id": task["task_id"],

@@ -17,7 +17,7 @@ from typing import Any
 from flowrl.graph import StageSpec
 from flowrl.index import Task
 from transport.errors import MalformedMessage
-from transport.handles import Handle, looks_like_handle
+from transport.handles import Handle, is_handle
 
 __all__ = ["MalformedReport", "TaskReport", "check_report", "parse_report"]
 
@@ -96,7 +96,7 @@ def check_report(report: TaskReport, task: Task, stage: StageSpec, *, train: boo
 
 
 def _check_value(name: str, value: Any) -> None:
-    if looks_like_handle(value):
+    if is_handle(value):
         try:
             Handle.from_wire(value)
         except (MalformedMessage, TypeError, ValueError) as exc:

@@ -18,7 +18,7 @@ import structlog
 
 from flowrl.control.admission import Admission
 from flowrl.index import Index
-from transport.handles import looks_like_handle
+from transport.handles import is_handle
 from transport.rpc import RpcClient
 
 __all__ = ["STORE_CHECK_S", "StoreFeed"]
@@ -96,7 +96,7 @@ class StoreFeed:
                 handles.extend(self._frees.get_nowait())
             self._wanted.clear()
             # Inline field values (prompt positions, rewards) hold no memory.
-            handles = [h for h in handles if looks_like_handle(h)]
+            handles = [h for h in handles if is_handle(h)]
             if self.store is None:
                 continue
             try:

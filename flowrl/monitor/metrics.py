@@ -41,7 +41,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from flowrl.events import Span
 
 if TYPE_CHECKING:
-    from flowrl.controller import Controller
+    from flowrl.monitor.view import RunView
 
 __all__ = ["CONTENT_TYPE", "DURATION_BUCKETS", "ControllerMetrics"]
 
@@ -99,14 +99,14 @@ def _num(value: Any) -> float:
 
 
 class _Collector:
-    def __init__(self, ctl: Controller) -> None:
-        self._ctl = ctl
+    def __init__(self, run: RunView) -> None:
+        self._run = run
         self._durations = _Durations()
 
     def collect(self) -> Iterator[Metric]:
-        ctl = self._ctl
-        st = ctl.status()
-        self._durations.ingest(ctl.events.spans)
+        run = self._run
+        st = run.status()
+        self._durations.ingest(run.events.spans)
 
         def gauge(name: str, doc: str, value: Any) -> GaugeMetricFamily:
             return GaugeMetricFamily(name, doc, value=_num(value))
@@ -162,7 +162,7 @@ class _Collector:
 
         store = st["store"] or {}
         if store:
-            node = [str(store.get("node", ctl.node))]
+            node = [str(store.get("node", run.node))]
             used = GaugeMetricFamily("flowrl_store_used_bytes", "Sample-store bytes in use.",
                                      labels=["node"])
             used.add_metric(node, _num(store.get("used_bytes")))
@@ -185,9 +185,9 @@ class _Collector:
 class ControllerMetrics:
     """``render()`` gives the Prometheus text exposition of one controller."""
 
-    def __init__(self, ctl: Controller) -> None:
+    def __init__(self, run: RunView) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_Collector(ctl))
+        self.registry.register(_Collector(run))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

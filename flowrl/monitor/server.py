@@ -4,7 +4,7 @@ export, a live dashboard, and a few token-guarded control actions.
 Endpoints (all in the controller's own event loop; every handler is O(snapshot), none blocks):
 
 - ``GET /`` — the dashboard (static files shipped in this package; no network access needed);
-- ``GET /status`` — exactly `Controller.status()` as JSON;
+- ``GET /status`` — exactly the run's `status()` (`flowrl.monitor.view.RunView`) as JSON;
 - ``GET /metrics`` — Prometheus text exposition (`flowrl.monitor.metrics`);
 - ``GET /events`` — Server-Sent Events, one per controller event, ``id:`` = its ``seq``.
   ``Last-Event-ID`` (or ``?last_id=N``, up to 20 ASCII digits; anything else is a 400) first
@@ -56,7 +56,7 @@ from flowrl.monitor.trace import chrome_trace, recent_spans
 from transport.errors import BindRefused
 
 if TYPE_CHECKING:
-    from flowrl.controller import Controller
+    from flowrl.monitor.view import RunView
     from flowrl.recipe import MonitorConfig
 
 __all__ = ["MAX_STALENESS", "MonitorServer", "dumps"]
@@ -132,15 +132,15 @@ def dumps(obj: Any) -> str:
 class _Snapshot:
     """An answer body reused for `SNAPSHOT_TTL_S` while the controller emitted no event."""
 
-    def __init__(self, ctl: Controller, render: Callable[[], bytes]) -> None:
-        self._ctl = ctl
+    def __init__(self, run: RunView, render: Callable[[], bytes]) -> None:
+        self._run = run
         self._render = render
         self._body = b""
         self._key = -1
         self._at = -math.inf
 
     def get(self) -> bytes:
-        recent = self._ctl.events.recent
+        recent = self._run.events.recent
         key = recent[-1]["seq"] if recent else 0
         now = time.monotonic()
         if key != self._key or now - self._at > SNAPSHOT_TTL_S:
@@ -153,10 +153,10 @@ def _sse_chunk(event: dict[str, Any]) -> bytes:
 
 
 class MonitorServer:
-    """One controller's HTTP monitor; ``await start()`` returns its URL, ``aclose()`` stops it."""
+    """One run's HTTP monitor; ``await start()`` returns its URL, ``aclose()`` stops it."""
 
-    def __init__(self, ctl: Controller, config: MonitorConfig) -> None:
-        self._ctl = ctl
+    def __init__(self, run: RunView, config: MonitorConfig) -> None:
+        self._run = run
         self.config = config
         self.host = config.host
         self.port = config.port or 0
@@ -168,9 +168,9 @@ class MonitorServer:
         self.token_generated = config.token is None
         self.token: SecretStr = config.token or SecretStr(secrets.token_urlsafe(24))
         self.url = ""
-        self._metrics = ControllerMetrics(ctl)
-        self._status_body = _Snapshot(ctl, lambda: dumps(ctl.status()).encode())
-        self._metrics_body = _Snapshot(ctl, self._metrics.render)
+        self._metrics = ControllerMetrics(run)
+        self._status_body = _Snapshot(run, lambda: dumps(run.status()).encode())
+        self._metrics_body = _Snapshot(run, self._metrics.render)
         self._runner: web.AppRunner | None = None
         self._closing = asyncio.Event()
         #: the listener's connection accounting; None until started.
@@ -194,9 +194,9 @@ class MonitorServer:
         app.router.add_get("/metrics", self._metrics_text)
         app.router.add_get("/events", self._events)
         app.router.add_get("/trace", self._trace)
-        app.router.add_post("/pause", self._control(lambda _: self._ctl.pause()))
-        app.router.add_post("/resume", self._control(lambda _: self._ctl.resume()))
-        app.router.add_post("/stop", self._control(lambda _: self._ctl.stop()))
+        app.router.add_post("/pause", self._control(lambda _: self._run.pause()))
+        app.router.add_post("/resume", self._control(lambda _: self._run.resume()))
+        app.router.add_post("/stop", self._control(lambda _: self._run.stop()))
         app.router.add_post("/staleness", self._staleness)
         cfg = self.config
         self._runner = web.AppRunner(
@@ -218,7 +218,7 @@ class MonitorServer:
             await self._runner.cleanup()
             self._runner = None
             raise BindRefused(f"monitor cannot listen on {self.host}:{self.port}: {exc}") from exc
-        self._fanout = EventFanout(self._ctl.events, _sse_chunk, keepalive_s=KEEPALIVE_S)
+        self._fanout = EventFanout(self._run.events, _sse_chunk, keepalive_s=KEEPALIVE_S)
         self._fanout_task = asyncio.create_task(self._fanout.run(), name="monitor-events")
         port = int(self._runner.addresses[0][1])
         host = f"[{self.host}]" if ":" in self.host else self.host
@@ -293,7 +293,7 @@ class MonitorServer:
     async def _trace(self, request: web.Request) -> web.Response:
         window = _float_param(request, "window")
         after = _float_param(request, "after")
-        bus = self._ctl.events
+        bus = self._run.events
         now = time.time()
         cutoffs = [now - max(0.0, window)] if window is not None else []
         if after is not None:
@@ -302,10 +302,10 @@ class MonitorServer:
         # Snapshot in the loop (O(spans returned)); the JSON, ~10 us a span, is built in a
         # thread so a full export of every kept span does not stall the controller.
         spans = recent_spans(bus.spans, since)
-        roles = [p.role for p in self._ctl.spec.pools]
-        workers = [(w.worker_id, w.role) for w in self._ctl.registry.all()]
+        roles = self._run.roles()
+        workers = self._run.worker_roles()
         other = {"now_us": round((now - bus.t0) * 1e6, 1), "window_s": window,
-                 "run_id": self._ctl.run_id}
+                 "run_id": self._run.run_id}
         body = await asyncio.to_thread(_render_trace, spans, bus.t0, roles, workers, other)
         return web.Response(text=body, content_type="application/json", headers=_NO_STORE)
 
@@ -359,9 +359,9 @@ class MonitorServer:
         return handler
 
     def _control_reply(self) -> web.Response:
-        ctl = self._ctl
-        return web.json_response({"ok": True, "paused": ctl.paused, "version": ctl.version,
-                                  "max_staleness": ctl.gate.max_staleness})
+        run = self._run
+        return web.json_response({"ok": True, "paused": run.paused, "version": run.version,
+                                  "max_staleness": run.max_staleness})
 
     async def _staleness(self, request: web.Request) -> web.Response:
         try:
@@ -375,7 +375,7 @@ class MonitorServer:
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_STALENESS:
             raise web.HTTPBadRequest(
                 text=f"max_staleness must be an integer in [0, {MAX_STALENESS}]")
-        self._ctl.set_max_staleness(n)
+        self._run.set_max_staleness(n)
         log.info("monitor control", action="staleness", max_staleness=n, peer=request.remote)
         return self._control_reply()
 

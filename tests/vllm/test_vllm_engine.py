@@ -28,6 +28,7 @@ with warnings.catch_warnings():
 
 import torch
 
+from flowrl.tiny_model import build_tiny_model
 from workers.devices import set_threads
 from workers.engines import (
     HFRolloutEngine,
@@ -37,7 +38,6 @@ from workers.engines import (
     TorchTrainerEngine,
 )
 from workers.engines.vllm_rollout import VLLMRolloutEngine, checkpoint_shapes
-from workers.tiny_model import build_tiny_model
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB

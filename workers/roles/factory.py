@@ -152,8 +152,8 @@ def make_vllm_role(role: str, config: Config, seed: int, *, process: str | None 
 
 
 def _reward(spec: EngineSpec) -> Role:
-    from workers.roles.reward import RewardRunner, resolve_reward_fn
     from workers.roles.reward_role import RewardRole
+    from workers.roles.reward_runner import RewardRunner, resolve_reward_fn
 
     r = spec.reward
     runner = RewardRunner(resolve_reward_fn(r.fn), batched=r.batched, timeout_s=r.timeout_s,

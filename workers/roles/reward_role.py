@@ -2,7 +2,7 @@
 
 Per row: the response ids are decoded with the policy's tokenizer (special tokens skipped, so
 the EOS that ends a response is not part of the text), the example is looked up by the row's
-dataset position, and `workers.roles.reward.RewardRunner` calls the user's function with
+dataset position, and `workers.roles.reward_runner.RewardRunner` calls the user's function with
 ``(prompt, response, answer=...)``.
 
 Guarantees: ``run`` returns one finite float per row whatever the reward function does; a
@@ -20,7 +20,7 @@ import torch
 
 from flowrl import messages as m
 from flowrl.data import Dataset
-from workers.roles.reward import RewardRunner, RewardSample
+from workers.roles.reward_runner import RewardRunner, RewardSample
 from workers.runtime import RoleOutput
 
 __all__ = ["RewardRole"]

@@ -1,14 +1,15 @@
-"""Built-in reward functions for the synthetic tasks (`workers.roles.reward` runs them).
+"""Built-in reward functions (`workers.roles.reward_runner` calls them, as any user function).
 
-A recipe names one as ``"workers.roles.rewards:<name>"``: per-sample functions are called
+A recipe names one as ``"workers.roles.builtin_rewards:<name>"``: per-sample functions are called
 ``fn(prompt, response, *, answer, **meta) -> float``, batched ones (``RewardConfig(batched=True)``)
 ``fn(prompts, responses, metas) -> list[float]``. Pure standard library; deterministic.
 
-- `numeric_partial_credit`: the exact answer scores 1.0 (the same check as
-  `workers.roles.reward.exact_match`); a response that starts with another integer scores by its
-  distance to the answer, at most 0.5, so every exact answer outranks every wrong one; anything
-  else scores 0.0. The shaping gives a group of wrong answers a gradient towards the right one,
-  which is what lets a tiny policy learn small arithmetic in a few thousand samples.
+- `exact_match` (the recipe's default): 1.0 when the response starts with the answer, else 0.0.
+- `numeric_partial_credit`: the exact answer scores 1.0 (the same check as `exact_match`); a
+  response that starts with another integer scores by its distance to the answer, at most 0.5,
+  so every exact answer outranks every wrong one; anything else scores 0.0. The shaping gives a
+  group of wrong answers a gradient towards the right one, which is what lets a tiny policy
+  learn small arithmetic in a few thousand samples.
   `numeric_partial_credit_batch` is the same per micro-batch (``RewardConfig(batched=True)``):
   one call, hence one reward thread, per task instead of one per sample.
 - `gsm8k_numeric`: 1.0 when the final number of the response equals the gold number of a
@@ -26,9 +27,8 @@ from collections.abc import Mapping, Sequence
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from workers.roles.reward import exact_match
-
 __all__ = [
+    "exact_match",
     "final_number",
     "gsm8k_gold",
     "gsm8k_numeric",
@@ -39,6 +39,20 @@ __all__ = [
 
 _LEADING_INT = re.compile(r"\s*(-?\d+)")
 _INT = re.compile(r"-?\d+")
+
+
+def exact_match(prompt: str, response: str, *, answer: Any, **_: Any) -> float:
+    """1.0 when the response starts with the answer and the answer ends there, else 0.0.
+
+    Leading whitespace is ignored; the character after the answer must not be a letter or digit,
+    so ``"19"`` matches ``" 19"``, ``"19."`` and ``"19 apples"`` but not ``"190"``.
+    """
+    want = str(answer).strip()
+    got = response.lstrip()
+    if not want or not got.startswith(want):
+        return 0.0
+    rest = got[len(want):]
+    return 0.0 if rest[:1].isalnum() else 1.0
 
 
 def numeric_partial_credit(

@@ -19,7 +19,7 @@ Corpora (`CORPORA`): ``mixed`` (the default) as above; ``arithmetic`` holds only
 ``a<op>b=c`` lines with single-digit operands, so a short warm-up on it teaches the answer format
 of small arithmetic prompts quickly (short lines) while leaving most answers unknown.
 
-CLI: ``python -m workers.tiny_model OUT_DIR [--seed N] [--pretrain-steps N] [--corpus KIND]``.
+CLI: ``python -m flowrl.tiny_model OUT_DIR [--seed N] [--pretrain-steps N] [--corpus KIND]``.
 """
 
 from __future__ import annotations
@@ -294,7 +294,7 @@ def build_tiny_model(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m workers.tiny_model", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m flowrl.tiny_model", description=__doc__)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-size", type=int, default=1024)

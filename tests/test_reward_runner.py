@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
-import workers.roles.reward as reward_mod
-from workers.roles.reward import (
+import workers.roles.reward_runner as reward_mod
+from workers.roles.builtin_rewards import exact_match
+from workers.roles.reward_runner import (
     RewardFnError,
     RewardResult,
     RewardRunner,
     RewardSample,
-    exact_match,
     resolve_reward_fn,
 )
 
@@ -48,7 +48,7 @@ def release() -> Iterator[threading.Event]:
 def test_public_api_is_pinned() -> None:
     assert set(reward_mod.__all__) == {
         "FailureKind", "RewardFnError", "RewardResult", "RewardRunner", "RewardSample",
-        "RewardStats", "exact_match", "resolve_reward_fn",
+        "RewardStats", "resolve_reward_fn",
     }
 
 
@@ -393,7 +393,7 @@ def test_constructor_checks_arguments() -> None:
 
 
 def test_resolve_module_reference() -> None:
-    assert resolve_reward_fn("workers.roles.reward:exact_match") is exact_match
+    assert resolve_reward_fn("workers.roles.builtin_rewards:exact_match") is exact_match
     assert resolve_reward_fn("os.path:join") is __import__("os").path.join
 
 
@@ -422,8 +422,8 @@ def test_resolve_file_reference(tmp_path: Path) -> None:
         ("no_colon", "is not 'module:function'"),
         ("mod:1bad", "is not 'module:function'"),
         ("flowrl_no_such_module:f", "cannot load 'flowrl_no_such_module'"),
-        ("workers.roles.reward:nope", "has no 'nope'"),
-        ("workers.roles.reward:_MAX_ERROR_CHARS", "is a int, not callable"),
+        ("workers.roles.reward_runner:nope", "has no 'nope'"),
+        ("workers.roles.reward_runner:_MAX_ERROR_CHARS", "is a int, not callable"),
         ("/no/such/file.py:f", "no such file"),
     ],
 )

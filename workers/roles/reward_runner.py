@@ -52,7 +52,6 @@ __all__ = [
     "RewardRunner",
     "RewardSample",
     "RewardStats",
-    "exact_match",
     "resolve_reward_fn",
 ]
 
@@ -365,20 +364,3 @@ def _load_file(path: Path) -> ModuleType:
         del sys.modules[name]
         raise
     return module
-
-
-# ---- a built-in reward ------------------------------------------------------------------------
-
-
-def exact_match(prompt: str, response: str, *, answer: Any, **_: Any) -> float:
-    """1.0 when the response starts with the answer and the answer ends there, else 0.0.
-
-    Leading whitespace is ignored; the character after the answer must not be a letter or digit,
-    so ``"19"`` matches ``" 19"``, ``"19."`` and ``"19 apples"`` but not ``"190"``.
-    """
-    want = str(answer).strip()
-    got = response.lstrip()
-    if not want or not got.startswith(want):
-        return 0.0
-    rest = got[len(want):]
-    return 0.0 if rest[:1].isalnum() else 1.0
