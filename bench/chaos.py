@@ -1,8 +1,10 @@
-"""Chaos benchmark: SIGKILL random worker processes of a running job; check that no row is lost,
-none is trained twice, the job completes, and a controller resumed from its state finishes it.
+"""Chaos benchmark: SIGKILL and hang (SIGSTOP) random worker processes of a running job, with a
+broadcast subscriber that never reads; check that no row is lost, none is trained twice, the job
+completes without long stalls, and a controller resumed from its state finishes it.
 
-    python bench/chaos.py [--quick] [--engine sim|tiny] [--kills N] [--steps N] [--seed S]
-                          [--roles rollout,train] [--set KEY=VALUE ...] [--no-resume]
+    python bench/chaos.py [--quick] [--engine sim|tiny] [--kills N] [--stops N] [--stalls N]
+                          [--steps N] [--seed S] [--roles rollout,train] [--set KEY=VALUE ...]
+                          [--no-resume]
 
 Prints one JSON line. Modes:
 
@@ -10,22 +12,38 @@ Prints one JSON line. Modes:
   tiny model, shrunk so a step takes a fraction of a second (`TINY_OVERRIDES`: no warm start,
   4 groups of 4 responses per step in two micro-batches, two groups per rollout task) and with
   the KL term on (``algorithm.kl_coef=0.01``) so a reference stage exists; a checkpoint every
-  step; ``--set`` overrides more recipe fields. 20 kills over 40 steps.
+  step; ``--set`` overrides more recipe fields. 20 kills, 4 stops and 1 stall over 40 steps.
 - ``--quick`` (``--engine sim``): the simulated pipeline (`sim_spec`: real processes, sockets,
   shared memory and weight sync; modelled compute, ``workers.sim``; two rollout processes, one
-  each of reward, reference and train). 8 kills over 24 steps, under a minute.
+  each of reward, reference and train). 8 kills, 2 stops and 1 stall over 24 steps.
 
-Kills (`kill_plan`, drawn from ``--seed``): the victims' roles are rollout, reward, reference
-and train in equal shares, shuffled; each kill is due at a random policy version of the chaos
-phase. The killer waits on controller events (`Controller.wait_for`) until that version is
-reached and the role has a registered worker, then waits a random offset of at most about a
-step (a bounded sleep), SIGKILLs one registered process of the role
-(`Controller.kill_worker_process`) and waits until the controller has declared its workers dead.
-So a kill lands anywhere in a step: mid-generation, mid-micro-batch, between a step's
-micro-batches, while a restarted worker loads weights. Worker processes are restarted with
-``max_restarts = kills`` (every kill could hit the same process; the recipe's
-``placement.max_restarts`` in tiny mode) after ``restart_backoff_s = 0.1`` seconds, doubling per
-death of the same process (at most 30 s).
+Faults (`fault_plan`, drawn from ``--seed``): the victims' roles are rollout, reward, reference
+and train in equal shares, shuffled (kills and stops each); each fault is due at a random policy
+version of the chaos phase. The injector waits on controller events (`Controller.wait_for`)
+until that version is reached and the role has a registered worker, then waits a random offset
+of at most about a step (a bounded sleep), and hits one registered process of the role, then
+waits until the controller has declared its workers down. So a fault lands anywhere in a step:
+mid-generation, mid-micro-batch, between a step's micro-batches, while a restarted worker loads
+weights.
+
+- a kill: SIGKILL (`Controller.kill_worker_process`); the controller sees the process exit.
+- a stop (a hang): SIGSTOP, never resumed. The process is alive but silent; the controller must
+  find it by its missed heartbeats (every `HEARTBEAT_S` = 0.2 s, down after
+  `HEARTBEAT_TIMEOUT_S` = 2 s without: `PipelineSpec` fields, set on the compiled recipe in tiny
+  mode since a recipe allows no timeout under 3 s), redo its tasks, SIGKILL it and restart it.
+  ``detected_s`` in ``stop_log`` is the time from SIGSTOP to the worker declared down. A stopped
+  process the controller has not killed by the end is SIGKILLed by this harness and counted in
+  ``stops_unrecovered``.
+- a stall (``--stalls``): a local process (``bench/stuck_subscriber.py``) joins the run's
+  broadcast endpoint before the first step, then stops itself and never reads again, until it
+  is SIGKILLed after the controller closed. Broadcasts must not wait for it. (A run publishes
+  about one broadcast a step, far fewer than ZeroMQ queues for a peer, so the publisher does not
+  drop it within a run: what is checked is that it delays nothing.)
+
+Worker processes are restarted with ``max_restarts = kills + stops + 3`` (every fault could hit
+the same process; three spare for heartbeats that a loaded machine delays past the timeout; the
+recipe's ``placement.max_restarts`` in tiny mode) after ``restart_backoff_s = 0.1`` seconds,
+doubling per death of the same process (at most 30 s).
 
 A killed trainer is restarted at the current policy version: its register reply carries the
 weights published for that version, which it loads before training (a version-0 trainer would
@@ -39,9 +57,9 @@ told apart; one step of Adam moves a weight by at most about the learning rate (
 
 Phases:
 
-1. chaos: ``Controller.run(steps)`` with the killer alongside, then single steps until the last
-   kill is done (a kill waits for its role's restarted worker; at most ``steps`` more).
-2. drain: no kills; one step at a time until every dataset position admitted by the end of
+1. chaos: ``Controller.run(steps)`` with the injector alongside, then single steps until the
+   last fault is done (a fault waits for its role's restarted worker; at most ``steps`` more).
+2. drain: no faults; one step at a time until every dataset position admitted by the end of
    phase 1 is trained (at most `DRAIN_MAX_STEPS` steps).
 3. resume (``resume_ok``): the controller's death and ``--resume``. The chaos controller is
    closed and a new `Controller` starts from the run state a controller dying at that point
@@ -55,7 +73,19 @@ Phases:
 
 Keys:
 
-- ``kills``, ``kills_by_role``; ``restarts`` (worker processes restarted), ``worker_deaths``.
+- ``kills``, ``kills_by_role``, ``stops``, ``stops_by_role``, ``stalls``, ``stops_unrecovered``
+  (0); ``restarts`` (worker processes restarted), ``worker_deaths``, ``hangs_detected``
+  (workers declared down for missed heartbeats or unread broadcasts).
+- ``max_step_gap_s``: the longest time without a step commit during the chaos phase (between
+  two commits, or from the last one to the phase's end). ``step_gap_bound_s``: what that gap
+  is allowed: one step (``step_time_s``, the median time between commits of phases 1 and 2)
+  plus, for each worker declared down in it (at least one; a fault up to a step before the
+  gap counts), one recovery: the heartbeat timeout, a restart backoff (the longest one a
+  process hit by the most faults waited) and a restarted process's start-up (from its start
+  to its registration: the longest one measured in the run, ``restart_up_s``, which on loaded
+  cores is seconds of Python and torch imports). ``step_gap_terms`` lists the terms,
+  ``max_step_gap_downs`` what went down around the longest gap. ``step_gap_ok``: every gap of
+  the chaos phase within its bound.
 - ``rows_lost``: group_size × the dataset positions admitted by the end of the chaos phase
   (below its run state's ``admitted_to``) that are still untrained after the drain. Every
   admitted group is at all times trained, live in the index (queued, or in a task in flight) or
@@ -78,7 +108,8 @@ Keys:
   segments not counted: live segments and reserved grants; a killed writer's spare grant, about
   one weight version for a trainer, stays counted until a put would otherwise wait, when the
   store reclaims it), ``kill_log``
-  (per kill: role, pid, version, the victim's tasks in flight, whether the trainer was mid-step).
+  (per kill: role, process, pid, version, the victim's tasks in flight, whether the trainer was
+  mid-step), ``stop_log`` (the same per stop, and ``detected_s``).
 """
 
 from __future__ import annotations
@@ -383,7 +414,8 @@ def step_timing(events: Sequence[dict[str, Any]], chaos_end: float,
         recovery = HEARTBEAT_TIMEOUT_S + backoff_s + up_s
         return step_s + max(1, len(downs_in(a, b))) * recovery
 
-    spans = list(itertools.pairwise(t for t in commits if t <= chaos_end))
+    # The phase's end closes a last gap: a run that stops committing has one open.
+    spans = list(itertools.pairwise([*(t for t in commits if t <= chaos_end), chaos_end]))
     a, b = max(spans, key=lambda ab: ab[1] - ab[0], default=(0.0, 0.0))
     return {
         "max_step_gap_s": round(b - a, 2), "step_gap_bound_s": round(bound(a, b), 2),
