@@ -60,7 +60,8 @@ Phases:
 1. chaos: ``Controller.run(steps)`` with the injector alongside, then single steps until the
    last fault is done (a fault waits for its role's restarted worker; at most ``steps`` more).
 2. drain: no faults; one step at a time until every dataset position admitted by the end of
-   phase 1 is trained (at most `DRAIN_MAX_STEPS` steps).
+   phase 1 is trained (at most `DRAIN_MAX_STEPS` steps), then until every worker process is
+   registered again.
 3. resume (``resume_ok``): the controller's death and ``--resume``. The chaos controller is
    closed and a new `Controller` starts from the run state a controller dying at that point
    leaves behind: for ``tiny``, the newest complete checkpoint the run wrote (trainer weights and
@@ -98,8 +99,8 @@ Keys:
   state's ``groups_trained`` counts distinct positions, so ``version × groups_per_step -
   groups_trained`` is the number of extra trainings (chaos and drain phases; the resume phase is
   in ``resume``).
-- ``completed``: phases 1 and 2 reached their target versions without a run error within their
-  time limits.
+- ``completed``: phases 1 and 2 reached their target versions, and every worker process was
+  back, without a run error within their time limits.
 - ``resume_ok`` and ``resume`` (its details).
 - ``clean``: no process of the runs, no ``/dev/shm/flowrl-<run_id>*`` segment and no
   ``/tmp/flowrl-<run_id>`` directory left after each controller closed (``leftovers`` names them).
@@ -450,6 +451,7 @@ async def chaos(
     stuck: list[asyncio.subprocess.Process] = []
     out: dict[str, Any] = {"completed": False}
     ran = steps
+    processes = sum(-(-p.count // p.per_process) for p in spec.pools)
     t0 = time.perf_counter()
     try:
         async with Controller(spec) as ctl:
@@ -478,6 +480,9 @@ async def chaos(
                             or untrained_below(ctl.run_state(), chaos_end.admitted_to)):
                         await ctl.run(1)
                         drain += 1
+                    # A step may commit before the last victim's restart (another process
+                    # of its role did the work): completion includes every process back.
+                    await ctl.wait_for(lambda: len(ctl.worker_pids()) >= processes)
                 out["completed"] = True
                 out["drain_steps"] = drain
             except (RunError, TimeoutError) as exc:

@@ -67,7 +67,8 @@ def test_killing_and_hanging_every_role_mid_run_loses_and_repeats_nothing() -> N
                  "--steps", "10", "--seed", "3", timeout=140)
     _assert_sound(out)
     assert out["kills_by_role"] == dict.fromkeys(ROLES, 1)
-    assert out["stops"] == 2 and out["stalls"] == 1
+    assert out["stops"] == 2
+    assert out["stalls"] == 1
     for stop in out["stop_log"]:  # found within a heartbeat timeout (2 s), give or take load
         assert stop["detected_s"] < 10, stop
     assert out["resume_ok"], out["resume"]
@@ -81,7 +82,8 @@ def test_a_killed_real_trainer_continues_from_the_published_weights(tmp_path: Pa
     # the trainer at version 3, so its step 4 is told apart from one of a trainer restarted
     # from the initial weights.
     out = _chaos("--engine", "tiny", "--kills", "1", "--stops", "0", "--stalls", "0",
-                 "--roles", "train", "--steps", "6", "--seed", "0", "--set", "algorithm.kl_coef=0", "--no-resume", timeout=140,
+                 "--roles", "train", "--steps", "6", "--seed", "0", "--set", "algorithm.kl_coef=0",
+                 "--no-resume", timeout=140,
                  env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
     _assert_sound(out)
     assert out["kills_by_role"] == {"train": 1}
