@@ -12,6 +12,7 @@ that a search for what a run left behind finds it.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import signal
 import sys
@@ -22,13 +23,20 @@ if __package__ in (None, ""):
 
 from flowrl import messages as m
 from transport.pubsub import Subscriber
-from workers.lifecycle import die_with_parent
 
 JOIN_TIMEOUT_S = 30.0
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent_stopped() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies: stopped, it would leave the
+    SIGTERM that flowrl's child processes ask for pending forever."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 async def join_and_stop(endpoint: str, name: str) -> None:
-    die_with_parent(signal.SIGKILL)  # stopped, it would never act on a SIGTERM
+    die_with_parent_stopped()
     sub = Subscriber(endpoint, [m.TOPIC_VERSION, m.TOPIC_STOP], name=name)
     await sub.join(JOIN_TIMEOUT_S)
     print("joined", flush=True)

@@ -15,13 +15,12 @@ from typing import Any
 _PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(sig: signal.Signals = signal.SIGTERM) -> None:
-    """Ask Linux to send ``sig`` to this process when its parent dies, so no child outlives a
-    killed controller (elsewhere heartbeats to the controller time out instead). A process that
-    may be stopped needs SIGKILL: a stopped process leaves SIGTERM pending."""
+def die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent dies, so no child outlives a killed
+    controller (elsewhere heartbeats to the controller time out instead)."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, sig)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def take_niceness(niceness: int) -> int:
