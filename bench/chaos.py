@@ -1,8 +1,10 @@
-"""Chaos benchmark: SIGKILL random worker processes of a running job; check that no row is lost,
-none is trained twice, the job completes, and a controller resumed from its state finishes it.
+"""Chaos benchmark: SIGKILL and hang (SIGSTOP) random worker processes of a running job, with a
+broadcast subscriber that never reads; check that no row is lost, none is trained twice, the job
+completes without long stalls, and a controller resumed from its state finishes it.
 
-    python bench/chaos.py [--quick] [--engine sim|tiny] [--kills N] [--steps N] [--seed S]
-                          [--roles rollout,train] [--set KEY=VALUE ...] [--no-resume]
+    python bench/chaos.py [--quick] [--engine sim|tiny] [--kills N] [--stops N] [--stalls N]
+                          [--steps N] [--seed S] [--roles rollout,train] [--set KEY=VALUE ...]
+                          [--no-resume]
 
 Prints one JSON line. Modes:
 
@@ -10,22 +12,38 @@ Prints one JSON line. Modes:
   tiny model, shrunk so a step takes a fraction of a second (`TINY_OVERRIDES`: no warm start,
   4 groups of 4 responses per step in two micro-batches, two groups per rollout task) and with
   the KL term on (``algorithm.kl_coef=0.01``) so a reference stage exists; a checkpoint every
-  step; ``--set`` overrides more recipe fields. 20 kills over 40 steps.
+  step; ``--set`` overrides more recipe fields. 20 kills, 4 stops and 1 stall over 40 steps.
 - ``--quick`` (``--engine sim``): the simulated pipeline (`sim_spec`: real processes, sockets,
   shared memory and weight sync; modelled compute, ``workers.sim``; two rollout processes, one
-  each of reward, reference and train). 8 kills over 24 steps, under a minute.
+  each of reward, reference and train). 8 kills, 2 stops and 1 stall over 24 steps.
 
-Kills (`kill_plan`, drawn from ``--seed``): the victims' roles are rollout, reward, reference
-and train in equal shares, shuffled; each kill is due at a random policy version of the chaos
-phase. The killer waits on controller events (`Controller.wait_for`) until that version is
-reached and the role has a registered worker, then waits a random offset of at most about a
-step (a bounded sleep), SIGKILLs one registered process of the role
-(`Controller.kill_worker_process`) and waits until the controller has declared its workers dead.
-So a kill lands anywhere in a step: mid-generation, mid-micro-batch, between a step's
-micro-batches, while a restarted worker loads weights. Worker processes are restarted with
-``max_restarts = kills`` (every kill could hit the same process; the recipe's
-``placement.max_restarts`` in tiny mode) after ``restart_backoff_s = 0.1`` seconds, doubling per
-death of the same process (at most 30 s).
+Faults (`fault_plan`, drawn from ``--seed``): the victims' roles are rollout, reward, reference
+and train in equal shares, shuffled (kills and stops each); each fault is due at a random policy
+version of the chaos phase. The injector waits on controller events (`Controller.wait_for`)
+until that version is reached and the role has a registered worker, then waits a random offset
+of at most about a step (a bounded sleep), and hits one registered process of the role, then
+waits until the controller has declared its workers down. So a fault lands anywhere in a step:
+mid-generation, mid-micro-batch, between a step's micro-batches, while a restarted worker loads
+weights.
+
+- a kill: SIGKILL (`Controller.kill_worker_process`); the controller sees the process exit.
+- a stop (a hang): SIGSTOP, never resumed. The process is alive but silent; the controller must
+  find it by its missed heartbeats (every `HEARTBEAT_S` = 0.2 s, down after
+  `HEARTBEAT_TIMEOUT_S` = 2 s without: `PipelineSpec` fields, set on the compiled recipe in tiny
+  mode since a recipe allows no timeout under 3 s), redo its tasks, SIGKILL it and restart it.
+  ``detected_s`` in ``stop_log`` is the time from SIGSTOP to the worker declared down. A stopped
+  process the controller has not killed by the end is SIGKILLed by this harness and counted in
+  ``stops_unrecovered``.
+- a stall (``--stalls``): a local process (``bench/stuck_subscriber.py``) joins the run's
+  broadcast endpoint before the first step, then stops itself and never reads again, until it
+  is SIGKILLed after the controller closed. Broadcasts must not wait for it. (A run publishes
+  about one broadcast a step, far fewer than ZeroMQ queues for a peer, so the publisher does not
+  drop it within a run: what is checked is that it delays nothing.)
+
+Worker processes are restarted with ``max_restarts = kills + stops + 3`` (every fault could hit
+the same process; three spare for heartbeats that a loaded machine delays past the timeout; the
+recipe's ``placement.max_restarts`` in tiny mode) after ``restart_backoff_s = 0.1`` seconds,
+doubling per death of the same process (at most 30 s).
 
 A killed trainer is restarted at the current policy version: its register reply carries the
 weights published for that version, which it loads before training (a version-0 trainer would
@@ -39,10 +57,11 @@ told apart; one step of Adam moves a weight by at most about the learning rate (
 
 Phases:
 
-1. chaos: ``Controller.run(steps)`` with the killer alongside, then single steps until the last
-   kill is done (a kill waits for its role's restarted worker; at most ``steps`` more).
-2. drain: no kills; one step at a time until every dataset position admitted by the end of
-   phase 1 is trained (at most `DRAIN_MAX_STEPS` steps).
+1. chaos: ``Controller.run(steps)`` with the injector alongside, then single steps until the
+   last fault is done (a fault waits for its role's restarted worker; at most ``steps`` more).
+2. drain: no faults; one step at a time until every dataset position admitted by the end of
+   phase 1 is trained (at most `DRAIN_MAX_STEPS` steps), then until every worker process is
+   registered again.
 3. resume (``resume_ok``): the controller's death and ``--resume``. The chaos controller is
    closed and a new `Controller` starts from the run state a controller dying at that point
    leaves behind: for ``tiny``, the newest complete checkpoint the run wrote (trainer weights and
@@ -55,7 +74,19 @@ Phases:
 
 Keys:
 
-- ``kills``, ``kills_by_role``; ``restarts`` (worker processes restarted), ``worker_deaths``.
+- ``kills``, ``kills_by_role``, ``stops``, ``stops_by_role``, ``stalls``, ``stops_unrecovered``
+  (0); ``restarts`` (worker processes restarted), ``worker_deaths``, ``hangs_detected``
+  (workers declared down for missed heartbeats or unread broadcasts).
+- ``max_step_gap_s``: the longest time without a step commit during the chaos phase (between
+  two commits, or from the last one to the phase's end). ``step_gap_bound_s``: what that gap
+  is allowed: one step (``step_time_s``, the median time between commits of phases 1 and 2)
+  plus, for each worker declared down in it (at least one; a fault up to a step before the
+  gap counts), one recovery: the heartbeat timeout, a restart backoff (the longest one a
+  process hit by the most faults waited) and a restarted process's start-up (from its start
+  to its registration: the longest one measured in the run, ``restart_up_s``, which on loaded
+  cores is seconds of Python and torch imports). ``step_gap_terms`` lists the terms,
+  ``max_step_gap_downs`` what went down around the longest gap. ``step_gap_ok``: every gap of
+  the chaos phase within its bound.
 - ``rows_lost``: group_size × the dataset positions admitted by the end of the chaos phase
   (below its run state's ``admitted_to``) that are still untrained after the drain. Every
   admitted group is at all times trained, live in the index (queued, or in a task in flight) or
@@ -68,8 +99,8 @@ Keys:
   state's ``groups_trained`` counts distinct positions, so ``version × groups_per_step -
   groups_trained`` is the number of extra trainings (chaos and drain phases; the resume phase is
   in ``resume``).
-- ``completed``: phases 1 and 2 reached their target versions without a run error within their
-  time limits.
+- ``completed``: phases 1 and 2 reached their target versions, and every worker process was
+  back, without a run error within their time limits.
 - ``resume_ok`` and ``resume`` (its details).
 - ``clean``: no process of the runs, no ``/dev/shm/flowrl-<run_id>*`` segment and no
   ``/tmp/flowrl-<run_id>`` directory left after each controller closed (``leftovers`` names them).
@@ -78,7 +109,8 @@ Keys:
   segments not counted: live segments and reserved grants; a killed writer's spare grant, about
   one weight version for a trainer, stays counted until a put would otherwise wait, when the
   store reclaims it), ``kill_log``
-  (per kill: role, pid, version, the victim's tasks in flight, whether the trainer was mid-step).
+  (per kill: role, process, pid, version, the victim's tasks in flight, whether the trainer was
+  mid-step), ``stop_log`` (the same per stop, and ``detected_s``).
 """
 
 from __future__ import annotations
@@ -92,6 +124,8 @@ import itertools
 import json
 import os
 import random
+import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -118,6 +152,15 @@ ROLES = ("rollout", "reward", "reference", "train")
 #: the drain's bound: admission runs at most max_staleness + 1 steps ahead of the trainer.
 DRAIN_MAX_STEPS = 12
 RESTART_BACKOFF_S = 0.1
+#: a hang is found within a couple of seconds: a heartbeat every 0.2 s, down after 2 s without.
+HEARTBEAT_S = 0.2
+HEARTBEAT_TIMEOUT_S = 2.0
+#: restarts allowed beyond one per injected fault: on loaded cores a heartbeat may come later
+#: than the timeout, and that worker is then treated as hung too.
+SPARE_RESTARTS = 3
+STUCK_SUBSCRIBER = Path(__file__).resolve().parent / "stuck_subscriber.py"
+#: how long a stuck subscriber may take to start and join.
+STALL_JOIN_S = 60.0
 #: the default recipe, shrunk: a step is a fraction of a second; the KL term adds a reference.
 TINY_OVERRIDES = (
     "model.tiny.pretrain_steps=0", "trainer.groups_per_step=4", "trainer.micro_batch_groups=2",
@@ -133,24 +176,35 @@ SIM_COST: dict[str, Any] = {
 
 
 @dataclasses.dataclass(frozen=True)
-class Kill:
-    """One planned kill: due once the policy reaches ``due_version``, then ``offset`` × the
-    duration of the last step later."""
+class Fault:
+    """One planned fault: due once the policy reaches ``due_version``, then ``offset`` × the
+    duration of the last step later; a SIGKILL, or with ``hang`` a SIGSTOP."""
 
     due_version: int
     role: str
     offset: float
+    hang: bool = False
 
 
-def kill_plan(
-    kills: int, steps: int, *, seed: int, roles: Sequence[str] = ROLES,
-) -> list[Kill]:
-    """``kills`` kills spread over versions ``[0, steps - 2]``, roles in equal shares."""
-    rng = random.Random(seed)
-    victims = [roles[i % len(roles)] for i in range(kills)]
+def _draw(rng: random.Random, n: int, steps: int, roles: Sequence[str],
+          hang: bool) -> list[Fault]:
+    victims = [roles[i % len(roles)] for i in range(n)]
     rng.shuffle(victims)
-    due = sorted(rng.randrange(max(1, steps - 1)) for _ in range(kills))
-    return [Kill(v, r, round(rng.random(), 3)) for v, r in zip(due, victims, strict=True)]
+    due = sorted(rng.randrange(max(1, steps - 1)) for _ in range(n))
+    return [Fault(v, r, round(rng.random(), 3), hang)
+            for v, r in zip(due, victims, strict=True)]
+
+
+def fault_plan(
+    kills: int, steps: int, *, seed: int, roles: Sequence[str] = ROLES, stops: int = 0,
+) -> list[Fault]:
+    """``kills`` kills and ``stops`` hangs spread over versions ``[0, steps - 2]``, roles in
+    equal shares (the hangs' shares start at a random role: there are few of them)."""
+    rng = random.Random(seed + 2)
+    first = rng.randrange(len(roles))
+    plan = [*_draw(random.Random(seed), kills, steps, roles, False),
+            *_draw(rng, stops, steps, [*roles[first:], *roles[:first]], True)]
+    return sorted(plan, key=lambda f: (f.due_version, f.hang))
 
 
 #: the offset's unit before two steps were timed.
@@ -172,8 +226,8 @@ def sim_spec(*, seed: int = 0, max_restarts: int = 20) -> PipelineSpec:
         pools=(PoolSpec("rollout", count=2), PoolSpec("reward"), PoolSpec("reference"),
                PoolSpec("train")),
         group_size=4, groups_per_step=4, max_staleness=1, engine="sim",
-        engine_config=SIM_COST, store_capacity_bytes=64 << 20, heartbeat_s=0.5,
-        heartbeat_timeout_s=10.0, max_restarts=max_restarts,
+        engine_config=SIM_COST, store_capacity_bytes=64 << 20, heartbeat_s=HEARTBEAT_S,
+        heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, max_restarts=max_restarts,
         restart_backoff_s=RESTART_BACKOFF_S, seed=seed,
     )
 
@@ -189,9 +243,12 @@ def tiny_recipe(
                                 f"placement.max_restarts={max_restarts}", *extra])
 
 
-def fast_restarts(spec: PipelineSpec) -> PipelineSpec:
-    """``spec`` with `RESTART_BACKOFF_S` (recipes keep the default 0.5 s)."""
-    return dataclasses.replace(spec, restart_backoff_s=RESTART_BACKOFF_S)
+def chaos_timing(spec: PipelineSpec) -> PipelineSpec:
+    """``spec`` with `RESTART_BACKOFF_S`, `HEARTBEAT_S` and `HEARTBEAT_TIMEOUT_S` (a recipe
+    keeps the default backoff of 0.5 s and heartbeats every second, and allows no heartbeat
+    timeout under 3 s)."""
+    return dataclasses.replace(spec, restart_backoff_s=RESTART_BACKOFF_S,
+                               heartbeat_s=HEARTBEAT_S, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
 
 
 # ---- accounting ----------------------------------------------------------------------------------
@@ -205,6 +262,12 @@ def untrained_below(state: RunState, end: int) -> int:
     return end - state.trained_below - above
 
 
+def _of_run(run_id: str, cmdline: Sequence[str]) -> bool:
+    """Whether a command line is one of ``run_id``'s processes: a node agent names the run, a
+    worker process the spec file in the run's directory."""
+    return any(run_id in arg for arg in cmdline)
+
+
 def leftovers(run_id: str) -> list[str]:
     """Processes, shared-memory segments and the socket directory of ``run_id`` still there."""
     found = [f"/tmp/flowrl-{run_id}"] if Path(f"/tmp/flowrl-{run_id}").exists() else []
@@ -213,7 +276,7 @@ def leftovers(run_id: str) -> list[str]:
                   if n.startswith(f"flowrl-{run_id}")]
     for proc in psutil.process_iter(["pid", "cmdline"]):
         cmdline = proc.info["cmdline"] or []
-        if run_id in cmdline and proc.pid != os.getpid():
+        if _of_run(run_id, cmdline) and proc.pid != os.getpid():
             found.append(f"pid {proc.info['pid']}: {' '.join(cmdline)[:100]}")
     return found
 
@@ -223,109 +286,246 @@ async def _gone(run_id: str, timeout_s: float = 10.0) -> list[str]:
     the process table, so processes are waited for (bounded), never polled."""
     procs = []
     for proc in psutil.process_iter(["cmdline"]):
-        if run_id in (proc.info["cmdline"] or []) and proc.pid != os.getpid():
+        if _of_run(run_id, proc.info["cmdline"] or []) and proc.pid != os.getpid():
             procs.append(proc)
     if procs:
         await asyncio.to_thread(psutil.wait_procs, procs, timeout=timeout_s)
     return leftovers(run_id)
 
 
-# ---- the killer ----------------------------------------------------------------------------------
+# ---- the injector --------------------------------------------------------------------------------
 
 
-def _due(ctl: Controller, kill: Kill) -> Callable[[], bool]:
-    return lambda: ctl.version >= kill.due_version and bool(ctl.worker_pids(kill.role))
+def _due(ctl: Controller, fault: Fault) -> Callable[[], bool]:
+    return lambda: ctl.version >= fault.due_version and bool(ctl.worker_pids(fault.role))
 
 
 def _dead(ctl: Controller, role: str, pid: int) -> Callable[[], bool]:
     return lambda: pid not in ctl.worker_pids(role)
 
 
-async def killer(ctl: Controller, plan: Sequence[Kill], *, seed: int,
-                 log: list[dict[str, Any]]) -> None:
-    """Carry out ``plan`` on ``ctl``'s worker processes (see the module docstring)."""
+async def injector(ctl: Controller, plan: Sequence[Fault], *, seed: int,
+                   log: dict[str, list[dict[str, Any]]], stopped: list[int]) -> None:
+    """Carry out ``plan`` on ``ctl``'s worker processes (see the module docstring): kills are
+    logged in ``log["kill"]``, hangs in ``log["stop"]`` and their pids in ``stopped``."""
     rng = random.Random(seed + 1)
-    for kill in plan:
-        await ctl.wait_for(_due(ctl, kill))
+    for fault in plan:
+        await ctl.wait_for(_due(ctl, fault))
         # The random moment inside the step: a bounded sleep of a share of the last step's time.
-        await asyncio.sleep(kill.offset * _step_time(ctl))
-        await ctl.wait_for(_due(ctl, kill))  # its process may have died meanwhile
-        pid = rng.choice(ctl.worker_pids(kill.role))
+        await asyncio.sleep(fault.offset * _step_time(ctl))
+        await ctl.wait_for(_due(ctl, fault))  # its process may have died meanwhile
+        pid = rng.choice(ctl.worker_pids(fault.role))
         status = ctl.status()
-        busy = sum(w["in_flight"] for w in status["workers"] if w["pid"] == pid)
-        ctl.kill_worker_process(pid)
-        log.append({"role": kill.role, "pid": pid, "version": ctl.version, "tasks": busy,
-                    "trainer_mid_step": status["trainer"]["micro_batches_pending"] > 0})
-        await ctl.wait_for(_dead(ctl, kill.role, pid))
+        hosted = [w for w in status["workers"] if w["pid"] == pid]
+        entry: dict[str, Any] = {
+            "role": fault.role, "process": hosted[0]["name"].rsplit(".", 1)[0], "pid": pid,
+            "version": ctl.version, "tasks": sum(w["in_flight"] for w in hosted),
+            "trainer_mid_step": status["trainer"]["micro_batches_pending"] > 0}
+        t0 = time.perf_counter()
+        if fault.hang:
+            stopped.append(pid)
+            os.kill(pid, signal.SIGSTOP)  # never resumed: the controller must find and kill it
+        else:
+            ctl.kill_worker_process(pid)
+        log["stop" if fault.hang else "kill"].append(entry)
+        await ctl.wait_for(_dead(ctl, fault.role, pid))
+        if fault.hang:
+            entry["detected_s"] = round(time.perf_counter() - t0, 2)
+
+
+def kill_stopped(pids: Sequence[int]) -> int:
+    """SIGKILL those of ``pids`` that are still stopped children of this process (the controller
+    should have killed each one); how many there were."""
+    left = 0
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc = psutil.Process(pid)
+            if proc.ppid() == os.getpid() and proc.status() == psutil.STATUS_STOPPED:
+                proc.kill()  # the controller's supervisor reaps it
+                left += 1
+    return left
+
+
+async def start_stuck_subscribers(ctl: Controller, n: int) -> list[asyncio.subprocess.Process]:
+    """``n`` local processes that join ``ctl``'s broadcasts and stop (`STUCK_SUBSCRIBER`);
+    each has joined when this returns."""
+    procs: list[asyncio.subprocess.Process] = []
+    try:
+        for i in range(n):
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, str(STUCK_SUBSCRIBER), ctl.workforce.endpoints.broadcast,
+                f"stuck-subscriber.{i}", ctl.run_id, stdout=asyncio.subprocess.PIPE)
+            procs.append(proc)
+            assert proc.stdout is not None
+            async with asyncio.timeout(STALL_JOIN_S):
+                line = await proc.stdout.readline()
+            if line.strip() != b"joined":
+                raise RuntimeError(f"stuck subscriber {i} did not join (exit {proc.returncode})")
+    except BaseException:
+        await end_processes(procs)
+        raise
+    return procs
+
+
+async def end_processes(procs: Sequence[asyncio.subprocess.Process]) -> None:
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()  # SIGKILL: a stopped process leaves any other signal pending
+    await asyncio.gather(*(p.wait() for p in procs))
+
+
+# ---- step timing ---------------------------------------------------------------------------------
+
+
+async def record(ctl: Controller, into: list[dict[str, Any]]) -> None:
+    """The times of ``ctl``'s step commits, restarts and workers coming up, as they happen."""
+    async for e in ctl.events.subscribe():
+        if e["kind"] in ("step", "worker_restart", "worker_up", "worker_down"):
+            into.append({k: e[k] for k in ("kind", "time", "process", "name", "role", "why")
+                         if k in e})
+
+
+def _restart_ups(events: Sequence[dict[str, Any]]) -> list[float]:
+    """Seconds from each restarted process's start to its worker's registration."""
+    ups = []
+    for i, e in enumerate(events):
+        if e["kind"] == "worker_restart":
+            up = next((u["time"] for u in events[i:] if u["kind"] == "worker_up"
+                       and u["name"].rsplit(".", 1)[0] == e["process"]), None)
+            if up is not None:
+                ups.append(up - e["time"])
+    return ups
+
+
+def step_timing(events: Sequence[dict[str, Any]], chaos_end: float,
+                backoff_s: float) -> dict[str, Any]:
+    """The chaos phase's step gaps against their bounds (see the module docstring)."""
+    commits = [e["time"] for e in events if e["kind"] == "step"]
+    step_s = statistics.median(b - a for a, b in itertools.pairwise(commits)) if len(
+        commits) > 1 else 0.0
+    ups = _restart_ups(events)
+    up_s = max(ups, default=0.0)
+    downs = [e for e in events if e["kind"] == "worker_down"]
+
+    def downs_in(a: float, b: float) -> list[str]:
+        # A fault just before a commit delays the next one.
+        return [f"{e['role']}: {e['why'][:40]}" for e in downs if a - step_s <= e["time"] <= b]
+
+    def bound(a: float, b: float) -> float:
+        recovery = HEARTBEAT_TIMEOUT_S + backoff_s + up_s
+        return step_s + max(1, len(downs_in(a, b))) * recovery
+
+    # The phase's end closes a last gap: a run that stops committing has one open.
+    spans = list(itertools.pairwise([*(t for t in commits if t <= chaos_end), chaos_end]))
+    a, b = max(spans, key=lambda ab: ab[1] - ab[0], default=(0.0, 0.0))
+    return {
+        "max_step_gap_s": round(b - a, 2), "step_gap_bound_s": round(bound(a, b), 2),
+        "step_gap_ok": bool(spans) and all(y - x <= bound(x, y) for x, y in spans),
+        "max_step_gap_downs": downs_in(a, b),
+        "step_gap_terms": {"heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S, "backoff_s": backoff_s,
+                           "restart_up_s": round(up_s, 2), "step_s": round(step_s, 3)},
+        "restart_up_s": {"median": round(statistics.median(ups), 2) if ups else None,
+                         "max": round(up_s, 2) if ups else None},
+        "hangs_detected": sum(1 for e in downs if e["why"].startswith(
+            ("missed heartbeats", "stopped reading broadcasts"))),
+    }
 
 
 # ---- the phases ----------------------------------------------------------------------------------
 
 
 async def chaos(
-    spec: PipelineSpec, *, steps: int, plan: Sequence[Kill], seed: int, timeout_s: float,
-    on_open: Callable[[Controller], None] | None = None,
+    spec: PipelineSpec, *, steps: int, plan: Sequence[Fault], seed: int, timeout_s: float,
+    stalls: int = 0, on_open: Callable[[Controller], None] | None = None,
 ) -> dict[str, Any]:
     """Phases 1 and 2 on a new controller; the figures of the module docstring's keys, plus
     ``state`` (the final `RunState`) and ``run_id``."""
     from flowrl.controller import Controller, RunError
 
-    unknown = {k.role for k in plan} - {p.role for p in spec.pools}
+    unknown = {f.role for f in plan} - {p.role for p in spec.pools}
     if unknown:
         raise ValueError(f"the pipeline has no pool for {sorted(unknown)}")
-    log: list[dict[str, Any]] = []
+    log: dict[str, list[dict[str, Any]]] = {"kill": [], "stop": []}
+    stopped: list[int] = []
+    events: list[dict[str, Any]] = []
+    stuck: list[asyncio.subprocess.Process] = []
     out: dict[str, Any] = {"completed": False}
     ran = steps
+    processes = sum(-(-p.count // p.per_process) for p in spec.pools)
     t0 = time.perf_counter()
-    async with Controller(spec) as ctl:
-        out["run_id"] = ctl.run_id
-        if on_open is not None:
-            on_open(ctl)
-        kills = asyncio.ensure_future(killer(ctl, plan, seed=seed, log=log))
-        try:
-            async with asyncio.timeout(timeout_s):
-                await ctl.run(steps)
-                # Until the last kill: a kill waits for its role's worker to be back.
-                while not kills.done() and ran < 2 * steps:
-                    await ctl.run(1)
-                    ran += 1
-            chaos_end = ctl.run_state()
-            kills.cancel()
-            drain = 0
-            async with asyncio.timeout(timeout_s):
-                while drain < DRAIN_MAX_STEPS and (
-                        drain == 0 or untrained_below(ctl.run_state(), chaos_end.admitted_to)):
-                    await ctl.run(1)
-                    drain += 1
-            out["completed"] = True
-            out["drain_steps"] = drain
-        except (RunError, TimeoutError) as exc:
-            out["error"] = f"{type(exc).__name__}: {exc}"[:500]
-            chaos_end = ctl.run_state()
-        finally:
-            kills.cancel()
-            (failed,) = await asyncio.gather(kills, return_exceptions=True)
-            if isinstance(failed, Exception):
-                out["killer_error"] = repr(failed)[:500]
-        state = ctl.run_state()
-        out["wall_s"] = round(time.perf_counter() - t0, 2)
-        extra = ctl.version * spec.groups_per_step - state.groups_trained
-        out.update({
-            "kills": len(log),
-            "kills_by_role": dict(collections.Counter(k["role"] for k in log)),
-            "restarts": ctl.restarts,
-            "worker_deaths": ctl.worker_deaths,
-            "rows_lost": spec.group_size * untrained_below(state, chaos_end.admitted_to),
-            "rows_trained_twice": max(ctl.rows_trained_twice, spec.group_size * extra),
-            "steps": ran,
-            "version": ctl.version,
-            "stale_dropped": ctl.stale_dropped,
-            "store_live_bytes": (ctl.store_stats.get("used_bytes", 0)
-                                 - ctl.store_stats.get("pooled_bytes", 0)),
-            "kill_log": log,
-            "state": state,
-            "grad_norms": {int(e["step"]): e.get("train_grad_norm") for e in ctl.step_log},
-        })
+    try:
+        async with Controller(spec) as ctl:
+            out["run_id"] = ctl.run_id
+            if on_open is not None:
+                on_open(ctl)
+            recorder = asyncio.ensure_future(record(ctl, events))
+            stuck = await start_stuck_subscribers(ctl, stalls)
+            faults = asyncio.ensure_future(
+                injector(ctl, plan, seed=seed, log=log, stopped=stopped))
+            chaos_end_t = time.time()
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await ctl.run(steps)
+                    # Until the last fault: a fault waits for its role's worker to be back.
+                    while not faults.done() and ran < 2 * steps:
+                        await ctl.run(1)
+                        ran += 1
+                chaos_end = ctl.run_state()
+                chaos_end_t = time.time()
+                faults.cancel()
+                drain = 0
+                async with asyncio.timeout(timeout_s):
+                    while drain < DRAIN_MAX_STEPS and (
+                            drain == 0
+                            or untrained_below(ctl.run_state(), chaos_end.admitted_to)):
+                        await ctl.run(1)
+                        drain += 1
+                    # A step may commit before the last victim's restart (another process
+                    # of its role did the work): completion includes every process back.
+                    await ctl.wait_for(lambda: len(ctl.worker_pids()) >= processes)
+                out["completed"] = True
+                out["drain_steps"] = drain
+            except (RunError, TimeoutError) as exc:
+                out["error"] = f"{type(exc).__name__}: {exc}"[:500]
+                chaos_end = ctl.run_state()
+                chaos_end_t = time.time()
+            finally:
+                faults.cancel()
+                (failed,) = await asyncio.gather(faults, return_exceptions=True)
+                if isinstance(failed, Exception):
+                    out["killer_error"] = repr(failed)[:500]
+                out["stops_unrecovered"] = kill_stopped(stopped)
+                recorder.cancel()
+                await asyncio.gather(recorder, return_exceptions=True)
+            state = ctl.run_state()
+            out["wall_s"] = round(time.perf_counter() - t0, 2)
+            extra = ctl.version * spec.groups_per_step - state.groups_trained
+            per_process = collections.Counter(f["process"] for f in log["kill"] + log["stop"])
+            backoff = ctl.workforce.restart_delay(max(per_process.values(), default=1))
+            out.update({
+                "kills": len(log["kill"]),
+                "kills_by_role": dict(collections.Counter(k["role"] for k in log["kill"])),
+                "stops": len(log["stop"]),
+                "stops_by_role": dict(collections.Counter(k["role"] for k in log["stop"])),
+                "stalls": len(stuck),
+                "restarts": ctl.restarts,
+                "worker_deaths": ctl.worker_deaths,
+                "rows_lost": spec.group_size * untrained_below(state, chaos_end.admitted_to),
+                "rows_trained_twice": max(ctl.rows_trained_twice, spec.group_size * extra),
+                "steps": ran,
+                "version": ctl.version,
+                "stale_dropped": ctl.stale_dropped,
+                "store_live_bytes": (ctl.store_stats.get("used_bytes", 0)
+                                     - ctl.store_stats.get("pooled_bytes", 0)),
+                **step_timing(events, chaos_end_t, backoff),
+                "kill_log": log["kill"],
+                "stop_log": log["stop"],
+                "state": state,
+                "grad_norms": {int(e["step"]): e.get("train_grad_norm") for e in ctl.step_log},
+            })
+    finally:
+        # After the controller closed: its stop broadcast went past them too.
+        await end_processes(stuck)
     out["leftovers"] = await _gone(out["run_id"])
     return out
 
@@ -398,10 +598,20 @@ def weight_jumps(
 # ---- main ----------------------------------------------------------------------------------------
 
 
+def _plan(args: argparse.Namespace) -> list[Fault]:
+    return fault_plan(args.kills, args.steps, seed=args.seed, roles=args.roles, stops=args.stops)
+
+
+def _max_restarts(args: argparse.Namespace) -> int:
+    """Every fault could hit the same process."""
+    return int(args.kills + args.stops) + SPARE_RESTARTS
+
+
 async def run_sim(args: argparse.Namespace) -> dict[str, Any]:
-    spec = sim_spec(seed=args.seed, max_restarts=max(args.kills, 1))
-    plan = kill_plan(args.kills, args.steps, seed=args.seed, roles=args.roles)
-    out = await chaos(spec, steps=args.steps, plan=plan, seed=args.seed, timeout_s=args.timeout)
+    spec = sim_spec(seed=args.seed, max_restarts=_max_restarts(args))
+    plan = _plan(args)
+    out = await chaos(spec, steps=args.steps, plan=plan, seed=args.seed, timeout_s=args.timeout,
+                      stalls=args.stalls)
     state: RunState = out.pop("state")
     out.pop("grad_norms")
     ok = out["completed"] and args.resume
@@ -416,13 +626,12 @@ async def run_tiny(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="flowrl-chaos-") as tmp:
         output = Path(tmp) / "run"
         recipe = tiny_recipe(steps=args.steps, seed=args.seed, output=output,
-                             max_restarts=max(args.kills, 1), extra=args.overrides)
+                             max_restarts=_max_restarts(args), extra=args.overrides)
         init = await asyncio.to_thread(prepare_model, recipe)
         assert init is not None
-        spec = fast_restarts(await asyncio.to_thread(compile_recipe, recipe))
-        plan = kill_plan(args.kills, args.steps, seed=args.seed, roles=args.roles)
-        out = await chaos(spec, steps=args.steps, plan=plan, seed=args.seed,
-                          timeout_s=args.timeout)
+        spec = chaos_timing(await asyncio.to_thread(compile_recipe, recipe))
+        out = await chaos(spec, steps=args.steps, plan=_plan(args), seed=args.seed,
+                          timeout_s=args.timeout, stalls=args.stalls)
         out.pop("state")
         trainer_kills = [k["version"] for k in out["kill_log"] if k["role"] == "train"]
         jumps = await asyncio.to_thread(weight_jumps, output, init, trainer_kills,
@@ -433,7 +642,7 @@ async def run_tiny(args: argparse.Namespace) -> dict[str, Any]:
             j["d_prev"] < j["d_init"] for j in measured)
         if out["completed"] and args.resume:
             checkpoint, state = latest_checkpoint(output)
-            resumed = fast_restarts(
+            resumed = chaos_timing(
                 await asyncio.to_thread(compile_recipe, recipe, resume=(checkpoint, state)))
             out["resume"] = await resume(resumed, state, timeout_s=args.timeout)
         else:
@@ -447,8 +656,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     resumed = out.get("resume") or {}
     leftovers_all = [*out["leftovers"], *resumed.get("leftovers", [])]
     head = {
-        "kills": out["kills"], "restarts": out["restarts"], "rows_lost": out["rows_lost"],
+        "kills": out["kills"], "stops": out["stops"], "stalls": out["stalls"],
+        "restarts": out["restarts"], "rows_lost": out["rows_lost"],
         "rows_trained_twice": out["rows_trained_twice"], "completed": out["completed"],
+        "max_step_gap_s": out["max_step_gap_s"], "step_gap_bound_s": out["step_gap_bound_s"],
+        "step_gap_ok": out["step_gap_ok"],
         "resume_ok": bool(resumed.get("ok")), "clean": not leftovers_all,
         "engine": args.engine, "quick": args.quick, "seed": args.seed,
         "total_wall_s": round(time.perf_counter() - t0, 2),
@@ -467,15 +679,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
-                   help="simulated pipeline, 8 kills over 24 steps (under a minute)")
+                   help="simulated pipeline, 8 kills, 2 stops and 1 stall over 24 steps "
+                        "(under a minute)")
     p.add_argument("--engine", choices=("sim", "tiny"),
                    help="tiny: the real tiny model (default); sim: modelled compute "
                         "(the default with --quick)")
     p.add_argument("--kills", type=int, help="default 20 (8 with --quick)")
+    p.add_argument("--stops", type=int,
+                   help="SIGSTOPs of worker processes, never resumed (default 4, 2 with --quick)")
+    p.add_argument("--stalls", type=int,
+                   help="stuck broadcast subscribers for the whole run (default 1)")
     p.add_argument("--steps", type=int, help="chaos-phase steps (default 40, 24 with --quick)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--roles", type=_roles, default=ROLES, metavar="R[,R...]",
-                   help=f"roles to kill, in equal shares (default {','.join(ROLES)})")
+                   help=f"roles to kill and stop, in equal shares (default {','.join(ROLES)})")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="tiny: override a field of the recipe, as the launcher's --set")
     p.add_argument("--no-resume", dest="resume", action="store_false",
@@ -485,9 +702,11 @@ def main() -> None:
     args = p.parse_args()
     args.engine = args.engine or ("sim" if args.quick else "tiny")
     args.kills = args.kills if args.kills is not None else (8 if args.quick else 20)
+    args.stops = args.stops if args.stops is not None else (2 if args.quick else 4)
+    args.stalls = args.stalls if args.stalls is not None else 1
     args.steps = args.steps or (24 if args.quick else 40)
-    if args.kills < 0 or args.steps < 2:
-        p.error("need --kills >= 0 and --steps >= 2")
+    if min(args.kills, args.stops, args.stalls) < 0 or args.steps < 2:
+        p.error("need --kills, --stops and --stalls >= 0 and --steps >= 2")
     configure(level="error")
     print(json.dumps(asyncio.run(main_async(args))))
 
