@@ -16,6 +16,7 @@ from flowrl import messages as m
 from flowrl.controller import Controller
 from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages
 from transport.endpoints import ipc_endpoint
+from transport.pubsub import DroppedSubscriber
 from transport.rpc import RpcClient
 
 FAST = {
@@ -128,3 +129,24 @@ async def test_malformed_reports_fail_their_tasks_and_every_row_trains_exactly_o
     assert out["rows_trained_twice"] == 0
     assert out["samples"] == 5 * 16
     ctl.index.audit()  # the index's own books balance (raises if not)
+
+
+@pytest.mark.timeout(120)
+async def test_a_worker_dropped_for_not_reading_broadcasts_is_restarted() -> None:
+    # The publisher's verdict (`transport.pubsub`, tested there with a subscriber that never
+    # reads) reaches the workforce as a `DroppedSubscriber` naming the worker process: what the
+    # controller then does is tested here, with the verdict handed over as the publisher would.
+    async with Controller(spec()) as ctl:
+        run = asyncio.ensure_future(ctl.run(steps=5, timeout_s=90))
+        await ctl.wait_for(lambda: ctl.version >= 1)
+        old = ctl.worker_pids("train")[0]
+        ctl.workforce.subscriber_dropped(DroppedSubscriber(
+            name="train.0", token="t", reason="took no message for 10.0 s", connected=True))
+        out = await run
+        assert old not in ctl.worker_pids("train")
+        assert ctl.restarts >= 1
+        downs = [e for e in ctl.status()["errors"] if "stopped reading broadcasts" in
+                 e.get("error", "")]
+    assert downs
+    assert out["version"] == 5
+    assert out["rows_trained_twice"] == 0
