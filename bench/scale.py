@@ -44,7 +44,7 @@ import zmq.asyncio
 
 from flowrl.controller import Controller
 from flowrl.logs import configure
-from flowrl.node import ClusterConfig
+from flowrl.node_hub import ClusterConfig
 from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages
 from transport.curve import CurveKeys
 from transport.endpoints import new_run_id, remove_run_dir, tcp_endpoint

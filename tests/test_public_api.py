@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import flowrl
-from flowrl import controller, node, pipeline, recipe, recipe_file, run
+from flowrl import controller, node_hub, pipeline, recipe, recipe_file, run
 from flowrl.recipe.section import _Section
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,7 +32,7 @@ def test_all_is_pinned() -> None:
 
 
 def test_each_name_is_its_home_module_object() -> None:
-    homes = (controller, node, pipeline, recipe, recipe_file, run)
+    homes = (controller, node_hub, pipeline, recipe, recipe_file, run)
     for name in PUBLIC:
         value = getattr(flowrl, name)
         assert [m for m in homes if getattr(m, name, None) is value], name

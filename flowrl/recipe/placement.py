@@ -45,7 +45,7 @@ _NODE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ012
 
 class ClusterSettings(_Section):
     """Where the controller meets the node agents of other nodes (the controller takes them as
-    ``flowrl.node.ClusterConfig``, which adds the run's keys); every tcp link is encrypted with
+    ``flowrl.node_hub.ClusterConfig``, which adds the run's keys); every tcp link is encrypted with
     the run's CurveZMQ keys (but see `data_plane`)."""
 
     host: str = Field(default="127.0.0.1", min_length=1)
