@@ -159,7 +159,8 @@ async def weight_sync(model_dir: Path, rounds: int) -> dict[str, float]:
 
     from transport.endpoints import ipc_endpoint, new_run_id, remove_run_dir, run_dir
     from transport.store import SampleStore
-    from transport.store_server import StoreClient, StoreServer
+    from transport.store_client import StoreClient
+    from transport.store_server import StoreServer
     from workers.engines.hf_rollout import HFRolloutEngine
     from workers.engines.torch_trainer import TorchTrainerEngine
     from workers.runtime import fetch_weights, publish_weights

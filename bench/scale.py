@@ -44,12 +44,13 @@ import zmq.asyncio
 
 from flowrl.controller import Controller
 from flowrl.logs import configure
-from flowrl.node import ClusterConfig
+from flowrl.node_hub import ClusterConfig
 from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages
 from transport.curve import CurveKeys
 from transport.endpoints import new_run_id, remove_run_dir, tcp_endpoint
 from transport.store import SampleStore
-from transport.store_server import StoreClient, StoreServer
+from transport.store_client import StoreClient
+from transport.store_server import StoreServer
 
 ROOT = Path(__file__).resolve().parents[1]
 # A group of 4 responses of 64 tokens decodes in 0.1 + 64 * 0.001 s (a sleep); training and

@@ -65,7 +65,8 @@ from transport.endpoints import ipc_endpoint, new_run_id, remove_run_dir, tcp_en
 from transport.handles import rows_from_wire
 from transport.rpc import RpcClient, RpcServer
 from transport.store import Handle, SampleStore
-from transport.store_server import StoreClient, StoreServer
+from transport.store_client import StoreClient
+from transport.store_server import StoreServer
 
 ROWS = 64
 FIELDS = {

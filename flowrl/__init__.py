@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from flowrl.controller import Controller, RunError
-    from flowrl.node import ClusterConfig
+    from flowrl.node_hub import ClusterConfig
     from flowrl.pipeline import PipelineSpec, PoolSpec
     from flowrl.recipe import (
         AlgorithmConfig,
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 _HOMES = {
     "Controller": "flowrl.controller",
     "RunError": "flowrl.controller",
-    "ClusterConfig": "flowrl.node",
+    "ClusterConfig": "flowrl.node_hub",
     "PipelineSpec": "flowrl.pipeline",
     "PoolSpec": "flowrl.pipeline",
     **dict.fromkeys([

@@ -1,4 +1,4 @@
-"""Node agents, and the controller's side of the nodes that are not its own.
+"""Node agents; the controller's side of the nodes that are not its own is `flowrl.node_hub`.
 
 One agent per node owns that node's shared-memory sample store (its capacity bound and segment
 reference counts; segment names carry the agent's pid and start time, so two agents on one
@@ -38,10 +38,6 @@ imports, so also while it is starting), and — orphaned — when the controller
 for ``--orphan-s`` seconds (it exits within ``orphan_s`` plus one call timeout). On exit it
 stops its workers (polite, then TERM, then KILL) before it removes its segments, since workers
 may still be reading them.
-
-Controller side: `NodeHub` (the tcp+curve endpoint, the registry of remote agents, their spawn
-queues, loss detection), `FanOutPublisher` (broadcasts to local and remote subscribers) and
-`StoreRouter` (frees go to the node that holds the handles).
 """
 
 from __future__ import annotations
@@ -62,56 +58,41 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 import structlog
-from pydantic import ConfigDict, Field
 
 from flowrl import messages as m
 from flowrl.logs import bind, configure
-from flowrl.recipe import ClusterSettings
+from flowrl.node_hub import (
+    CALL_SLACK_S,
+    OP_EXIT,
+    OP_JOIN,
+    OP_POLL,
+    OP_READY,
+    OP_STOPPED,
+    POLL_S,
+    ClusterConfig,
+    FanOutPublisher,
+    NodeHub,
+    StoreRouter,
+)
 from flowrl.worker_launch import worker_command
 from flowrl.worker_spec import Endpoints, ProcessSpec, WorkerSpec
 from transport.curve import CurveKeys, for_endpoint
 from transport.endpoints import ipc_endpoint, tcp_endpoint
-from transport.errors import (
-    DeadlineExceeded,
-    MalformedMessage,
-    SharedMemoryTooSmall,
-    TransportError,
-)
-from transport.handles import Handle
-from transport.pubsub import DroppedSubscriber, Publisher, Subscriber
-from transport.rpc import Handler, RpcClient, RpcServer
+from transport.errors import DeadlineExceeded, SharedMemoryTooSmall, TransportError
+from transport.pubsub import Subscriber
+from transport.rpc import RpcClient
 from transport.store import SampleStore
 from transport.store_server import StoreServer
 
+# The controller's side is re-exported: the controller imports it from here.
 __all__ = ["ClusterConfig", "FanOutPublisher", "NodeHub", "StoreRouter", "main"]
 
 log = structlog.get_logger("flowrl.node")
-
-OP_JOIN: Final = "node_join"
-OP_READY: Final = "node_ready"
-OP_POLL: Final = "node_poll"
-OP_EXIT: Final = "node_exit"
-OP_STOPPED: Final = "node_stopped"
-
-#: how long one ``node_poll`` waits for a command before answering "nothing".
-POLL_S: Final = 2.0
-#: slack on a call beyond its own wait, before the controller counts as unresponsive.
-CALL_SLACK_S: Final = 3.0
-# A stopping controller answers waiting polls with "stop" before closing; this bounds the wait.
-_ANSWER_POLLS_S: Final = 2.0
-# Beyond a poll's round trip: how long an agent may take to kill processes (SIGKILL, reaped).
-_KILL_S: Final = 10.0
-
-
-
-# =================================================================================================
-# The agent
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -348,344 +329,6 @@ def _run_agent(main: Coroutine[Any, Any, None]) -> None:
     except SharedMemoryTooSmall as exc:  # the operator's to fix: one line, not a traceback
         log.error("node agent cannot start its store", error=str(exc))
         raise SystemExit(1) from None
-
-
-# =================================================================================================
-# The controller's side
-
-
-class ClusterConfig(ClusterSettings):
-    """How the controller meets node agents on other nodes (used only when the pipeline places
-    pools on nodes other than the controller's): a recipe's `ClusterSettings` (`from_settings`)
-    plus what a recipe does not say."""
-
-    model_config = ConfigDict(arbitrary_types_allowed=True)
-
-    keys: CurveKeys | None = None
-    """The run's curve keys; None makes fresh ones."""
-    node_timeout_s: float = Field(default=15.0, gt=0.0)
-    """A remote agent not heard from for this long is lost, and the run fails."""
-
-    @classmethod
-    def from_settings(cls, settings: ClusterSettings, *, host: str | None = None
-                      ) -> ClusterConfig:
-        """``settings``, with ``host`` replacing the default address (not one they give)."""
-        values = dict(settings)
-        if host is not None and "host" not in settings.model_fields_set:
-            values["host"] = host
-        return cls(**values)
-
-
-@dataclass
-class _Remote:
-    name: str
-    pid: int = 0
-    peer_store: str = ""
-    last_seen: float = 0.0
-    # Spawn commands not yet collected: one per worker process of the node, plus restarts.
-    commands: list[dict[str, Any]] = field(default_factory=list)
-    # Kill orders not yet collected ({"id", "names"}): one per `NodeHub.stop_workers` call.
-    kills: list[dict[str, Any]] = field(default_factory=list)
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-class FanOutPublisher(Publisher):
-    """The controller's broadcasts, to local subscribers (ipc) and remote ones (tcp, curve);
-    a subscriber either drops is reported to this publisher's `on_drop`."""
-
-    def __init__(self, endpoint: str, remote: Publisher) -> None:
-        super().__init__(endpoint)
-        self.remote = remote
-        remote.on_drop = self._remote_dropped
-
-    def _remote_dropped(self, subscriber: DroppedSubscriber) -> None:
-        if self.on_drop is not None:
-            self.on_drop(subscriber)
-
-    @property
-    def dropped(self) -> tuple[DroppedSubscriber, ...]:
-        return super().dropped + self.remote.dropped
-
-    async def start(self) -> str:
-        await self.remote.start()
-        return await super().start()
-
-    async def publish(self, topic: str, payload: Any = None) -> None:
-        await super().publish(topic, payload)
-        await self.remote.publish(topic, payload)
-
-    async def aclose(self) -> None:
-        await super().aclose()
-        await self.remote.aclose()
-
-
-class StoreRouter(RpcClient):
-    """The controller's store client: frees go to the node holding each handle (its own node's
-    store over ipc, others over tcp+curve); ``stats`` adds every node's under ``nodes``."""
-
-    def __init__(self, endpoint: str, node: str, peers: Mapping[str, str],
-                 keys: CurveKeys) -> None:
-        super().__init__(endpoint)
-        self._node = node
-        self._peers = peers
-        self._keys = keys
-        self._clients: dict[str, RpcClient] = {}
-
-    def _client(self, node: str) -> RpcClient:
-        client = self._clients.get(node)
-        if client is None:
-            client = self._clients[node] = RpcClient(self._peers[node], curve=self._keys)
-        return client
-
-    async def call(self, op: str, payload: Any = None, *,
-                   timeout: float | None = None) -> Any:  # noqa: ASYNC109 (RpcClient's)
-        if op == "free":
-            by_node: dict[str, list[Any]] = {}
-            for h in payload["handles"]:
-                try:
-                    node = Handle.from_wire(h).node
-                except MalformedMessage:  # the own store refuses it and says why
-                    node = self._node
-                by_node.setdefault(node, []).append(h)
-            own = super().call  # zero-argument super() is unavailable in a comprehension
-            calls: list[Awaitable[Any]] = [
-                own(op, {"handles": hs}, timeout=timeout) if node == self._node
-                else self._client(node).call(op, {"handles": hs}, timeout=timeout)
-                for node, hs in by_node.items()]
-            await asyncio.gather(*calls)
-            return None
-        if op == "stats":
-            local = await super().call(op, payload, timeout=timeout)
-            others = [n for n in self._peers if n != self._node]
-            stats = await asyncio.gather(
-                *(self._client(n).call(op, payload, timeout=timeout) for n in others))
-            return {**local, "nodes": {self._node: local, **dict(zip(others, stats,
-                                                                     strict=True))}}
-        return await super().call(op, payload, timeout=timeout)
-
-    async def aclose(self) -> None:
-        await super().aclose()
-        for client in self._clients.values():
-            await client.aclose()
-
-
-class NodeHub:
-    """The controller's endpoint for node agents on other nodes.
-
-    Binds tcp (curve) for the controller's requests and broadcasts, admits exactly the nodes
-    the pipeline names (each joins once), hands each agent its spawn commands and kill orders
-    (`stop_workers`), knows every node's store endpoint (`peers`), and reports an agent not
-    heard from within ``node_timeout_s`` through `on_lost` and a worker exit through `on_exit`
-    (node, process name, pid, exit code, whether the controller had it killed).
-    """
-
-    def __init__(
-        self, run_id: str, nodes: set[str], config: ClusterConfig, *, capacity: int,
-        on_lost: Callable[[str], None], on_exit: Callable[[str, str, int, int, bool], None],
-    ) -> None:
-        self.run_id = run_id
-        self.config = config
-        self.keys = config.keys or CurveKeys.generate()
-        self.capacity = capacity
-        self._on_lost = on_lost
-        self._on_exit = on_exit
-        self._remote = {n: _Remote(n) for n in sorted(nodes)}
-        self.peers: dict[str, str] = {}
-        self._server: RpcServer | None = None
-        self._pub: FanOutPublisher | None = None
-        self._listening = asyncio.Event()
-        self._ready = asyncio.Event()
-        self._changed = asyncio.Event()
-        self._stopping = False
-        self._polls = 0
-        self._polls_done = asyncio.Event()
-        # Kill orders awaiting their agent's acknowledgement: id -> (node, done).
-        self._orders: dict[int, tuple[str, asyncio.Future[None]]] = {}
-        self._order_ids = 0
-        self.endpoint = ""
-
-    @property
-    def nodes(self) -> list[str]:
-        return list(self._remote)
-
-    def publisher(self, local_endpoint: str) -> FanOutPublisher:
-        """The controller's publisher: `local_endpoint` plus tcp (curve) for remote workers."""
-        remote = Publisher(tcp_endpoint(self.config.host), curve=self.keys,
-                           allow_remote=True)
-        self._pub = FanOutPublisher(local_endpoint, remote)
-        return self._pub
-
-    def store_args(self) -> list[str]:
-        """The controller node's agent's arguments that serve its store to other nodes."""
-        return ["--peer-store", tcp_endpoint(self.config.host),
-                "--data-plane", self.config.data_plane]
-
-    async def start(self, handlers: Mapping[str, Handler]) -> str:
-        """Bind the request endpoint (the controller's `handlers` and the agents' ops)."""
-        if self.config.keys_file is not None:
-            self.keys.save(self.config.keys_file)
-        ops: dict[str, Handler] = {**handlers, OP_JOIN: self._join, OP_READY: self._ready_op,
-                                   OP_POLL: self._poll, OP_EXIT: self._exit,
-                                   OP_STOPPED: self._stopped}
-        self._server = RpcServer(tcp_endpoint(self.config.host, self.config.port), ops,
-                                 long_polls={OP_POLL, *(m.LONG_POLLS & ops.keys())},
-                                 curve=self.keys, allow_remote=True)
-        self.endpoint = await self._server.start()
-        self._listening.set()
-        return self.endpoint
-
-    async def wait_listening(self) -> str:
-        """The request endpoint agents connect to, once bound."""
-        await self._listening.wait()
-        return self.endpoint
-
-    async def wait_ready(self) -> None:
-        """Return once every remote node's agent is ready; RuntimeError after
-        ``join_timeout_s`` naming the missing ones."""
-        try:
-            async with asyncio.timeout(self.config.join_timeout_s):
-                await self._ready.wait()
-        except TimeoutError:
-            missing = [n for n, r in self._remote.items() if not r.peer_store]
-            raise RuntimeError(f"node agents did not join within "
-                               f"{self.config.join_timeout_s}s: missing {missing}") from None
-
-    def add_peer(self, node: str, endpoint: str) -> None:
-        self.peers[node] = endpoint
-
-    def peers_for(self, node: str) -> dict[str, str]:
-        """The store endpoints of every node but `node`."""
-        return {n: ep for n, ep in self.peers.items() if n != node}
-
-    def spawn(self, node: str, process: ProcessSpec) -> None:
-        """Ask `node`'s agent to start worker process `process` (`flowrl.worker_launch`)."""
-        remote = self._remote[node]
-        remote.commands.append({"process": process.model_dump(mode="json"),
-                                "peers": self.peers_for(node)})
-        remote.wake.set()
-
-    async def stop_workers(self, node: str, names: Sequence[str]) -> None:
-        """Have `node`'s agent kill its worker processes named `names` (SIGKILL); return once
-        it says they are gone, their exits reported through `on_exit` before. TimeoutError
-        when the agent has not acknowledged within ``node_timeout_s`` plus a margin."""
-        remote = self._remote[node]
-        self._order_ids += 1
-        order = self._order_ids
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._orders[order] = (node, done)
-        remote.kills.append({"id": order, "names": list(names)})
-        remote.wake.set()
-        try:
-            async with asyncio.timeout(self.config.node_timeout_s + _KILL_S):
-                await done
-        finally:
-            self._orders.pop(order, None)
-
-    # -- ops ------------------------------------------------------------------------------------
-
-    def _node(self, payload: Any) -> _Remote:
-        name = payload.get("node") if isinstance(payload, dict) else None
-        remote = self._remote.get(name) if isinstance(name, str) else None
-        if remote is None:
-            raise ValueError(f"node {name!r} is not part of this run; have {self.nodes}")
-        return remote
-
-    async def _join(self, payload: Any, peer: bytes) -> dict[str, Any]:
-        remote = self._node(payload)
-        if remote.pid:
-            raise ValueError(f"node {remote.name!r} has already joined")
-        remote.pid = int(payload.get("pid", 0)) or -1
-        remote.last_seen = time.monotonic()
-        assert self._pub is not None
-        return {"run_id": self.run_id, "capacity": self.capacity,
-                "broadcast": self._pub.remote.endpoint, "data_plane": self.config.data_plane}
-
-    async def _ready_op(self, payload: Any, peer: bytes) -> dict[str, Any]:
-        remote = self._node(payload)
-        remote.peer_store = str(payload["peer_store"])
-        remote.last_seen = time.monotonic()
-        self.add_peer(remote.name, remote.peer_store)
-        if all(r.peer_store for r in self._remote.values()):
-            self._ready.set()
-        log.info("node joined", node=remote.name, store=remote.peer_store)
-        return {"ok": True}
-
-    async def _poll(self, payload: Any, peer: bytes) -> dict[str, Any]:
-        remote = self._node(payload)
-        remote.last_seen = time.monotonic()
-        self._changed.set()
-        self._polls += 1
-        self._polls_done.clear()
-        try:
-            if not remote.commands and not remote.kills and not self._stopping:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(min(float(payload.get("wait_s", POLL_S)), 30.0)):
-                        await remote.wake.wait()
-            remote.wake.clear()
-            commands, remote.commands = remote.commands, []
-            kills, remote.kills = remote.kills, []
-            return {"spawn": commands, "kill": kills, "stop": self._stopping}
-        finally:
-            remote.last_seen = time.monotonic()
-            self._polls -= 1
-            if not self._polls:
-                self._polls_done.set()
-
-    async def _exit(self, payload: Any, peer: bytes) -> dict[str, Any]:
-        remote = self._node(payload)
-        remote.last_seen = time.monotonic()
-        self._on_exit(remote.name, str(payload["name"]), int(payload["pid"]),
-                      int(payload["code"]), bool(payload.get("expected", False)))
-        return {"ok": True}
-
-    async def _stopped(self, payload: Any, peer: bytes) -> dict[str, Any]:
-        remote = self._node(payload)
-        remote.last_seen = time.monotonic()
-        node, done = self._orders.get(int(payload["id"]), ("", None))
-        # Only the node the order went to may acknowledge it; a repeat is harmless.
-        if done is not None and node == remote.name and not done.done():
-            done.set_result(None)
-        return {"ok": True}
-
-    # -- lifetime -------------------------------------------------------------------------------
-
-    async def run(self) -> None:
-        """Watch the agents until cancelled; then tell them to stop and close the endpoint."""
-        try:
-            await self._watch()
-        finally:
-            await self._close()
-
-    async def _watch(self) -> None:
-        timeout = self.config.node_timeout_s
-        while True:
-            joined = [r for r in self._remote.values() if r.pid]
-            if not joined:
-                self._changed.clear()
-                await self._changed.wait()
-                continue
-            now = time.monotonic()
-            lost = [r for r in joined if now - r.last_seen > timeout]
-            for r in lost:
-                log.warning("node agent lost", node=r.name, silent_s=round(now - r.last_seen, 1))
-                r.last_seen = float("inf")  # reported once
-                self._on_lost(r.name)
-            oldest = min(r.last_seen for r in joined)
-            # A timer to the next deadline (an event-driven wait has nothing to wait on: the
-            # sign of loss is the absence of messages).
-            await asyncio.sleep(max(0.05, oldest + timeout - now) if oldest != float("inf")
-                                else timeout)
-
-    async def _close(self) -> None:
-        self._stopping = True
-        for r in self._remote.values():
-            r.wake.set()
-        if self._polls:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(_ANSWER_POLLS_S):
-                    await self._polls_done.wait()
-        if self._server is not None:
-            await self._server.aclose()
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ from transport.curve import ENV as KEYS_ENV
 
 if TYPE_CHECKING:
     from flowrl.controller import Controller
-    from flowrl.node import NodeHub
+    from flowrl.node_hub import NodeHub
 
 __all__ = ["RayAgents", "import_ray"]
 

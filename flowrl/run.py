@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from flowrl.controller import Controller
-from flowrl.node import ClusterConfig
+from flowrl.node_hub import ClusterConfig
 from flowrl.pipeline import PipelineSpec
 from flowrl.recipe import CONTROLLER_NODE, TINY_MODEL, ClusterSettings, Recipe
 from flowrl.resume import RunState, latest_checkpoint

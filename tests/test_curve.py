@@ -17,7 +17,8 @@ from transport.errors import BindRefused, DeadlineExceeded
 from transport.pubsub import Publisher, Subscriber
 from transport.rpc import RpcClient, RpcServer
 from transport.store import SampleStore
-from transport.store_server import StoreClient, StoreServer
+from transport.store_client import StoreClient
+from transport.store_server import StoreServer
 
 pytestmark = pytest.mark.timeout(60)
 

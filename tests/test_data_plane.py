@@ -25,7 +25,8 @@ from transport.handles import Handle
 from transport.request_auth import AuthStats, RequestAuth
 from transport.rpc import OK, RpcClient
 from transport.store import SampleStore
-from transport.store_server import StoreClient, StoreServer
+from transport.store_client import StoreClient
+from transport.store_server import StoreServer
 
 pytestmark = pytest.mark.timeout(30)
 

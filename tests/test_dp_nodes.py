@@ -23,7 +23,7 @@ from test_dp_trainer import REWARD
 from test_multinode import agents_reaped, start_agent, wait_exit
 
 from flowrl.controller import Controller
-from flowrl.node import ClusterConfig, NodeHub
+from flowrl.node_hub import ClusterConfig, NodeHub
 from flowrl.recipe import (
     AlgorithmConfig,
     ClusterSettings,
@@ -116,7 +116,7 @@ def test_the_store_binds_the_cluster_address_only_and_goes_when_closed() -> None
 async def test_a_kill_order_is_done_once_its_own_node_acknowledges_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("flowrl.node._KILL_S", 0.1)
+    monkeypatch.setattr("flowrl.node_hub._KILL_S", 0.1)
     hub = NodeHub("r", {"b", "c"}, ClusterConfig(node_timeout_s=0.5), capacity=1,
                   on_lost=lambda node: None, on_exit=lambda *exit_: None)
     stopping = asyncio.ensure_future(hub.stop_workers("b", ["train.1"]))

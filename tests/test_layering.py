@@ -21,7 +21,7 @@ LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 # sees a run through its view, never the controller; workers never reach the controller.
 PACKAGE_LAYERS = ["workers", "flowrl", "transport"]
 FORBIDDEN = {
-    ("workers",): {"flowrl.controller", "flowrl.node", "flowrl.monitor"},
+    ("workers",): {"flowrl.controller", "flowrl.node", "flowrl.node_hub", "flowrl.monitor"},
     ("flowrl.monitor",): {"flowrl.controller"},
 }
 

@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from flowrl.controller import Controller, RunError
-from flowrl.node import ClusterConfig
+from flowrl.node_hub import ClusterConfig
 from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages
 from transport.curve import CurveKeys
 from transport.endpoints import remove_run_dir
@@ -201,7 +201,7 @@ CONTROLLER = """
 import asyncio
 from flowrl.controller import Controller
 from flowrl.logs import configure
-from flowrl.node import ClusterConfig
+from flowrl.node_hub import ClusterConfig
 from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages
 from transport.curve import CurveKeys
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 import flowrl
-from flowrl import controller, node, pipeline, recipe, recipe_file, run
+from flowrl import controller, node_hub, pipeline, recipe, recipe_file, run
+from flowrl.recipe.section import _Section
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,7 +32,7 @@ def test_all_is_pinned() -> None:
 
 
 def test_each_name_is_its_home_module_object() -> None:
-    homes = (controller, node, pipeline, recipe, recipe_file, run)
+    homes = (controller, node_hub, pipeline, recipe, recipe_file, run)
     for name in PUBLIC:
         value = getattr(flowrl, name)
         assert [m for m in homes if getattr(m, name, None) is value], name
@@ -41,7 +42,7 @@ def test_each_name_is_its_home_module_object() -> None:
 def test_every_section_of_a_recipe_is_exported() -> None:
     # A user writes a recipe with these classes: one left out would send them to a submodule.
     sections = {f.annotation.__name__ for f in flowrl.Recipe.model_fields.values()
-                if isinstance(f.annotation, type) and issubclass(f.annotation, recipe._Section)}
+                if isinstance(f.annotation, type) and issubclass(f.annotation, _Section)}
     assert sections
     assert sections <= set(PUBLIC)
 

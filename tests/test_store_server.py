@@ -20,7 +20,8 @@ from transport.errors import RemoteError, UnknownSegment
 from transport.handles import rows_from_wire
 from transport.rpc import RpcClient
 from transport.store import Handle, SampleStore
-from transport.store_server import StoreClient, StoreServer
+from transport.store_client import StoreClient
+from transport.store_server import StoreServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -110,7 +111,7 @@ _WORKER = """
 import asyncio, json, sys
 import torch
 from transport.store import Handle
-from transport.store_server import StoreClient
+from transport.store_client import StoreClient
 
 async def main():
     run_id, endpoint = sys.argv[1], sys.argv[2]
@@ -166,7 +167,7 @@ _OTHER_NODE = """
 import asyncio, json, os, sys
 import torch
 from transport.store import Handle
-from transport.store_server import StoreClient
+from transport.store_client import StoreClient
 
 def opened(names):
     maps = open("/proc/self/maps").read()
@@ -243,7 +244,7 @@ async def test_reader_on_another_node_reads_through_the_server(run_id: str) -> N
 _FILLER = """
 import asyncio, json, sys
 import torch
-from transport.store_server import StoreClient
+from transport.store_client import StoreClient
 
 async def main():
     run_id, endpoint = sys.argv[1], sys.argv[2]
@@ -282,7 +283,7 @@ _KILLED_MID_PUT = """
 import asyncio, json, sys, threading
 import torch
 from transport import packing
-from transport.store_server import StoreClient
+from transport.store_client import StoreClient
 
 def stuck(plan, segment):
     print(json.dumps("writing"), flush=True)
@@ -352,7 +353,7 @@ async def test_server_answers_bad_requests_with_errors_and_keeps_serving(run_id:
 _LOOPER = """
 import asyncio, json, os, sys
 import torch
-from transport.store_server import StoreClient
+from transport.store_client import StoreClient
 
 async def main():
     run_id, endpoint = sys.argv[1], sys.argv[2]
@@ -456,7 +457,7 @@ async def test_get_padded_many_reads_a_micro_batch_in_one_call(run_id: str) -> N
 _READONLY_WRITER = """
 import asyncio, json, sys
 from transport.store import Handle
-from transport.store_server import StoreClient
+from transport.store_client import StoreClient
 
 async def main():
     run_id, endpoint, handle = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])

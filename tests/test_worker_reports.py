@@ -19,7 +19,7 @@ from flowrl import messages as m
 from transport.endpoints import ipc_endpoint, new_run_id, remove_run_dir, run_dir
 from transport.pubsub import Publisher
 from transport.rpc import RpcServer
-from transport.store_server import StoreClient
+from transport.store_client import StoreClient
 from workers.runtime import RoleOutput, Worker, WorkerConfig
 
 pytestmark = pytest.mark.timeout(30)

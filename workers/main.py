@@ -28,7 +28,7 @@ import structlog
 from flowrl.logs import bind, configure
 from flowrl.worker_launch import read_spec
 from flowrl.worker_spec import EngineSpec, ProcessSpec, WorkerSpec
-from transport.store_server import StoreClient
+from transport.store_client import StoreClient
 from workers.runtime import Role, WeightSyncError, Worker, WorkerConfig
 
 log = structlog.get_logger("flowrl.worker")

@@ -91,7 +91,7 @@ class Role(Protocol):
 
 
 class Store(Protocol):
-    """The node store as seen by a worker (see `transport.store_server.StoreClient`)."""
+    """The node store as seen by a worker (see `transport.store_client.StoreClient`)."""
 
     async def put(
         self, fields: Mapping[str, Sequence[torch.Tensor]], *, spare: bool | None = None

@@ -1,0 +1,243 @@
+"""The `Recipe` itself: its sections, the rules across them, and its compilation into the
+controller's `PipelineSpec` and the workers' `EngineSpec`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages, ppo_stages
+from flowrl.recipe.algorithm import DEFAULT_TIS_CAP, LOSS_AGG_ALGORITHM_NAMES, AlgorithmConfig
+from flowrl.recipe.critic import CriticConfig
+from flowrl.recipe.data import DataConfig
+from flowrl.recipe.model import TINY_MODEL, ModelConfig
+from flowrl.recipe.monitor import MonitorConfig
+from flowrl.recipe.placement import ROLES, PlacementConfig
+from flowrl.recipe.reward import RewardConfig, check_fn_ref
+from flowrl.recipe.rollout import RolloutConfig
+from flowrl.recipe.section import _rule, _Section
+from flowrl.recipe.sim import SimConfig
+from flowrl.recipe.trainer import TrainerConfig
+from flowrl.worker_spec import (
+    AlgorithmSpec,
+    ArithmeticDataSpec,
+    CriticSpec,
+    DataParallelSpec,
+    EngineSpec,
+    FileDataSpec,
+    ModelSpec,
+    RewardSpec,
+    RolloutSpec,
+    SamplingSpec,
+    TrainerSpec,
+)
+
+
+class Recipe(_Section):
+    """One RL run. Only `steps` is required; `to_pipeline` compiles it for the controller."""
+
+    steps: int = Field(ge=1, le=10**9)
+    """Optimizer steps to run."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The policy (and reference) model."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """The prompt dataset."""
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    """The RL objective."""
+    critic: CriticConfig = Field(default_factory=CriticConfig)
+    """PPO's value model; only with ``algorithm.name="ppo"``."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Generation engine and sampling."""
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    """The reward function."""
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    """Optimizer and batch sizes."""
+    max_staleness: int = Field(default=0, ge=0, le=64)
+    """Policy versions a sample may lag behind the trainer; 0 is synchronous on-policy."""
+    seed: int = Field(default=0, ge=0)
+    """Seed of sampling, data order and simulated costs."""
+    output: Path | None = None
+    """Run directory for checkpoints and logs; None writes nothing."""
+    checkpoint_every: int = Field(default=0, ge=0)
+    """Save a checkpoint every this many steps (and at the end); 0 never. Needs `output`."""
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig)
+    """The HTTP monitor."""
+    sim: SimConfig = Field(default_factory=SimConfig)
+    """Simulated costs; only with ``rollout.engine="sim"``."""
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    """Process placement."""
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> Recipe:
+        sim = self.rollout.engine == "sim"
+        if "sim" in self.model_fields_set and not sim:
+            raise _rule("sim", f"simulated costs given but rollout.engine is "
+                        f"{self.rollout.engine!r}, not 'sim'")
+        if "critic" in self.model_fields_set and self.algorithm.name != "ppo":
+            raise _rule("critic", f"critic settings given but algorithm.name is "
+                        f"{self.algorithm.name!r}, not 'ppo'")
+        if self.checkpoint_every and self.output is None:
+            raise _rule("checkpoint_every", "needs output (a directory to write checkpoints to)")
+        if sim and self.trainer.ranks > 1:
+            raise _rule("trainer.ranks", "simulated trainers do not all-reduce; data-parallel "
+                        "ranks need rollout.engine 'hf' or 'vllm'")
+        cluster = self.placement.cluster
+        if (self.trainer.ranks > 1 and len(set(self.placement.roles.get("train", ()))) > 1
+                and (cluster is None or cluster.trainer_rendezvous != "cluster")):
+            raise _rule("placement.roles.train", "data-parallel trainer ranks meet through a "
+                        "file in their node's run directory: place them on one node, or set "
+                        "placement.cluster.trainer_rendezvous = 'cluster' to let them meet "
+                        "across nodes (unauthenticated, unencrypted: trusted fabrics only)")
+        if not sim and self.model.path == TINY_MODEL:
+            longest = self.data.max_prompt_tokens + self.rollout.max_new_tokens
+            if longest > self.model.tiny.max_positions:
+                raise _rule("rollout.max_new_tokens", f"data.max_prompt_tokens + "
+                            f"rollout.max_new_tokens = {longest} exceeds "
+                            f"model.tiny.max_positions = {self.model.tiny.max_positions}")
+        unrun = sorted(set(self.placement.roles) - set(self.roles))
+        if unrun:
+            raise _rule(f"placement.roles.{unrun[0]}", f"this run has no {unrun[0]} workers "
+                        f"(its roles: {', '.join(self.roles)})")
+        if not sim and self.placement.kind == "local" and not self.placement.remote_nodes:
+            self._check_local_paths()
+        return self
+
+    def _check_local_paths(self) -> None:
+        if self.model.path != TINY_MODEL and not (Path(self.model.path) / "config.json").is_file():
+            raise _rule("model.path", f"{self.model.path!r} is not a model directory "
+                        "(no config.json in it)")
+        if self.data.path is not None and not Path(self.data.path).is_file():
+            raise _rule("data.path", f"no such file: {self.data.path!r}")
+        if isinstance(self.reward.fn, str):
+            target, _ = check_fn_ref(self.reward.fn)
+            if target.endswith(".py") and not Path(target).is_file():
+                raise _rule("reward.fn", f"no such file: {target!r}")
+
+    @property
+    def tis_cap(self) -> float | None:
+        """The TIS cap at the start of the run: `AlgorithmConfig.tis_cap`, with ``"auto"`` →
+        2.0 when ``max_staleness > 0``, else None (off). Trainers resolve ``"auto"`` per task
+        from the staleness in force, which the monitor may change mid-run."""
+        cap = self.algorithm.tis_cap
+        if cap == "auto":
+            return DEFAULT_TIS_CAP if self.max_staleness > 0 else None
+        assert not isinstance(cap, str)
+        return cap
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The worker roles this run has (the pools of `to_pipeline`)."""
+        return tuple(r for r in ROLES if (r != "reference" or self.uses_reference)
+                     and (r != "critic" or self.uses_critic))
+
+    @property
+    def uses_critic(self) -> bool:
+        """Whether the run has a critic stage (PPO)."""
+        return self.algorithm.name == "ppo"
+
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the run has a reference stage (the KL term is on)."""
+        return self.algorithm.kl_coef > 0.0
+
+    # ---- compilation --------------------------------------------------------------------------
+
+    def to_pipeline(self) -> PipelineSpec:
+        """The controller's view: stages, worker pools, bounds and the engines' configuration."""
+        sim = self.rollout.engine == "sim"
+        group = self.algorithm.group_size
+        reference = self.uses_reference
+        # Simulated workers are coroutines that only sleep: many share one process.
+        rollout_per_process = self.rollout.workers if sim else 1
+        reward_per_process = self.reward.workers if sim else 1
+        # A reward task is one rollout task's rows; enough tasks per worker to keep
+        # `concurrency` calls busy.
+        reward_rows = group * self.rollout.groups_per_task
+        reward_capacity = max(1, math.ceil(self.reward.concurrency / reward_rows))
+        pools = [
+            PoolSpec("rollout", count=self.rollout.workers, per_process=rollout_per_process,
+                     threads=self.rollout.threads),
+            PoolSpec("reward", count=self.reward.workers, per_process=reward_per_process,
+                     capacity=reward_capacity),
+        ]
+        if reference:
+            pools.append(PoolSpec("reference", count=1, threads=self.rollout.threads))
+        if self.uses_critic:
+            pools.append(PoolSpec("critic", count=1, threads=self.critic.threads))
+        pools.append(PoolSpec("train", count=self.trainer.ranks, threads=self.trainer.threads))
+        pools = [dataclasses.replace(p, nodes=self.placement.roles.get(p.role, ()))
+                 for p in pools]
+        stages = ppo_stages if self.uses_critic else grpo_stages
+        return PipelineSpec(
+            stages=stages(group_size=group, train_micro_groups=self.trainer.micro_batch_groups,
+                          rollout_micro_groups=self.rollout.groups_per_task,
+                          reward_micro_batch=reward_rows, reference=reference),
+            pools=tuple(pools),
+            group_size=group,
+            groups_per_step=self.trainer.groups_per_step,
+            max_staleness=self.max_staleness,
+            engine=self.rollout.engine,
+            engine_config=self.sim_cost() if sim else self.engine_config(),
+            store_capacity_bytes=self.placement.store_capacity_mb << 20,
+            heartbeat_timeout_s=self.placement.heartbeat_timeout_s,
+            max_restarts=self.placement.max_restarts,
+            output=(str(self.output) if self.output is not None and self.checkpoint_every
+                    and not sim else None),
+            seed=self.seed,
+        )
+
+    def sim_cost(self) -> dict[str, Any]:
+        """The ``workers.sim.SimCost`` field values of this recipe."""
+        return {**self.sim.model_dump(mode="json"), "max_new_tokens": self.rollout.max_new_tokens}
+
+    def engine_spec(self) -> EngineSpec:
+        """What real-engine workers are configured with (no monitor secrets, resolved values;
+        the model path as the recipe gives it: `flowrl.run.compile_recipe` resolves it)."""
+        a, d = self.algorithm, self.data
+        data: ArithmeticDataSpec | FileDataSpec
+        if d.kind == "arithmetic":
+            data = ArithmeticDataSpec(kind=d.kind, max_prompt_tokens=d.max_prompt_tokens,
+                                      **d.arithmetic.model_dump())
+        else:
+            assert d.path is not None  # DataConfig: a file kind has a path
+            data = FileDataSpec(kind=d.kind, path=d.path, prompt_key=d.prompt_key,
+                                answer_key=d.answer_key, prompt_template=d.prompt_template,
+                                max_prompt_tokens=d.max_prompt_tokens)
+        t = self.trainer
+        return EngineSpec(
+            model=ModelSpec(path=self.model.path),
+            data=data,
+            algorithm=AlgorithmSpec(
+                name=a.name, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
+                clip_low=a.clip_low, clip_high=a.clip_high_resolved,
+                loss_agg=LOSS_AGG_ALGORITHM_NAMES[a.loss_agg],
+                tis_cap=a.tis_cap),
+            sampling=SamplingSpec(temperature=self.rollout.temperature, top_p=self.rollout.top_p,
+                                  max_new_tokens=self.rollout.max_new_tokens,
+                                  stop=self.rollout.stop),
+            rollout=RolloutSpec(dtype=self.rollout.dtype),
+            reward=RewardSpec(fn=self.reward.ref, batched=self.reward.batched,
+                              timeout_s=self.reward.timeout_s,
+                              concurrency=self.reward.concurrency),
+            trainer=TrainerSpec(lr=t.lr, weight_decay=t.weight_decay, betas=t.betas,
+                                grad_clip=t.grad_clip, warmup_steps=t.warmup_steps,
+                                lr_schedule=t.lr_schedule, min_lr_ratio=t.min_lr_ratio),
+            critic=CriticSpec(
+                **self.critic.model_dump(exclude={"threads"}),
+                rows_per_step=t.groups_per_step * a.group_size) if self.uses_critic else None,
+            data_parallel=DataParallelSpec(
+                world=t.ranks, sharding=t.sharding, compute_dtype=t.compute_dtype)
+            if t.ranks > 1 else None,
+            steps=self.steps,
+            seed=self.seed,
+            output=None if self.output is None else str(self.output),
+            checkpoint_every=self.checkpoint_every,
+        )
+
+    def engine_config(self) -> dict[str, Any]:
+        """`engine_spec` in its JSON form (what `PipelineSpec.engine_config` holds)."""
+        return self.engine_spec().model_dump(mode="json")

@@ -1,0 +1,44 @@
+"""The ``rollout`` section: the generation engine and how it samples."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from flowrl.recipe.section import _Section
+
+
+class RolloutConfig(_Section):
+    """The generation engine and how it samples."""
+
+    engine: Literal["hf", "vllm", "sim"] = "hf"
+    """``hf`` (transformers, runs on a CPU), ``vllm``, or ``sim`` (modelled cost, no model)."""
+    workers: int = Field(default=1, ge=1, le=4096)
+    """Rollout engine instances."""
+    groups_per_task: int = Field(default=1, ge=1, le=4096)
+    """Prompt groups sampled in one engine call (one rollout task; its reward task is as
+    large). Bigger tasks batch better and cost less orchestration per sample; smaller ones
+    stream to the trainer sooner."""
+    temperature: float = Field(default=1.0, ge=0.0, le=10.0)
+    """Sampling temperature; 0 is greedy decoding."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass; 1 disables it."""
+    max_new_tokens: int = Field(default=256, ge=1, le=1 << 20)
+    """Longest response; with ``engine="sim"`` also the simulated length cap."""
+    stop: tuple[str, ...] = ()
+    """Strings that end a response (besides the model's end-of-sequence token)."""
+    threads: int = Field(default=1, ge=1, le=1024)
+    """torch threads per rollout worker process (one by default, so that rollout and training
+    processes overlap on few cores instead of fighting over them)."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    """Weights and compute of the rollout engine; ``auto`` is bfloat16 where the worker's device
+    supports it (CUDA with bf16, NPU), else float32. The trainer keeps float32 weights; they are
+    cast when loaded into the engine."""
+
+    @field_validator("stop")
+    @classmethod
+    def _non_empty_stops(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(not s for s in v):
+            raise ValueError("stop strings must be non-empty")
+        return v
