@@ -39,7 +39,7 @@ from flowrl.control.workforce import Workforce, rank_rendezvous
 from flowrl.dp import StepDivergence
 from flowrl.events import EventBus, Span
 from flowrl.index import Index, Task
-from flowrl.node import ClusterConfig, NodeHub, StoreRouter
+from flowrl.node_hub import ClusterConfig, NodeHub, StoreRouter
 from flowrl.pipeline import PipelineSpec
 from flowrl.registry import Registry, WorkerInfo
 from flowrl.resume import RunState, save_beside_checkpoint

@@ -74,10 +74,6 @@ from flowrl.node_hub import (
     OP_READY,
     OP_STOPPED,
     POLL_S,
-    ClusterConfig,
-    FanOutPublisher,
-    NodeHub,
-    StoreRouter,
 )
 from flowrl.worker_launch import worker_command
 from flowrl.worker_spec import Endpoints, ProcessSpec, WorkerSpec
@@ -89,8 +85,7 @@ from transport.rpc import RpcClient
 from transport.store import SampleStore
 from transport.store_server import StoreServer
 
-# The controller's side is re-exported: the controller imports it from here.
-__all__ = ["ClusterConfig", "FanOutPublisher", "NodeHub", "StoreRouter", "main"]
+__all__ = ["main"]
 
 log = structlog.get_logger("flowrl.node")
 

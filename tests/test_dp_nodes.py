@@ -71,7 +71,7 @@ def test_ranks_on_several_nodes_need_the_opt_in_which_the_refusal_names(tmp_path
     # Ranks on one node other than the controller's still meet in a file there.
     one = Recipe(steps=1, trainer=trainer, placement=PlacementConfig(
         roles={"train": ("b", "b")}, cluster=ClusterSettings(keys_file=str(tmp_path / "k"))))
-    assert Controller(one.to_pipeline(), cluster=ClusterConfig())._rendezvous is None
+    assert Controller(one.to_pipeline(), cluster=ClusterConfig()).workforce.rendezvous is None
 
 
 def test_a_rank_meets_in_the_store_or_in_a_file_never_both() -> None:

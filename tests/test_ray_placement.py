@@ -126,7 +126,7 @@ def test_roles_compile_into_pool_nodes_and_the_cluster(tmp_path: Path) -> None:
     assert cluster is not None
     # The recipe's host wins over the one Ray would suggest.
     assert (cluster.host, cluster.port, cluster.keys_file, cluster.join_timeout_s) == (
-        "10.0.0.1", 5555, keys, 7.0)
+        "10.0.0.1", 5555, str(keys), 7.0)
     # Mappings in a recipe keep it hashable and copyable, and cannot change.
     assert hash(r) == hash(copy.deepcopy(r))
     assert r.model_copy(deep=True) == r

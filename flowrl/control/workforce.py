@@ -29,7 +29,7 @@ from typing import Any, cast
 import structlog
 
 from flowrl.events import EventBus
-from flowrl.node import NodeHub
+from flowrl.node_hub import NodeHub
 from flowrl.pipeline import PipelineSpec, PoolSpec
 from flowrl.procs import Child, Supervisor
 from flowrl.registry import Registry, WorkerInfo
