@@ -31,8 +31,8 @@ from flowrl.control.ledger import LostTrainerState, StepLedger, rank_shares
 from flowrl.control.reports import TaskReport, check_report
 from flowrl.control.run_view import RunCounters, status_snapshot
 from flowrl.control.scheduler import Scheduler, find_source_stage
-from flowrl.control.step_metrics import StageMetrics, step_entry
 from flowrl.control.store_feed import StoreFeed
+from flowrl.control.versions import Versions
 from flowrl.control.weights import WeightVersions
 from flowrl.control.worker_api import WorkerApi
 from flowrl.control.workforce import Workforce, rank_rendezvous
@@ -42,7 +42,7 @@ from flowrl.index import Index, Task
 from flowrl.node_hub import ClusterConfig, NodeHub, StoreRouter
 from flowrl.pipeline import PipelineSpec
 from flowrl.registry import Registry, WorkerInfo
-from flowrl.resume import RunState, save_beside_checkpoint
+from flowrl.resume import RunState
 from flowrl.staleness import StalenessGate
 from transport.endpoints import ipc_endpoint, new_run_id, remove_run_dir
 from transport.pubsub import Publisher
@@ -129,19 +129,19 @@ class Controller:
         self._node_up = asyncio.Event()
         self._fatal: BaseException | None = None
         self._kick_at = 0.0
-        self._last_step_at = 0.0
         self._failures: collections.Counter[tuple[str, int]] = collections.Counter()
-        self._stage_metrics = StageMetrics()
-        # Unbounded, but bounded in practice: broadcasts follow steps.
-        self._pub_q: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
         self._owned: list[asyncio.Task[None]] = []
         self._server: RpcServer | None = None
         self._pub: Publisher | None = None
         self._store: RpcClient | None = None
         self._counters = RunCounters()
-        #: called with each step's metrics (the launcher prints them, the monitor streams them).
-        self.on_step: list[Callable[[dict[str, Any]], None]] = []
-        self.step_log: list[dict[str, Any]] = []
+        self.versions = Versions(
+            self.ledger, self.weights, self.registry, rollout_role=self.scheduler.source.role,
+            events=self.events, counters=self._counters, free=self.store_feed.free,
+            output=spec.output)
+        #: called with each step's line (the launcher prints them, the monitor streams them)
+        self.on_step = self.versions.on_step
+        self.step_log = self.versions.step_log
         self.dispatch_us: collections.deque[float] = collections.deque(maxlen=100_000)
         self.errors: collections.deque[dict[str, Any]] = collections.deque(maxlen=50)
         #: the HTTP monitor's settings; None runs no monitor.
@@ -227,7 +227,8 @@ class Controller:
         self._owned = [loop.create_task(self.store_feed.run(), name="flowrl-free"),
                        loop.create_task(self.workforce.watchdog(self._now),
                                         name="flowrl-watchdog"),
-                       loop.create_task(self._publish_loop(), name="flowrl-publish"),
+                       loop.create_task(self.versions.broadcast(self._pub),
+                                        name="flowrl-publish"),
                        loop.create_task(self.workforce.restart_loop(), name="flowrl-restart"),
                        loop.create_task(self._lag.run(), name="flowrl-loop-lag")]
         peer_store: list[str] = []
@@ -257,24 +258,12 @@ class Controller:
             self._store = StoreRouter(endpoints.store, self.node, hub.peers, hub.keys)
         self.store_feed.store = self._store
         await self.workforce.start_pools()
-        await self._wait_registered()
-        self._log().info("controller ready", workers=len(self.registry))
-
-    async def _wait_registered(self) -> None:
-        expected = sum(p.count for p in self.spec.pools)
         try:
-            async with asyncio.timeout(self.start_timeout_s):
-                while len(self.registry) < expected:
-                    self._registered.clear()
-                    await self._registered.wait()
-                    if self._fatal is not None:
-                        raise self._fatal
-        except TimeoutError:
-            have = collections.Counter(w.role for w in self.registry.all())
-            missing = {p.role: p.count - have[p.role] for p in self.spec.pools
-                       if have[p.role] < p.count}
-            raise RunError(f"workers did not register within {self.start_timeout_s}s: "
-                           f"missing {missing}") from None
+            await self.workforce.wait_registered(self._registered, self.start_timeout_s,
+                                                 failed=lambda: self._fatal)
+        except TimeoutError as exc:
+            raise RunError(str(exc)) from None
+        self._log().info("controller ready", workers=len(self.registry))
 
     async def aclose(self) -> None:
         """Stop workers, the node agent and the sockets; leaves no process or file behind."""
@@ -303,7 +292,7 @@ class Controller:
         """Run ``steps`` optimizer steps; returns a summary of the run."""
         self._steps_target = self.version + steps
         self._steps_done.clear()
-        self._counters.started_at = self._last_step_at = time.perf_counter()
+        self._counters.started_at = self.versions.last_step_at = time.perf_counter()
         samples0 = self.ledger.samples_trained
         self._running = True
         self._wake()
@@ -495,7 +484,7 @@ class Controller:
             retired = self.index.complete(task.id, report.fields, version=report.version,
                                           lengths=report.lengths or None)
             self.store_feed.free(retired)
-            self._stage_metrics.fold(report.metrics)
+            self.versions.stage_metrics.fold(report.metrics)
         self._wake()
 
     def task_failed(self, a: Assignment, error: str) -> None:
@@ -526,7 +515,7 @@ class Controller:
 
     def worker_serves(self, info: WorkerInfo, version: int) -> None:
         info.version = version
-        self._release_old_weights()
+        self.versions.release_unserved()
         self._wake()
 
     def sync_failed(self, info: WorkerInfo, version: int, error: str) -> None:
@@ -604,37 +593,10 @@ class Controller:
     def _commit(self, tasks: list[Task], report: dict[str, Any]) -> None:
         """All micro-batches of a step are trained: commit them and publish the new version."""
         try:
-            commit = self.ledger.commit(tasks, report)
+            self.versions.commit(tasks, report)
         except LostTrainerState as exc:
             self._fail_run(RunError(str(exc)))
             return
-        self.store_feed.free(commit.freed)
-        weights = report.get("weights")
-        if weights:
-            self.weights.publish(commit.version, weights)
-            self._pub_q.put_nowait((m.TOPIC_VERSION, {"version": commit.version,
-                                                      "weights": weights}))
-        self._release_old_weights()
-        now = time.perf_counter()
-        source = self.scheduler.source.role
-        entry = step_entry(
-            commit, served_versions=sorted({w.version for w in self.registry.of_role(source)}),
-            wall_s=now - self._counters.started_at,
-            since_last_s=(now - self._last_step_at) if self._last_step_at else None,
-            stages=self._stage_metrics.take())
-        self._last_step_at = now
-        if self.spec.output is not None:
-            try:  # completes the trainer's checkpoint of this version, when it wrote one
-                save_beside_checkpoint(self.spec.output, self.run_state())
-            except OSError as exc:  # the step is committed; only resuming from here is lost
-                self._log().error("run state not saved", error=repr(exc))
-        self.step_log.append(entry)
-        self._log().debug("step", **entry)
-        self.events.emit("step", **entry)
-        if weights:
-            self.events.emit("version", version=commit.version)
-        for callback in self.on_step:
-            callback(entry)
         if self.version >= self._steps_target:
             self._steps_done.set()
         self._changed_now()
@@ -642,17 +604,6 @@ class Controller:
     def run_state(self) -> RunState:
         """What `--resume` needs to continue from this version (see `flowrl.resume`)."""
         return self.ledger.run_state()
-
-    async def _publish_loop(self) -> None:
-        """Broadcasts leave in order from one owned task, never from fire-and-forget tasks."""
-        assert self._pub is not None
-        while True:
-            topic, payload = await self._pub_q.get()
-            await self._pub.publish(topic, payload)
-
-    def _release_old_weights(self) -> None:
-        served = [w.version for w in self.registry.of_role(self.scheduler.source.role)]
-        self.store_feed.free(self.weights.release(served, self.version))
 
     # ---- failures --------------------------------------------------------------------------
 

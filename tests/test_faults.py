@@ -73,15 +73,13 @@ class _Impostor:
             "capacity": 1})
         self.me = {"worker_id": reply["worker_id"], "token": reply["token"]}
 
-    async def take(self) -> m.TaskMsg | None:
-        task: m.TaskMsg | None = await self.rpc.call(m.OP_GET_TASK, {**self.me, "wait_s": 5.0})
+    async def poll(self, done: dict[str, Any] | None = None) -> m.TaskMsg | None:
+        """As a worker polls: the previous task's report rides on the poll for the next."""
+        request: dict[str, Any] = {**self.me, "wait_s": 5.0}
+        if done is not None:
+            request["done"] = {"worker_id": self.me["worker_id"], **done}
+        task: m.TaskMsg | None = await self.rpc.call(m.OP_GET_TASK, request)
         return task
-
-    async def report_via_poll(self, report: dict[str, Any]) -> None:
-        # The next poll carries the report; nothing is assigned to it meanwhile (wait_s 0).
-        await self.rpc.call(m.OP_GET_TASK, {**self.me, "wait_s": 0.0,
-                                            "done": {"worker_id": self.me["worker_id"],
-                                                     **report}})
 
     async def report_alone(self, report: dict[str, Any]) -> Any:
         return await self.rpc.call(m.OP_TASK_DONE, {**self.me, **report})
@@ -105,19 +103,28 @@ def _malformed(task: m.TaskMsg, kind: str) -> dict[str, Any]:
 @pytest.mark.timeout(120)
 async def test_malformed_reports_fail_their_tasks_and_every_row_trains_exactly_once() -> None:
     kinds = ["missing", "unknown", "wrong_length", "wrong_lengths", "not_a_handle"]
-    async with Controller(spec(max_task_failures=20)) as ctl:
+    # The real reward worker is slow, so that it is busy when reward tasks come: the scheduler
+    # gives an idle worker the next task, and the impostor is idle whenever it polls.
+    slow_reward = spec(max_task_failures=20,
+                       engine_config={**FAST, "reward_token_s": 0.002})
+    async with Controller(slow_reward) as ctl:
         bad = _Impostor(ctl)
         try:
             await bad.register()
             run = asyncio.ensure_future(ctl.run(steps=5, timeout_s=90))
+            pending: dict[str, Any] | None = None
             for i, kind in enumerate(kinds):
-                task = await bad.take()
-                assert task is not None, "the impostor is a reward worker like any other"
+                task = None
+                while task is None:  # each poll waits up to 5 s; the run's timeout bounds it
+                    assert not run.done(), "the run ended before the impostor got 5 tasks"
+                    task, pending = await bad.poll(pending), None
                 report = _malformed(task, kind)
                 if i % 2:
                     await bad.report_alone(report)
                 else:
-                    await bad.report_via_poll(report)
+                    pending = report
+            if pending is not None:
+                await bad.report_alone(pending)
             await bad.rpc.call(m.OP_BYE, bad.me)
         finally:
             await bad.rpc.aclose()

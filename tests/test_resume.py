@@ -143,7 +143,9 @@ def test_sigkilled_launch_resumes_from_its_checkpoint(tmp_path: Path) -> None:
         else:
             pytest.fail(f"the first run ended early with code {first.wait()}")
         children = _children(first.pid)
-        killed = {c.cmdline()[c.cmdline().index("--run-id") + 1] for c in children}
+        # The node agent names the run on its command line (workers name their spec file).
+        killed = {cmd[cmd.index("--run-id") + 1] for c in children
+                  if "--run-id" in (cmd := c.cmdline())}
         first.send_signal(signal.SIGKILL)
     finally:
         first.kill()

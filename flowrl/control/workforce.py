@@ -161,6 +161,25 @@ class Workforce:
                 count = min(pool.per_process, pool.count - p * pool.per_process)
                 await self._spawn(_Process(pool.role, p, count, pool.capacity, pool.threads))
 
+    async def wait_registered(self, registered: asyncio.Event, timeout_s: float, *,
+                              failed: Callable[[], BaseException | None]) -> None:
+        """Until every pool's workers registered (``registered`` is set at each registration);
+        raises what ``failed()`` returns once set, and TimeoutError naming who is missing."""
+        expected = sum(p.count for p in self.spec.pools)
+        try:
+            async with asyncio.timeout(timeout_s):
+                while len(self.registry) < expected:
+                    registered.clear()
+                    await registered.wait()
+                    if (error := failed()) is not None:
+                        raise error
+        except TimeoutError:
+            have = collections.Counter(w.role for w in self.registry.all())
+            missing = {p.role: p.count - have[p.role] for p in self.spec.pools
+                       if have[p.role] < p.count}
+            raise TimeoutError(f"workers did not register within {timeout_s}s: "
+                               f"missing {missing}") from None
+
     async def _spawn(self, proc: _Process) -> Child | None:
         """Start ``proc`` on its node: here as a child, elsewhere through that node's agent."""
         self._processes[proc.name] = proc

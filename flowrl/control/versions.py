@@ -1,0 +1,105 @@
+"""Committed steps become policy versions.
+
+When the ledger commits a step, the new version's weights (handles the trainer wrote into its
+node's store) are kept and broadcast to the rollout workers, versions no worker can still need
+are released, the step's line is added to the step log (and given to every ``on_step``
+callback: the launcher prints it, the monitor streams it), and the run state is written beside
+the trainer's checkpoint of that version, if it wrote one.
+
+Broadcasts leave in order from one owned task (`broadcast`), never from fire-and-forget tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from flowrl import messages as m
+from flowrl.control.ledger import StepLedger
+from flowrl.control.run_view import RunCounters
+from flowrl.control.step_metrics import StageMetrics, step_entry
+from flowrl.control.weights import WeightVersions
+from flowrl.events import EventBus
+from flowrl.index import Task
+from flowrl.registry import Registry
+from flowrl.resume import save_beside_checkpoint
+from transport.pubsub import Publisher
+
+__all__ = ["Versions"]
+
+log = structlog.get_logger("flowrl.controller")
+
+
+class Versions:
+    def __init__(self, ledger: StepLedger, weights: WeightVersions, registry: Registry, *,
+                 rollout_role: str, events: EventBus, counters: RunCounters,
+                 free: Callable[[list[Any]], None], output: str | Path | None) -> None:
+        """``free(handles)``: release store memory; ``output``: where checkpoints go."""
+        self.ledger = ledger
+        self.weights = weights
+        self.registry = registry
+        self.rollout_role = rollout_role
+        self.events = events
+        self.counters = counters
+        self._free = free
+        self._output = output
+        #: one line per committed step
+        self.step_log: list[dict[str, Any]] = []
+        #: called with each step's line (the launcher prints them, the monitor streams them)
+        self.on_step: list[Callable[[dict[str, Any]], None]] = []
+        #: other stages' figures since the last step (reward failures, critic steps)
+        self.stage_metrics = StageMetrics()
+        #: when the last step committed (perf_counter; 0.0 before a run)
+        self.last_step_at = 0.0
+        # Unbounded, but bounded in practice: broadcasts follow steps.
+        self._queue: asyncio.Queue[tuple[str, dict[str, Any]]] = asyncio.Queue()
+
+    def commit(self, tasks: Sequence[Task], report: dict[str, Any]) -> dict[str, Any]:
+        """Commit a step (`StepLedger.commit`, which raises `LostTrainerState`) and publish the
+        version it made; returns the step's line."""
+        commit = self.ledger.commit(tasks, report)
+        self._free(commit.freed)
+        weights = report.get("weights")
+        if weights:
+            self.weights.publish(commit.version, weights)
+            self._queue.put_nowait((m.TOPIC_VERSION, {"version": commit.version,
+                                                      "weights": weights}))
+        self.release_unserved()
+        now = time.perf_counter()
+        entry = step_entry(
+            commit, served_versions=sorted(self._served()),
+            wall_s=now - self.counters.started_at,
+            since_last_s=(now - self.last_step_at) if self.last_step_at else None,
+            stages=self.stage_metrics.take())
+        self.last_step_at = now
+        if self._output is not None:
+            try:  # completes the trainer's checkpoint of this version, when it wrote one
+                save_beside_checkpoint(self._output, self.ledger.run_state())
+            except OSError as exc:  # the step is committed; only resuming from here is lost
+                log.error("run state not saved", version=commit.version, error=repr(exc))
+        self.step_log.append(entry)
+        log.debug("step", **entry)
+        self.events.emit("step", **entry)
+        if weights:
+            self.events.emit("version", version=commit.version)
+        for callback in self.on_step:
+            callback(entry)
+        return entry
+
+    def release_unserved(self) -> None:
+        """Free the weight versions no rollout worker serves or may still load."""
+        self._free(self.weights.release(self._served(), self.ledger.version))
+
+    def _served(self) -> set[int]:
+        return {w.version for w in self.registry.of_role(self.rollout_role)}
+
+    async def broadcast(self, pub: Publisher) -> None:
+        """Send the queued broadcasts, in order (an owned task runs this)."""
+        while True:
+            topic, payload = await self._queue.get()
+            await pub.publish(topic, payload)
