@@ -158,6 +158,7 @@ async def weight_sync(model_dir: Path, rounds: int) -> dict[str, float]:
     import torch
 
     from transport.endpoints import ipc_endpoint, new_run_id, remove_run_dir, run_dir
+    from transport.handles import Handle
     from transport.store import SampleStore
     from transport.store_client import StoreClient
     from transport.store_server import StoreServer
@@ -195,9 +196,9 @@ async def weight_sync(model_dir: Path, rounds: int) -> dict[str, float]:
                 rollout.load_weights(await fetch_weights(reader, wire), version, shared=True)
                 sync.append(time.perf_counter() - t0)
                 # The old version retires once the new one is served (as the controller).
-                await reader.free([h for h, _shape in previous.values()])
+                await reader.free([Handle.from_wire(h) for h, _shape in previous.values()])
                 previous = wire
-            await reader.free([h for h, _shape in previous.values()])
+            await reader.free([Handle.from_wire(h) for h, _shape in previous.values()])
     finally:
         store.close()
         remove_run_dir(run_id)
