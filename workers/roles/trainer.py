@@ -26,7 +26,9 @@ per-token ``advantages`` the critic stage wrote (GAE against its values) as they
 Metrics of the task that ends a step cover the whole step: ``loss`` (L), ``grad_norm`` (before
 clipping), ``lr``, ``reward_mean``, ``clip_frac``, ``approx_kl`` (token-weighted means),
 ``kl`` (the aggregated KL term, when on), ``tis_mean`` (when on), ``tokens``, ``seqs``,
-``skipped`` (1 when a non-finite gradient skipped the update).
+``skipped`` (1 when a non-finite gradient skipped the update), ``flat_groups`` (the share of
+the step's groups whose rewards are all equal: they carry no group-relative signal, and a share
+near 1 means the policy has stopped exploring).
 
 Compute runs in a thread, one task at a time. `load_version` with no weights means "resume at
 this version"; with weights of a newer version it loads them (a trainer joining a running job);
@@ -52,6 +54,7 @@ from flowrl.algorithms import (
     LossAgg,
     compute_policy_loss,
     dr_grpo_advantages,
+    filter_groups,
     grpo_advantages,
     reinforce_pp_advantages,
     rloo_advantages,
@@ -246,6 +249,8 @@ class _Step:
     clip: float = 0.0  # Σ clip_frac · tokens
     approx_kl: float = 0.0  # Σ approx_kl · tokens
     tis: float = 0.0  # Σ tis_mean · tokens
+    groups: int = 0
+    flat_groups: int = 0  # groups whose rewards are all equal (no group-relative signal)
 
 
 class TrainerRole:
@@ -324,6 +329,9 @@ class TrainerRole:
         st.clip += out["clip_frac"] * tokens
         st.approx_kl += out["approx_kl"] * tokens
         st.tis += out.get("tis_mean", 0.0) * tokens
+        kept = filter_groups(batch.rewards, batch.group_ids)
+        st.flat_groups += int(kept.dropped_groups.numel())
+        st.groups += int(kept.dropped_groups.numel() + kept.kept_groups.numel())
         return {"tokens": float(tokens), "reward_mean": float(batch.rewards.mean()),
                 "micro_batches": float(st.micro_batches)}
 
@@ -349,6 +357,7 @@ class TrainerRole:
             "tokens": float(st.tokens),
             "seqs": float(st.seqs),
             "micro_batches": float(st.micro_batches),
+            "flat_groups": st.flat_groups / max(1, st.groups),
         }
         if s.kl_coef:
             metrics["kl"] = st.kl / denom
