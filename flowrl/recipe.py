@@ -259,6 +259,11 @@ class AlgorithmConfig(_Section):
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (no learning signal) and sample replacements
     (DAPO)."""
+    entropy_coef: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Weight of an entropy bonus (``loss −= entropy_coef · agg(entropy)``), the entropy
+    estimated from the sampled tokens (`flowrl.algorithms.sampled_entropy`). It keeps a policy
+    from collapsing onto one answer per prompt before it has found the right one; 0 disables
+    it."""
     tis_cap: float | Literal["auto"] | None = "auto"
     """Truncated importance-sampling cap for stale samples; ``"auto"`` means 2.0 when
     ``max_staleness > 0`` and off otherwise, None turns it off (see `Recipe.tis_cap`)."""
@@ -920,6 +925,7 @@ class Recipe(_Section):
                 "group_size": a.group_size,
                 "kl_coef": a.kl_coef,
                 "kl_estimator": a.kl_estimator,
+                "entropy_coef": a.entropy_coef,
                 "clip_low": a.clip_low,
                 "clip_high": a.clip_high_resolved,
                 "loss_agg": LOSS_AGG_ALGORITHM_NAMES[a.loss_agg],

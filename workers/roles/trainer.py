@@ -4,8 +4,9 @@ Per micro-batch (task): the rows' prompt+response tokens form a right-padded `Se
 advantages come from the rewards and the rows' groups (``task["row_groups"]``) by the configured
 estimator; the policy loss is `flowrl.algorithms.compute_policy_loss` with
 ``old_logprobs = logprobs.detach()`` (one update per batch: on-policy ratio 1), truncated
-importance sampling against ``rollout_logprobs`` when ``tis_cap`` is set, and the KL term to
-``ref_logprobs`` when ``kl_coef > 0``. The task with ``params["step_end"]`` ends the step: the
+importance sampling against ``rollout_logprobs`` when ``tis_cap`` is set, the KL term to
+``ref_logprobs`` when ``kl_coef > 0``, and an entropy bonus (`flowrl.algorithms.sampled_entropy`)
+when ``entropy_coef > 0``. The task with ``params["step_end"]`` ends the step: the
 optimizer steps, the new weights are exported as version + 1 (`RoleOutput.weights`), and a
 checkpoint is written every ``checkpoint_every`` steps (and at the last step).
 
@@ -25,7 +26,8 @@ per-token ``advantages`` the critic stage wrote (GAE against its values) as they
 
 Metrics of the task that ends a step cover the whole step: ``loss`` (L), ``grad_norm`` (before
 clipping), ``lr``, ``reward_mean``, ``clip_frac``, ``approx_kl`` (token-weighted means),
-``kl`` (the aggregated KL term, when on), ``tis_mean`` (when on), ``tokens``, ``seqs``,
+``kl`` (the aggregated KL term, when on), ``tis_mean`` (when on), ``entropy`` (the sampled
+tokens' mean surprisal, when the entropy bonus is on), ``tokens``, ``seqs``,
 ``skipped`` (1 when a non-finite gradient skipped the update), ``flat_groups`` (the share of
 the step's groups whose rewards are all equal: they carry no group-relative signal, and a share
 near 1 means the policy has stopped exploring).
@@ -58,6 +60,7 @@ from flowrl.algorithms import (
     grpo_advantages,
     reinforce_pp_advantages,
     rloo_advantages,
+    sampled_entropy,
 )
 from workers.engines.protocols import SequenceBatch, TrainerEngine, TrainerState
 from workers.runtime import RoleOutput
@@ -82,6 +85,8 @@ class TrainSettings:
     loss_agg: LossAgg = "token-mean"
     kl_coef: float = 0.0
     kl_estimator: KLEstimator = "k3"
+    #: weight of the entropy bonus (`flowrl.algorithms.sampled_entropy`); 0 turns it off.
+    entropy_coef: float = 0.0
     tis_cap: float | None = None
     #: the sampling temperature: logprobs are computed under the same tempered distribution.
     temperature: float = 1.0
@@ -117,6 +122,7 @@ class TrainSettings:
             loss_agg=cast(LossAgg, a["loss_agg"]),
             kl_coef=float(a["kl_coef"]),
             kl_estimator=cast(KLEstimator, a["kl_estimator"]),
+            entropy_coef=float(a.get("entropy_coef", 0.0)),
             tis_cap=None if cap is None else float(cap),
             temperature=float(s["temperature"]),
             max_new_tokens=int(s["max_new_tokens"]),
@@ -249,6 +255,7 @@ class _Step:
     clip: float = 0.0  # Σ clip_frac · tokens
     approx_kl: float = 0.0  # Σ approx_kl · tokens
     tis: float = 0.0  # Σ tis_mean · tokens
+    entropy: float = 0.0  # Σ entropy · tokens (when the bonus is on)
     groups: int = 0
     flat_groups: int = 0  # groups whose rewards are all equal (no group-relative signal)
 
@@ -313,6 +320,8 @@ class TrainerRole:
                 rollout_logprobs=batch.rollout_logprobs.to(dev), tis_cap=s.tis_cap,
                 ref_logprobs=None if batch.ref_logprobs is None else batch.ref_logprobs.to(dev),
                 kl_coef=s.kl_coef, kl_estimator=s.kl_estimator,
+                entropy=sampled_entropy(lps, seqs.response_mask) if s.entropy_coef else None,
+                entropy_coef=s.entropy_coef,
             )
 
         if s.kl_coef and batch.ref_logprobs is None:
@@ -329,6 +338,7 @@ class TrainerRole:
         st.clip += out["clip_frac"] * tokens
         st.approx_kl += out["approx_kl"] * tokens
         st.tis += out.get("tis_mean", 0.0) * tokens
+        st.entropy += out.get("entropy", 0.0) * tokens
         kept = filter_groups(batch.rewards, batch.group_ids)
         st.flat_groups += int(kept.dropped_groups.numel())
         st.groups += int(kept.dropped_groups.numel() + kept.kept_groups.numel())
@@ -363,6 +373,8 @@ class TrainerRole:
             metrics["kl"] = st.kl / denom
         if s.tis_cap is not None:
             metrics["tis_mean"] = st.tis / st.tokens
+        if s.entropy_coef:
+            metrics["entropy"] = st.entropy / st.tokens
         if self._checkpoint_due():
             try:
                 self.save_checkpoint()
