@@ -39,10 +39,12 @@ def prepare_model(recipe: Recipe) -> Path | None:
         return None
     if recipe.model.path != TINY_MODEL:
         return Path(recipe.model.path)
-    from flowrl.tiny_model import build_tiny_model
+    from flowrl.tiny_model import build_tiny_model, build_versions
 
     settings = recipe.model.tiny.model_dump(mode="json")
-    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    # Another install (other torch/transformers/tokenizers) builds other bytes: its own entry.
+    keyed = {**settings, "libraries": build_versions()}
+    key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:12]
     out = cache_dir() / "models" / f"tiny-{key}"
     return build_tiny_model(
         out, vocab_size=settings["vocab_size"], hidden=settings["hidden"],

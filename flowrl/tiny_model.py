@@ -12,7 +12,9 @@ Guarantees:
   byte-level BPE), so the raw ``tokenizers`` object and the class ``AutoTokenizer`` picks for a
   ``qwen2`` model encode every text identically.
 - Cache-friendly: a manifest of the build spec is written last; a directory whose manifest
-  matches is reused as is. A fresh directory is built aside and renamed into place, so a
+  matches is reused as is. The spec includes the versions of the libraries the bytes depend on
+  (`build_versions`: torch, transformers, tokenizers), so a model cached by another install is
+  rebuilt, never silently reused. A fresh directory is built aside and renamed into place, so a
   concurrent builder never sees a half-written model.
 
 Corpora (`CORPORA`): ``mixed`` (the default) as above; ``arithmetic`` holds only
@@ -35,6 +37,7 @@ import sys
 import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Literal
 
@@ -46,6 +49,9 @@ CORPORA: tuple[CorpusKind, ...] = ("mixed", "arithmetic")
 """The built-in corpora `synthetic_corpus` generates (see the module docstring)."""
 # Bump when the build procedure changes so cached directories are rebuilt.
 _FORMAT = 1
+# The libraries whose versions the built bytes may depend on (tokenizer training, weight
+# initialisation, the warm-up's kernels).
+_BUILD_LIBRARIES = ("torch", "transformers", "tokenizers")
 
 # Qwen2's pre-tokenizer split: every digit is its own pre-token, which suits arithmetic.
 _QWEN2_SPLIT = (
@@ -89,7 +95,19 @@ class TinySpec:
     seed: int
     corpus_sha256: str
     pretrain_steps: int
+    libraries: dict[str, str]
     format: int = _FORMAT
+
+
+def build_versions() -> dict[str, str]:
+    """The installed versions of the libraries a build depends on (part of its spec)."""
+    out = {}
+    for name in _BUILD_LIBRARIES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "absent"
+    return out
 
 
 def arithmetic_line(rng: random.Random, max_operand: int = 99) -> str:
@@ -269,6 +287,7 @@ def build_tiny_model(
         seed=seed,
         corpus_sha256=_corpus_digest(lines),
         pretrain_steps=pretrain_steps,
+        libraries=build_versions(),
     )
     out = Path(out_dir)
     if _read_manifest(out) == asdict(spec):

@@ -87,6 +87,7 @@ class AlgorithmSpec(_Spec):
     name: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo"]
     kl_coef: float
     kl_estimator: Literal["k1", "k2", "k3"]
+    entropy_coef: float
     clip_low: float
     clip_high: float
     loss_agg: PolicyLossAgg

@@ -28,6 +28,7 @@ from flowrl.algorithms import (
     masked_whiten,
     reinforce_pp_advantages,
     rloo_advantages,
+    sampled_entropy,
     tis_weights,
     token_level_rewards,
     value_loss,
@@ -464,6 +465,35 @@ def test_kl_and_entropy_terms() -> None:
         compute_policy_loss(lp, OLD, ADV, MASK, kl_coef=0.1)
 
 
+def test_sampled_entropy_is_the_surprisal_with_the_entropy_gradient() -> None:
+    # Sampled tokens with probabilities 1/2, 1/4 (row 0), 1/8 and a masked 99 (row 1).
+    lp = t([[math.log(0.5), math.log(0.25)], [math.log(0.125), 99.0]]).requires_grad_(True)
+    mask = t([[1.0, 1.0], [1.0, 0.0]])
+    ent = sampled_entropy(lp, mask)
+    # value: -log p = ln 2, 2 ln 2, 3 ln 2; 0 where masked
+    ln2 = math.log(2.0)
+    close(ent.detach(), [[ln2, 2 * ln2], [3 * ln2, 0.0]])
+    ent.sum().backward()  # type: ignore[no-untyped-call]
+    # d/dlp of (-sg(lp))·(1 + lp - sg(lp)) = -sg(lp): the score-function weight of each token
+    assert lp.grad is not None
+    close(lp.grad, [[ln2, 2 * ln2], [3 * ln2, 0.0]])
+
+
+def test_sampled_entropy_gradient_is_the_entropy_gradient_in_expectation() -> None:
+    # One softmax over 3 actions, logits z: summed over every action weighted by its
+    # probability, the estimator's gradient is dH/dz exactly.
+    z = torch.tensor([0.3, -1.2, 0.8], dtype=F64, requires_grad=True)
+    logp = torch.log_softmax(z, -1)
+    p = logp.exp().detach()
+    surrogate = (p * sampled_entropy(logp[None, :], torch.ones(1, 3))[0]).sum()
+    (grad,) = torch.autograd.grad(surrogate, z)
+    h = -(torch.softmax(z, -1) * torch.log_softmax(z, -1)).sum()
+    (want,) = torch.autograd.grad(h, z)
+    close(grad, want.tolist())
+    # and its value is the entropy
+    close(surrogate.detach(), float(h.detach()))
+
+
 def test_gradients_only_at_valid_tokens() -> None:
     torch.manual_seed(0)
     b, n = 4, 6
@@ -536,6 +566,7 @@ def test_public_api_is_pinned() -> None:
             "masked_whiten",
             "reinforce_pp_advantages",
             "rloo_advantages",
+            "sampled_entropy",
             "tis_weights",
             "token_level_rewards",
             "value_loss",

@@ -1,6 +1,6 @@
 """A worker process or node agent whose parent is killed while it is still starting (importing
 torch takes seconds) exits within seconds: the parent-death signal is armed before the heavy
-imports, and a parent that died even earlier is noticed (`workers.lifecycle.die_with_parent`).
+imports, and a parent that died even earlier is noticed (`flowrl.lifecycle.die_with_parent`).
 A controller killed during its start leaves nothing plain ``python -m flowrl.cleanup`` spares."""
 
 from __future__ import annotations

@@ -105,7 +105,8 @@ def test_kl_adds_the_reference_stage_and_pool() -> None:
 def test_engine_config_is_plain_json_with_resolved_values() -> None:
     r = Recipe(
         steps=5, max_staleness=1,
-        algorithm=AlgorithmConfig(clip_low=0.2, loss_agg="seq_mean_token_sum_norm"),
+        algorithm=AlgorithmConfig(clip_low=0.2, loss_agg="seq_mean_token_sum_norm",
+                                  entropy_coef=0.05),
         rollout=RolloutConfig(temperature=0.7, stop=("\n\n",)),
         reward=RewardConfig(fn=score, batched=True),
         monitor=MonitorConfig(token=SecretStr(TOKEN)),
@@ -116,6 +117,7 @@ def test_engine_config_is_plain_json_with_resolved_values() -> None:
     assert a["clip_high"] == 0.2  # None resolves to clip_low
     assert a["tis_cap"] == "auto"  # resolved per train task from the staleness in force
     assert a["loss_agg"] == "seq-mean-token-sum-norm"
+    assert a["entropy_coef"] == 0.05
     assert cfg["sampling"] == {"temperature": 0.7, "top_p": 1.0, "max_new_tokens": 256,
                                "stop": ["\n\n"]}
     assert cfg["reward"]["fn"] == f"{__name__}:score"
@@ -199,6 +201,8 @@ def test_fields_are_documented() -> None:
         ("algorithm={'name': 'reinforce_pp', 'group_size': 1, 'dynamic_sampling': True}",
          "algorithm.dynamic_sampling"),
         ("algorithm={'tis_cap': 0.0}", "algorithm.tis_cap"),
+        ("algorithm={'entropy_coef': -0.01}", "algorithm.entropy_coef"),
+        ("algorithm={'entropy_coef': 2.0}", "algorithm.entropy_coef"),
         ("algorithm={'tis_cap': float('nan')}", "algorithm.tis_cap"),
         ("reward={'fn': 'no_colon'}", "reward.fn"),
         ("reward={'fn': 'missing_file.py:f'}", "reward.fn"),

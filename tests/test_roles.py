@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from flowrl import messages as m
-from flowrl.algorithms import LossAgg, compute_policy_loss, grpo_advantages
+from flowrl.algorithms import LossAgg, compute_policy_loss, grpo_advantages, sampled_entropy
 from flowrl.recipe import (
     AlgorithmConfig,
     DataConfig,
@@ -310,7 +310,7 @@ async def test_streamed_accumulation_equals_the_concatenated_batch(
     first, second = synthetic_groups([3, 3], seed=1), synthetic_groups([3], seed=2)
     groups_first, groups_second = [0, 0, 0, 1, 1, 1], [2, 2, 2]
     settings = TrainSettings(algorithm="grpo", loss_agg=loss_agg, kl_coef=0.05, tis_cap=1.5,
-                             max_new_tokens=MAX_NEW * 2)
+                             max_new_tokens=MAX_NEW * 2, entropy_coef=0.01)
     engine = SpyEngine(model_dir, lr=1e-3, device="cpu", dtype=torch.float64)
     role = TrainerRole(engine, settings, pad_token_id=PAD)
     mid = await role.run(task(6, groups_first, stage="train",
@@ -331,13 +331,15 @@ async def test_streamed_accumulation_equals_the_concatenated_batch(
         return compute_policy_loss(
             lps, lps.detach(), adv, seqs.response_mask, loss_agg=loss_agg,
             max_tokens=MAX_NEW * 2, rollout_logprobs=full.rollout_logprobs, tis_cap=1.5,
-            ref_logprobs=full.ref_logprobs, kl_coef=0.05)
+            ref_logprobs=full.ref_logprobs, kl_coef=0.05,
+            entropy=sampled_entropy(lps, seqs.response_mask), entropy_coef=0.01)
 
     whole = TorchTrainerEngine(model_dir, lr=1e-3, device="cpu", dtype=torch.float64)
     want = whole.train_micro_batch(full.seqs, loss_fn)
     assert end.metrics["loss"] == pytest.approx(want["loss"], abs=1e-6, rel=1e-6)
     assert end.metrics["kl"] == pytest.approx(want["kl_loss"], abs=1e-6, rel=1e-6)
     assert end.metrics["tis_mean"] == pytest.approx(want["tis_mean"], abs=1e-6)
+    assert end.metrics["entropy"] == pytest.approx(want["entropy"], abs=1e-6)
     assert end.metrics["tokens"] == full.num_tokens
     grads = {n: p.grad for n, p in whole.model.named_parameters() if p.grad is not None}
     assert grads.keys() == engine.grads.keys()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from flowrl.tiny_model import MANIFEST, build_tiny_model, synthetic_corpus
+import flowrl.tiny_model
+from flowrl.recipe_file import load_recipe
+from flowrl.run import prepare_model
+from flowrl.tiny_model import MANIFEST, build_tiny_model, build_versions, synthetic_corpus
 
 torch.set_num_threads(2)
 
@@ -86,6 +90,40 @@ def test_cache_reuses_matching_dir_and_rebuilds_on_change(tmp_path: Path) -> Non
     (out / MANIFEST).unlink()
     build_tiny_model(tmp_path / "m", **SMALL)
     assert AutoConfig.from_pretrained(out, local_files_only=True).hidden_size == 32
+
+
+def test_a_model_cached_by_other_library_versions_is_rebuilt(tmp_path: Path) -> None:
+    out = build_tiny_model(tmp_path / "m", **SMALL)
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["libraries"] == build_versions()
+    assert set(build_versions()) == {"torch", "transformers", "tokenizers"}
+    # As if another install (an older transformers) had built and cached it.
+    manifest["libraries"] = {**manifest["libraries"], "transformers": "4.45.0"}
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    stamp = (out / "model.safetensors").stat().st_mtime_ns
+    build_tiny_model(tmp_path / "m", **SMALL)
+    assert (out / "model.safetensors").stat().st_mtime_ns != stamp
+    assert json.loads((out / MANIFEST).read_text())["libraries"] == build_versions()
+
+
+def test_model_cache_key_includes_library_versions(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    recipe = load_recipe("recipes/tiny_cpu.py", [
+        "model.tiny.hidden=32", "model.tiny.layers=1", "model.tiny.heads=2",
+        "model.tiny.kv_heads=1", "model.tiny.vocab_size=400", "model.tiny.pretrain_steps=0"])
+    here = prepare_model(recipe)
+    assert prepare_model(recipe) == here
+    # Only the reported versions differ (the build itself is not what is under test here).
+    other = {**build_versions(), "tokenizers": "0.20.0"}
+    monkeypatch.setattr(flowrl.tiny_model, "build_versions", lambda: other)
+    elsewhere = prepare_model(recipe)
+    assert here is not None
+    assert elsewhere is not None
+    assert elsewhere != here
+    assert here.parent == elsewhere.parent
+    assert json.loads((elsewhere / MANIFEST).read_text())["libraries"] == other
 
 
 def test_custom_corpus_and_pretraining_lower_the_loss(tmp_path: Path) -> None:

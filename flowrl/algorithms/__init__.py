@@ -23,6 +23,7 @@ from .losses import (
     DEFAULT_TIS_CAP,
     compute_policy_loss,
     default_tis_cap,
+    sampled_entropy,
     tis_weights,
     value_loss,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "masked_whiten",
     "reinforce_pp_advantages",
     "rloo_advantages",
+    "sampled_entropy",
     "tis_weights",
     "token_level_rewards",
     "value_loss",

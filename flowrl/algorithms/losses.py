@@ -57,6 +57,22 @@ def tis_weights(
     return torch.exp(log_w.clamp(max=math.log(cap))).masked_fill(~m, 0.0)
 
 
+def sampled_entropy(logprobs: Tensor, mask: Tensor) -> Tensor:
+    """Per-token entropy of the policy, estimated from the sampled tokens alone: ``[B, T]``.
+
+    Its value is each sampled token's surprisal ``−log π(y_t)`` (an unbiased estimate of the
+    entropy of the distribution it was drawn from); its gradient is the score-function estimate
+    of the entropy's gradient, ``−log π(y_t)·∇log π(y_t)`` (``∇H = −E[log π(y)·∇log π(y)]``).
+    So ``entropy_coef > 0`` in `compute_policy_loss` rewards entropy without the full
+    distribution (a trainer that only has the sampled tokens' log-probabilities can use it).
+    0 at masked positions.
+    """
+    m = as_bool_mask(mask, logprobs)
+    lp = logprobs.masked_fill(~m, 0.0)
+    surprisal = -lp.detach()
+    return (surprisal * (1.0 + lp - lp.detach())).masked_fill(~m, 0.0)
+
+
 def _token_advantages(advantages: Tensor, like: Tensor) -> Tensor:
     if advantages.shape == like.shape:
         return advantages.detach()

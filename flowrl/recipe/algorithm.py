@@ -46,6 +46,11 @@ class AlgorithmConfig(_Section):
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (no learning signal) and sample replacements
     (DAPO)."""
+    entropy_coef: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Weight of an entropy bonus (``loss −= entropy_coef · agg(entropy)``), the entropy
+    estimated from the sampled tokens (`flowrl.algorithms.sampled_entropy`). It keeps a policy
+    from collapsing onto one answer per prompt before it has found the right one; 0 disables
+    it."""
     tis_cap: float | Literal["auto"] | None = "auto"
     """Truncated importance-sampling cap for stale samples; ``"auto"`` means 2.0 while
     ``max_staleness > 0`` is in force (also when raised mid-run) and off otherwise, None turns

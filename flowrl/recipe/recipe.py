@@ -213,6 +213,7 @@ class Recipe(_Section):
             data=data,
             algorithm=AlgorithmSpec(
                 name=a.name, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
+                entropy_coef=a.entropy_coef,
                 clip_low=a.clip_low, clip_high=a.clip_high_resolved,
                 loss_agg=LOSS_AGG_ALGORITHM_NAMES[a.loss_agg],
                 tis_cap=a.tis_cap),

@@ -4,8 +4,9 @@ Per micro-batch (task): the rows' prompt+response tokens form a right-padded `Se
 advantages come from the rewards and the rows' groups (``task["row_groups"]``) by the configured
 estimator; the policy loss is `flowrl.algorithms.compute_policy_loss` with
 ``old_logprobs = logprobs.detach()`` (one update per batch: on-policy ratio 1), truncated
-importance sampling against ``rollout_logprobs`` when ``tis_cap`` is set, and the KL term to
-``ref_logprobs`` when ``kl_coef > 0``. The task with ``params["step_end"]`` ends the step: the
+importance sampling against ``rollout_logprobs`` when ``tis_cap`` is set, the KL term to
+``ref_logprobs`` when ``kl_coef > 0``, and an entropy bonus (`flowrl.algorithms.sampled_entropy`)
+when ``entropy_coef > 0``. The task with ``params["step_end"]`` ends the step: the
 optimizer steps, the new weights are exported as version + 1 (`RoleOutput.weights`), and a
 checkpoint is written every ``checkpoint_every`` steps (and at the last step).
 
@@ -25,8 +26,11 @@ per-token ``advantages`` the critic stage wrote (GAE against its values) as they
 
 Metrics of the task that ends a step cover the whole step: ``loss`` (L), ``grad_norm`` (before
 clipping), ``lr``, ``reward_mean``, ``clip_frac``, ``approx_kl`` (token-weighted means),
-``kl`` (the aggregated KL term, when on), ``tis_mean`` (when on), ``tokens``, ``seqs``,
-``skipped`` (1 when a non-finite gradient skipped the update).
+``kl`` (the aggregated KL term, when on), ``tis_mean`` (when on), ``entropy`` (the sampled
+tokens' mean surprisal, when the entropy bonus is on), ``tokens``, ``seqs``,
+``skipped`` (1 when a non-finite gradient skipped the update), ``flat_groups`` (the share of
+the step's groups whose rewards are all equal: they carry no group-relative signal, and a share
+near 1 means the policy has stopped exploring).
 
 Compute runs in a thread, one task at a time. `load_version` with no weights means "resume at
 this version"; with weights of a newer version it loads them (a trainer joining a running job);
@@ -53,9 +57,11 @@ from flowrl.algorithms import (
     compute_policy_loss,
     default_tis_cap,
     dr_grpo_advantages,
+    filter_groups,
     grpo_advantages,
     reinforce_pp_advantages,
     rloo_advantages,
+    sampled_entropy,
 )
 from flowrl.worker_spec import EngineSpec
 from workers.engines.protocols import SequenceBatch, TrainerEngine, TrainerState
@@ -84,6 +90,8 @@ class TrainSettings:
     #: a cap, None (off), or ``auto``: on (`DEFAULT_TIS_CAP`) for the tasks trained while
     #: ``max_staleness > 0`` is in force (``params["max_staleness"]``; it may change mid-run).
     tis_cap: float | Literal["auto"] | None = None
+    #: weight of the entropy bonus (`flowrl.algorithms.sampled_entropy`); 0 turns it off.
+    entropy_coef: float = 0.0
     #: the sampling temperature: logprobs are computed under the same tempered distribution.
     temperature: float = 1.0
     #: Dr. GRPO's constant per-row divisor (the generation budget); needed by
@@ -111,7 +119,8 @@ class TrainSettings:
         a = spec.algorithm
         return cls(
             algorithm=a.name, clip_low=a.clip_low, clip_high=a.clip_high, loss_agg=a.loss_agg,
-            kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, tis_cap=a.tis_cap,
+            kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef,
+            tis_cap=a.tis_cap,
             temperature=spec.sampling.temperature, max_new_tokens=spec.sampling.max_new_tokens,
             output=None if spec.output is None else Path(spec.output),
             checkpoint_every=spec.checkpoint_every, steps=spec.steps,
@@ -252,6 +261,9 @@ class _Step:
     approx_kl: float = 0.0  # Σ approx_kl · tokens
     tis: float = 0.0  # Σ tis_mean · tokens
     tis_tokens: int = 0  # tokens of the micro-batches trained with TIS on
+    entropy: float = 0.0  # Σ entropy · tokens (when the bonus is on)
+    groups: int = 0
+    flat_groups: int = 0  # groups whose rewards are all equal (no group-relative signal)
 
 
 class TrainerRole:
@@ -315,6 +327,8 @@ class TrainerRole:
                 rollout_logprobs=batch.rollout_logprobs.to(dev), tis_cap=tis_cap,
                 ref_logprobs=None if batch.ref_logprobs is None else batch.ref_logprobs.to(dev),
                 kl_coef=s.kl_coef, kl_estimator=s.kl_estimator,
+                entropy=sampled_entropy(lps, seqs.response_mask) if s.entropy_coef else None,
+                entropy_coef=s.entropy_coef,
             )
 
         if s.kl_coef and batch.ref_logprobs is None:
@@ -332,6 +346,10 @@ class TrainerRole:
         st.approx_kl += out["approx_kl"] * tokens
         st.tis += out.get("tis_mean", 0.0) * tokens
         st.tis_tokens += tokens if tis_cap is not None else 0
+        st.entropy += out.get("entropy", 0.0) * tokens
+        kept = filter_groups(batch.rewards, batch.group_ids)
+        st.flat_groups += int(kept.dropped_groups.numel())
+        st.groups += int(kept.dropped_groups.numel() + kept.kept_groups.numel())
         return {"tokens": float(tokens), "reward_mean": float(batch.rewards.mean()),
                 "micro_batches": float(st.micro_batches)}
 
@@ -357,11 +375,14 @@ class TrainerRole:
             "tokens": float(st.tokens),
             "seqs": float(st.seqs),
             "micro_batches": float(st.micro_batches),
+            "flat_groups": st.flat_groups / max(1, st.groups),
         }
         if s.kl_coef:
             metrics["kl"] = st.kl / denom
         if st.tis_tokens:
             metrics["tis_mean"] = st.tis / st.tis_tokens
+        if s.entropy_coef:
+            metrics["entropy"] = st.entropy / st.tokens
         if self._checkpoint_due():
             try:
                 self.save_checkpoint()

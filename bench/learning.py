@@ -1,0 +1,241 @@
+"""Learning benchmark: does the default recipe (recipes/tiny_cpu.py) learn, every time?
+
+Trains the recipe once per seed on quiet cores and once per seed with CPU-bound processes
+beside it (the machine busy with other work, as a shared machine often is), on real processes,
+the real tiny model and the real task, and prints one JSON line. One run's final reward says
+little: whether a run learns can depend on the seed and on the timing of the asynchronous
+pipeline, so this runs many and reports the worst.
+
+    python bench/learning.py [--quick] [--seeds 0,1,2,3,4] [--modes quiet,loaded]
+                             [--load-procs 2] [--steps N] [--set KEY=VALUE ...]
+                             [--log-dir DIR] [--verbose]
+
+Keys:
+
+- ``runs``: one entry per run: ``seed``, ``mode`` (``quiet`` or ``loaded``), ``reward_first``
+  (mean reward of the first 10 steps), ``reward_final`` (of the last 10), ``train_s`` (wall
+  seconds of `Controller.run`: first dispatch to last optimizer step; process start-up and the
+  model build are not timed), ``zero_loss_steps`` (steps whose training loss was exactly 0:
+  every group's responses scored alike, so nothing was learnt), ``flat_groups_final`` (the
+  share of groups whose responses all scored alike, over the last 10 steps: near 1 with a low
+  reward means the policy stopped exploring before it learnt) and ``load_before`` /
+  ``load_after`` (the 1-minute load average of the machine before and after the run, beside
+  processes included: how quiet "quiet" was).
+- ``reward_final_min``, ``reward_final_mean``, ``reward_first_mean``, ``train_s_mean``,
+  ``train_s_max``: over all runs; ``reward_final_min_quiet`` / ``_loaded`` and
+  ``reward_final_mean_quiet`` / ``_loaded`` per mode.
+- ``learned``: runs whose final reward is at least ``--target`` (default 0.85), and ``runs_n``.
+- ``versions``: python, torch, transformers, tokenizers; ``steps``, ``seeds``, ``modes``,
+  ``load_procs``, ``cpus``, ``quick``, ``overrides``.
+
+The loaded runs start ``--load-procs`` processes that spin on a CPU each (a busy loop, as
+``yes > /dev/null``) before the run and stop them after it.
+
+``--quick`` trains one quiet and one loaded run of seed 0, 100 steps each (under 2 minutes on
+two cores; the rewards then show the start of learning, not where the recipe ends).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from collections.abc import Iterator
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from flowrl.logs import configure
+from flowrl.recipe import Recipe
+from flowrl.recipe_file import apply_overrides, load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "tiny_cpu.py"
+WINDOW = 10  # steps averaged for the first and final reward
+MODES = ("quiet", "loaded")
+QUICK_STEPS = 100
+DEFAULT_TARGET = 0.85
+_SPIN = "while True: pass"
+
+
+@contextlib.contextmanager
+def cpu_load(procs: int) -> Iterator[None]:
+    """``procs`` processes that each keep one CPU busy while the block runs."""
+    spinners = [subprocess.Popen([sys.executable, "-c", _SPIN], stdin=subprocess.DEVNULL)
+                for _ in range(procs)]
+    try:
+        yield
+    finally:
+        for p in spinners:
+            p.kill()
+        for p in spinners:
+            p.wait()
+
+
+def load_average() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+async def train(recipe: Recipe, step_log: Path | None = None) -> dict[str, Any]:
+    """One run of ``recipe``: first and final reward, training wall time, zero-loss steps;
+    with ``step_log``, every step's entry is written there as JSON lines."""
+    from flowrl.controller import Controller
+    from flowrl.run import compile_recipe
+
+    spec = await asyncio.to_thread(compile_recipe, recipe)
+    async with Controller(spec) as ctl:
+        summary = await ctl.run(recipe.steps)
+        log = list(ctl.step_log)
+    if step_log is not None:
+        text = "".join(json.dumps(e) + "\n" for e in log)
+        await asyncio.to_thread(step_log.write_text, text)
+    rewards = [float(e["reward_mean"]) for e in log if e.get("reward_mean") is not None]
+    flat = [float(e["train_flat_groups"]) for e in log if "train_flat_groups" in e]
+    return {
+        "reward_first": round(statistics.fmean(rewards[:WINDOW]), 4),
+        "reward_final": round(statistics.fmean(rewards[-WINDOW:]), 4),
+        "train_s": round(float(summary["wall_s"]), 1),
+        "zero_loss_steps": sum(1 for e in log if e.get("train_loss") == 0.0),
+        "flat_groups_final": round(statistics.fmean(flat[-WINDOW:]), 3) if flat else None,
+    }
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in ("torch", "transformers", "tokenizers"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "absent"
+    return out
+
+
+def _summary(runs: list[dict[str, Any]], target: float) -> dict[str, Any]:
+    finals = [r["reward_final"] for r in runs]
+    out: dict[str, Any] = {
+        "reward_final_min": min(finals),
+        "reward_final_mean": round(statistics.fmean(finals), 4),
+        "reward_first_mean": round(statistics.fmean(r["reward_first"] for r in runs), 4),
+        "train_s_mean": round(statistics.fmean(r["train_s"] for r in runs), 1),
+        "train_s_max": max(r["train_s"] for r in runs),
+        "learned": sum(1 for f in finals if f >= target),
+        "runs_n": len(runs),
+    }
+    for mode in MODES:
+        mine = [r["reward_final"] for r in runs if r["mode"] == mode]
+        if mine:
+            out[f"reward_final_min_{mode}"] = min(mine)
+            out[f"reward_final_mean_{mode}"] = round(statistics.fmean(mine), 4)
+    return out
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    overrides = list(args.overrides)
+    steps = args.steps if args.steps is not None else QUICK_STEPS if args.quick else None
+    if steps is not None:
+        overrides.append(f"steps={steps}")
+    recipe = load_recipe(RECIPE, overrides)
+    from flowrl.run import prepare_model
+
+    await asyncio.to_thread(prepare_model, recipe)  # built once, before any timed run
+    runs: list[dict[str, Any]] = []
+    for mode in args.modes:
+        for seed in args.seeds:
+            seeded = apply_overrides(recipe, [(("seed",), seed)], file=str(RECIPE))
+            with cpu_load(args.load_procs if mode == "loaded" else 0):
+                before = load_average()
+                path = None if args.log_dir is None else args.log_dir / f"{mode}-{seed}.jsonl"
+                run = await train(seeded, path)
+                after = load_average()
+            runs.append({"seed": seed, "mode": mode, **run,
+                         "load_before": before, "load_after": after})
+            if args.verbose:
+                print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+    return {
+        "runs": runs,
+        **_summary(runs, args.target),
+        "target": args.target,
+        "versions": versions(),
+        "steps": recipe.steps,
+        "seeds": list(args.seeds),
+        "modes": list(args.modes),
+        "load_procs": args.load_procs,
+        "cpus": os.cpu_count(),
+        "quick": args.quick,
+        "overrides": list(args.overrides),
+    }
+
+
+def _seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, got {text!r}") from None
+    if not seeds or min(seeds) < 0:
+        raise argparse.ArgumentTypeError(f"expected seeds >= 0, got {text!r}")
+    return seeds
+
+
+def _modes(text: str) -> list[str]:
+    modes = [m.strip() for m in text.split(",")]
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(f"modes are {','.join(MODES)}; got {text!r}")
+    return modes
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help=f"seed 0, quiet and loaded, {QUICK_STEPS} steps (< 2 min)")
+    p.add_argument("--seeds", type=_seeds, metavar="S[,S...]",
+                   help="recipe seeds, each run once per mode (default 0,1,2,3,4; 0 with --quick)")
+    p.add_argument("--modes", type=_modes, default=list(MODES), metavar="M[,M]",
+                   help="quiet, loaded or both (default both)")
+    p.add_argument("--load-procs", type=int, default=2, metavar="N",
+                   help="CPU-bound processes beside a loaded run (default 2)")
+    p.add_argument("--steps", type=int, help="steps per run (default: the recipe's)")
+    p.add_argument("--target", type=float, default=DEFAULT_TARGET,
+                   help=f"final reward that counts as learned (default {DEFAULT_TARGET})")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field of the recipe, as the launcher's --set")
+    p.add_argument("--verbose", action="store_true", help="each run's figures on stderr as it ends")
+    p.add_argument("--log-dir", type=Path, metavar="DIR",
+                   help="write each run's step log to DIR/MODE-SEED.jsonl")
+    args = p.parse_args(argv)
+    if args.load_procs < 0:
+        p.error("--load-procs must be >= 0")
+    if args.steps is not None and args.steps < WINDOW:
+        p.error(f"--steps must be >= {WINDOW} (the reward windows)")
+    if args.log_dir is not None:
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+    if args.seeds is None:
+        args.seeds = [0] if args.quick else [0, 1, 2, 3, 4]
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    configure(level="warning")
+    try:
+        import uvloop
+    except ImportError:
+        result = asyncio.run(main_async(args))
+    else:
+        result = uvloop.run(main_async(args))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
