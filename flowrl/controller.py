@@ -231,19 +231,10 @@ class Controller:
                                         name="flowrl-publish"),
                        loop.create_task(self.workforce.restart_loop(), name="flowrl-restart"),
                        loop.create_task(self._lag.run(), name="flowrl-loop-lag")]
-        peer_store: list[str] = []
-        if hub is not None:
-            # Other nodes' agents and workers reach this controller over tcp+curve.
-            await hub.start(handlers)
-            self._owned.append(loop.create_task(hub.run(), name="flowrl-nodes"))
-            peer_store = hub.store_args()
-            self._log().info("listening for node agents", endpoint=hub.endpoint,
-                             nodes=hub.nodes)
-        if self.workforce.rendezvous is not None:
-            self._log().warning(
-                "trainer ranks meet across nodes in an unauthenticated store; their "
-                "collectives are unencrypted", store=self.workforce.rendezvous.start())
-        await self.workforce.start_node_agent(peer_store)
+        if hub is not None:  # other nodes' agents and workers reach us over tcp+curve
+            self._owned.append(loop.create_task(await self.workforce.open_nodes(handlers),
+                                                name="flowrl-nodes"))
+        await self.workforce.start_node_agent()
         async with asyncio.timeout(self.start_timeout_s):
             await self._node_up.wait()
         if self._fatal is not None:
@@ -440,13 +431,7 @@ class Controller:
         """The scheduler's output: ``a`` goes to its worker's mailbox."""
         if self._kick_at:
             self.dispatch_us.append((time.perf_counter() - self._kick_at) * 1e6)
-        task = a.task
-        self.api.deliver(w.worker_id, {
-            "task_id": task.id, "stage": task.stage, "rows": list(task.rows),
-            "groups": list(task.groups),
-            "row_groups": [self.index.row_group(r) for r in task.rows],
-            "inputs": {k: list(v) for k, v in task.handles.items()}, "params": a.params,
-        })
+        self.api.deliver(w.worker_id, a, self.index.row_group)
 
     # ---- what workers report (`WorkerApi` calls these once a call passed its checks) -------
 

@@ -22,7 +22,7 @@ import asyncio
 import collections
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -39,6 +39,7 @@ from flowrl.worker_spec import Endpoints as WorkerEndpoints
 from flowrl.worker_spec import WorkerSpec
 from transport.endpoints import ipc_endpoint
 from transport.pubsub import DroppedSubscriber
+from transport.rpc import Handler
 
 __all__ = ["MAX_RESTART_BACKOFF_S", "TRAIN_GROUP", "Endpoints", "Workforce"]
 
@@ -142,10 +143,23 @@ class Workforce:
 
     # ---- starting --------------------------------------------------------------------------
 
-    async def start_node_agent(self, peer_store: list[str]) -> None:
-        """This node's agent: it owns the node's sample store (and serves it to other nodes
-        when ``peer_store`` says where) and reports ``node_up`` once it listens."""
+    async def open_nodes(self, handlers: dict[str, Handler]) -> Coroutine[Any, Any, None]:
+        """Listen for the other nodes' agents (serving them ``handlers``); returns the hub's
+        loop, for the controller to own. Starts the ranks' cross-node rendezvous, if any."""
         hub = self.hub
+        assert hub is not None
+        await hub.start(handlers)
+        log.info("listening for node agents", endpoint=hub.endpoint, nodes=hub.nodes)
+        if self.rendezvous is not None:
+            log.warning("trainer ranks meet across nodes in an unauthenticated store; their "
+                        "collectives are unencrypted", store=self.rendezvous.start())
+        return hub.run()
+
+    async def start_node_agent(self) -> None:
+        """This node's agent: it owns the node's sample store (and serves it to the other
+        nodes' workers when there are any) and reports ``node_up`` once it listens."""
+        hub = self.hub
+        peer_store = [] if hub is None else hub.store_args()
         await self.supervisor.spawn(
             f"node:{self.node}",
             [sys.executable, "-m", "flowrl.node", "--run-id", self.run_id, "--node", self.node,
