@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 import urllib.request
@@ -115,6 +116,9 @@ def render(st: dict[str, Any]) -> RenderableType:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    # Ctrl-C ends the view even when started from a script's background job, which starts
+    # its children with SIGINT ignored (Python then installs no handler of its own).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     token = os.environ.get(TOKEN_ENV)
     console = Console()
     if args.once:
