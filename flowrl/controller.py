@@ -510,7 +510,7 @@ class Controller:
         self.errors.append(record)
         self.events.emit("error", **record)
         self._log().error("weight sync failed", **record)
-        self.workforce.last_error[info.name.rsplit(".", 1)[0]] = error
+        self.workforce.last_error[info.process] = error
 
     def node_up(self, store: str, peer_store: str | None) -> bool:
         if self._node_up.is_set():  # the agent reports once: a replay must not move the store

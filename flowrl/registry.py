@@ -35,6 +35,11 @@ class WorkerInfo:
     def in_flight(self) -> int:
         return len(self.tasks)
 
+    @property
+    def process(self) -> str:
+        """The name of the process hosting it: worker ``role.proc_no.i`` of ``role.proc_no``."""
+        return self.name.rsplit(".", 1)[0]
+
 
 class Registry:
     def __init__(self, heartbeat_timeout_s: float, *, tasks_per_slot: int = 2) -> None:

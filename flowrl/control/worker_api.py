@@ -57,7 +57,7 @@ class WorkerEvents(Protocol):
 
 class WorkerApi:
     def __init__(self, registry: Registry, assignments: Assignments, events: WorkerEvents,
-                 *, has_role: Any, now: Any) -> None:
+                 *, has_role: Callable[[str], bool], now: Callable[[], float]) -> None:
         """``has_role(role)``: whether the pipeline has a pool for ``role``; ``now()``: the
         clock heartbeats are measured with."""
         self.registry = registry

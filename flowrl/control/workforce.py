@@ -264,7 +264,7 @@ class Workforce:
     def hung(self, info: WorkerInfo) -> None:
         """``info`` missed its heartbeats (the registry no longer has it): kill its process,
         which may be alive but stopped or stuck, so that it is restarted like a dead one."""
-        name = info.name.rsplit(".", 1)[0]  # worker `role.proc_no.i` of process `role.proc_no`
+        name = info.process
         if name not in self._processes or self._stopping():
             return
         self.last_error.setdefault(name, "missed heartbeats")
@@ -287,7 +287,7 @@ class Workforce:
         if not dropped.connected or self._stopping():
             return
         for info in self.registry.all():
-            if info.name.rsplit(".", 1)[0] == dropped.name:
+            if info.process == dropped.name:
                 self._worker_gone(info.worker_id,
                                   f"stopped reading broadcasts ({dropped.reason})")
                 self.hung(info)
