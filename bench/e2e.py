@@ -61,7 +61,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import statistics
 import sys
 import tempfile
@@ -74,6 +73,7 @@ if __package__ in (None, ""):
 
 import psutil
 
+from bench.runner import run_and_print
 from flowrl.logs import configure
 from flowrl.recipe import Recipe
 from flowrl.recipe_file import apply_overrides, load_recipe
@@ -374,13 +374,7 @@ def main() -> None:
                    help="also run TRL's GRPOTrainer on the same job, when trl is importable")
     args = p.parse_args()
     configure(level="warning")
-    try:
-        import uvloop
-    except ImportError:
-        result = asyncio.run(main_async(args))
-    else:
-        result = uvloop.run(main_async(args))
-    print(json.dumps(result))
+    run_and_print(main_async(args))
 
 
 if __name__ == "__main__":

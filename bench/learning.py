@@ -54,6 +54,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.runner import run_and_print
 from flowrl.logs import configure
 from flowrl.recipe import Recipe
 from flowrl.recipe_file import apply_overrides, load_recipe
@@ -228,13 +229,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     configure(level="warning")
-    try:
-        import uvloop
-    except ImportError:
-        result = asyncio.run(main_async(args))
-    else:
-        result = uvloop.run(main_async(args))
-    print(json.dumps(result))
+    run_and_print(main_async(args))
 
 
 if __name__ == "__main__":

@@ -15,8 +15,6 @@ time is set by its longest response (the long tail); 8 groups per optimizer step
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import math
 import statistics
 import sys
@@ -28,6 +26,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.index import bench_index
+from bench.runner import run_and_print
 from flowrl.controller import Controller
 from flowrl.logs import configure
 from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages
@@ -103,13 +102,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="fewer steps (< 60 s), same keys")
     args = p.parse_args()
     configure(level="warning")
-    try:
-        import uvloop
-
-        result = uvloop.run(main_async(args.quick))
-    except ImportError:
-        result = asyncio.run(main_async(args.quick))
-    print(json.dumps(result))
+    run_and_print(main_async(args.quick))
 
 
 if __name__ == "__main__":
