@@ -27,15 +27,21 @@ host, port, n_slow, n_streams = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]),
 stats = {"connections": 0, "closed_by_monitor": 0, "busy_503": 0, "streams_served": 0,
          "stream_bytes": 0}
 
-async def slowloris(i):
-    # A request head that never ends: one more header line a second, until the monitor hangs up.
+async def connect():
+    # The listener may refuse while full: come back shortly.
     while True:
         try:
-            reader, writer = await asyncio.open_connection(host, port)
+            conn = await asyncio.open_connection(host, port)
         except OSError:
             await asyncio.sleep(0.5)
             continue
         stats["connections"] += 1
+        return conn
+
+async def slowloris(i):
+    # A request head that never ends: one more header line a second, until the monitor hangs up.
+    while True:
+        reader, writer = await connect()
         try:
             writer.write(b"GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\n")
             while True:
@@ -59,12 +65,7 @@ async def slowloris(i):
 async def stream(i):
     # An event-stream client that reads everything, and comes back at once when refused.
     while True:
-        try:
-            reader, writer = await asyncio.open_connection(host, port)
-        except OSError:
-            await asyncio.sleep(0.5)
-            continue
-        stats["connections"] += 1
+        reader, writer = await connect()
         try:
             writer.write(b"GET /events HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
             head = await reader.readuntil(b"\r\n\r\n")
