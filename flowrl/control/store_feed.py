@@ -62,41 +62,36 @@ class StoreFeed:
         self.store: RpcClient | None = None
         # Unbounded, but bounded in practice: frees follow retirements (at most the rows the
         # staleness gate admitted).
-        self._frees: asyncio.Queue[list[Any]] = asyncio.Queue()
-        self._wanted = asyncio.Event()  # a refresh was asked for
+        self._pending: list[Any] = []
+        # Frees or a refresh request wait; every wake-up ends with a refresh.
+        self._arrived = asyncio.Event()
 
     def free(self, handles: list[Any]) -> None:
         """Free ``handles`` (inline field values such as rewards are skipped) soon."""
         if handles:
-            self._frees.put_nowait(handles)
+            self._pending.extend(handles)
+            self._arrived.set()
 
     def want_stats(self) -> None:
         """Refresh `stats` soon (at most one refresh waits)."""
-        self._wanted.set()
+        self._arrived.set()
 
     async def run(self) -> None:
         while True:
-            got = asyncio.ensure_future(self._frees.get())
-            wanted = asyncio.ensure_future(self._wanted.wait())
             try:
-                done, _ = await asyncio.wait({got, wanted}, timeout=STORE_CHECK_S,
-                                             return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                wanted.cancel()
-                if not got.done():
-                    got.cancel()
-            if not done:
+                async with asyncio.timeout(STORE_CHECK_S):
+                    await self._arrived.wait()
+            except TimeoutError:
                 try:
                     await self._check_stall()
                 except Exception as exc:
                     log.warning("store check failed", error=repr(exc))
                 continue
-            handles = got.result() if got in done and not got.cancelled() else []
-            while not self._frees.empty():  # batch what piled up
-                handles.extend(self._frees.get_nowait())
-            self._wanted.clear()
-            # Inline field values (prompt positions, rewards) hold no memory.
-            handles = [h for h in handles if is_handle(h)]
+            self._arrived.clear()
+            # One batch of what piled up; inline field values (prompt positions, rewards)
+            # hold no memory.
+            handles = [h for h in self._pending if is_handle(h)]
+            self._pending = []
             if self.store is None:
                 continue
             try:
