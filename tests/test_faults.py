@@ -141,14 +141,16 @@ async def test_malformed_reports_fail_their_tasks_and_every_row_trains_exactly_o
 @pytest.mark.timeout(120)
 async def test_a_worker_dropped_for_not_reading_broadcasts_is_restarted() -> None:
     # The publisher's verdict (`transport.pubsub`, tested there with a subscriber that never
-    # reads) reaches the workforce as a `DroppedSubscriber` naming the worker process: what the
-    # controller then does is tested here, with the verdict handed over as the publisher would.
+    # reads) reaches the workforce as a `DroppedSubscriber` with the name the worker subscribed
+    # under, its own (`workers.runtime`): what the controller then does is tested here, with
+    # the verdict handed over as the publisher would.
     async with Controller(spec()) as ctl:
         run = asyncio.ensure_future(ctl.run(steps=5, timeout_s=90))
         await ctl.wait_for(lambda: ctl.version >= 1)
-        old = ctl.worker_pids("train")[0]
+        [trainer] = ctl.registry.of_role("train")
+        old = trainer.pid
         ctl.workforce.subscriber_dropped(DroppedSubscriber(
-            name="train.0", token="t", reason="took no message for 10.0 s", connected=True))
+            name=trainer.name, token="t", reason="took no message for 10.0 s", connected=True))
         out = await run
         assert old not in ctl.worker_pids("train")
         assert ctl.restarts >= 1

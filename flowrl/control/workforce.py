@@ -280,14 +280,15 @@ class Workforce:
                 self.supervisor.kill(child.pid, signal.SIGKILL)
 
     def subscriber_dropped(self, dropped: DroppedSubscriber) -> None:
-        """A broadcast subscriber stopped reading: a worker process that is still connected
-        is hung, and is treated like one that missed its heartbeats."""
+        """A broadcast subscriber stopped reading: a worker that is still connected (each
+        worker subscribes under its own name) is hung, and is treated like one that missed
+        its heartbeats."""
         log.warning("broadcast subscriber dropped", subscriber=dropped.name,
                     reason=dropped.reason, connected=dropped.connected)
         if not dropped.connected or self._stopping():
             return
         for info in self.registry.all():
-            if info.process == dropped.name:
+            if info.name == dropped.name:
                 self._worker_gone(info.worker_id,
                                   f"stopped reading broadcasts ({dropped.reason})")
                 self.hung(info)
