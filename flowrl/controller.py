@@ -492,7 +492,7 @@ class Controller:
             if self.ledger.ranks is not None and rank is not None:
                 # The group's collectives may be out of step now (a pass that failed half-way,
                 # a peer that died): only a fresh group is sure to pair them up again.
-                self.workforce.group_down(rank, f"failed a micro-batch of step "
+                self.workforce.group_down(rank.name, f"failed a micro-batch of step "
                                                 f"{a.params.get('step')}: {error}")
         else:
             self.scheduler.fail_task(task.id)
@@ -548,7 +548,7 @@ class Controller:
         if train is not None and info.role == train.role:
             self._abort_step(lost_train)
             if self.ledger.ranks is not None and not self._stop.is_set():
-                self.workforce.group_down(info, why)
+                self.workforce.group_down(info.name, why)
         self._wake()
 
     def _finish(self, a: Assignment, *, ok: bool) -> None:

@@ -79,6 +79,19 @@ class Supervisor:
                 log.warning("child exited", child=name, pid=proc.pid, code=code)
             self._on_exit(child, code)
 
+    def exited(self, pid: int) -> bool:
+        """Whether child ``pid`` has exited, even if its exit has not been handled yet (it is
+        not reaped here: its watcher still reports it). A dead child stays a zombie until
+        reaped, so the answer follows from what caused the question: a peer that saw this
+        child's sockets close asks after the child died."""
+        if pid not in self._children:
+            return True
+        try:
+            state = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # reaped already, its exit not yet handled
+            return True
+        return state is not None
+
     def kill(self, pid: int, sig: int = signal.SIGKILL) -> None:
         child = self._children.get(pid)
         if child is not None:

@@ -81,6 +81,8 @@ class _RemoteExit:
     pid: int = -1
     #: the controller had it killed (a data-parallel group's restart)
     expected_exit: bool = False
+    #: it had registered workers (`on_remote_exit` has reported them gone)
+    registered: bool = False
 
 
 def rank_rendezvous(spec: PipelineSpec, hub: NodeHub | None, ranked: bool,
@@ -231,11 +233,12 @@ class Workforce:
 
     def on_remote_exit(self, node: str, name: str, pid: int, code: int, expected: bool) -> None:
         """A worker process on another node exited: as `on_child_exit` for a child here."""
-        for info in self.registry.all():
-            if info.node == node and info.pid == pid:
-                self._worker_gone(info.worker_id, f"process {pid} on {node} exited with {code}")
+        gone = [info for info in self.registry.all() if info.node == node and info.pid == pid]
+        for info in gone:
+            self._worker_gone(info.worker_id, f"process {pid} on {node} exited with {code}")
         # pid -1 matches no worker here (pids of different nodes may coincide).
-        self.on_child_exit(cast(Child, _RemoteExit(name, expected_exit=expected)), code)
+        self.on_child_exit(cast(Child, _RemoteExit(name, expected_exit=expected,
+                                                   registered=bool(gone))), code)
 
     def on_child_exit(self, child: Child, code: int) -> None:
         if child.name.startswith("node:") and not self._stopping():
@@ -243,13 +246,22 @@ class Workforce:
             self._fail_run(f"node agent {child.name} exited with code {code}"
                            f"{': ' + last if last else ''}")
             return
-        for info in self.registry.by_pid(child.pid):
+        registered = self.registry.by_pid(child.pid)
+        for info in registered:
             self._worker_gone(info.worker_id, f"process {child.pid} exited with code {code}")
         hung = child.name in self._hung
         self._hung.discard(child.name)
         if (self._stopping() or (child.expected_exit and not hung)
-                or child.name not in self._processes or self._is_rank(child.name)):
-            return  # (a data-parallel rank's group is restarted as a whole: group_down)
+                or child.name not in self._processes):
+            return
+        if self._is_rank(child.name):
+            # The group is restarted as a whole; a registered rank's going was reported
+            # (worker_gone), one that died before registering is reported here, or the
+            # group would wait for it forever.
+            if not registered and not (isinstance(child, _RemoteExit) and child.registered):
+                self.group_down(child.name, f"its process exited with code {code} before "
+                                            "it registered")
+            return
         n = self._restarts[child.name] = self._restarts[child.name] + 1
         if n > self.spec.max_restarts:
             last = self.last_error.get(child.name)
@@ -301,26 +313,42 @@ class Workforce:
             self._fail_run(f"the agent of node {node!r} did not confirm that hung worker "
                            f"process {name} is gone")
 
-    def group_down(self, info: WorkerInfo, why: str) -> None:
-        """A data-parallel trainer rank went down or failed a micro-batch. The others cannot
-        step without it and a rank cannot rejoin a running group, so the whole group is
-        restarted (its step redone, every rank loading the current version), counted against
-        ``max_restarts``."""
+    def group_down(self, rank: str, why: str) -> None:
+        """Data-parallel trainer ``rank`` (a worker or its process, by name) went down or failed
+        a micro-batch. The others cannot step without it and a rank cannot rejoin a running
+        group, so the whole group is restarted (its step redone, every rank loading the current
+        version), counted against ``max_restarts``."""
         if self._group_restarting:
             return  # another rank of a group already being restarted
+        dead = self._dead_rank()
+        if dead is not None and dead != rank and not rank.startswith(dead + "."):
+            # A peer's death makes the survivors' collectives fail, and a survivor's failed
+            # micro-batch may be heard of before the death itself: the dead rank is the cause.
+            why = f"its process exited; rank {rank} then failed: {why}"
+            name = dead
+        else:
+            name = rank
         n = self._restarts[TRAIN_GROUP] = self._restarts[TRAIN_GROUP] + 1
         if n > self.spec.max_restarts:
             self._fail_run(
-                f"data-parallel trainer rank {info.name} went down ({why}) and the group is not "
+                f"data-parallel trainer rank {name} went down ({why}) and the group is not "
                 f"restarted: the group was restarted {n - 1} times; max_restarts is "
                 f"{self.spec.max_restarts}. Resume the run from its last checkpoint")
             return
         self._group_restarting = True
         self.generation += 1
         delay = self.restart_delay(n)
-        log.warning("restarting the data-parallel trainer group", rank=info.name, why=why,
+        log.warning("restarting the data-parallel trainer group", rank=name, why=why,
                     attempt=n, delay_s=delay)
         self._restart_q.put_nowait((TRAIN_GROUP, delay))
+
+    def _dead_rank(self) -> str | None:
+        """The process name of a rank here that has exited, whether or not its exit has been
+        handled yet (ranks on other nodes are known only once their agent reports them)."""
+        for child in self.supervisor.children:
+            if self._is_rank(child.name) and self.supervisor.exited(child.pid):
+                return child.name
+        return None
 
     def restart_delay(self, n: int) -> float:
         """The wait before restart ``n`` (1-based): doubling from ``restart_backoff_s``, capped
