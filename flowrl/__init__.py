@@ -32,6 +32,8 @@ if TYPE_CHECKING:
         RewardConfig,
         RolloutConfig,
         SimConfig,
+        StabilityActions,
+        StabilityConfig,
         TinyModelConfig,
         TrainerConfig,
     )
@@ -48,7 +50,8 @@ _HOMES = {
     **dict.fromkeys([
         "AlgorithmConfig", "ArithmeticConfig", "ClusterSettings", "CriticConfig", "DataConfig",
         "ModelConfig", "MonitorConfig", "PlacementConfig", "RayConfig", "RayResources", "Recipe",
-        "RewardConfig", "RolloutConfig", "SimConfig", "TinyModelConfig", "TrainerConfig",
+        "RewardConfig", "RolloutConfig", "SimConfig", "StabilityActions", "StabilityConfig",
+        "TinyModelConfig", "TrainerConfig",
     ], "flowrl.recipe"),
     "RecipeError": "flowrl.recipe_file",
     "given": "flowrl.recipe_file",
@@ -78,6 +81,8 @@ __all__ = [
     "RolloutConfig",
     "RunError",
     "SimConfig",
+    "StabilityActions",
+    "StabilityConfig",
     "TinyModelConfig",
     "TrainerConfig",
     "compile_recipe",

@@ -31,6 +31,7 @@ from flowrl.control.ledger import LostTrainerState, StepLedger, rank_shares
 from flowrl.control.reports import TaskReport, check_report
 from flowrl.control.run_view import RunCounters, status_snapshot
 from flowrl.control.scheduler import Scheduler, find_source_stage
+from flowrl.control.stability import StabilityGuard
 from flowrl.control.store_feed import StoreFeed
 from flowrl.control.versions import Versions
 from flowrl.control.weights import WeightVersions
@@ -41,6 +42,7 @@ from flowrl.events import EventBus, Span
 from flowrl.index import Index, Task
 from flowrl.node_hub import ClusterConfig, NodeHub, StoreRouter
 from flowrl.pipeline import PipelineSpec
+from flowrl.recipe.stability import StabilityConfig
 from flowrl.registry import Registry, WorkerInfo
 from flowrl.resume import RunState
 from flowrl.staleness import StalenessGate
@@ -135,10 +137,14 @@ class Controller:
         self._pub: Publisher | None = None
         self._store: RpcClient | None = None
         self._counters = RunCounters()
+        #: the stability guard; a spec without settings has one that only carries orders
+        self.guard = StabilityGuard(StabilityConfig.model_validate(
+            spec.stability if spec.stability is not None else {"enabled": False}))
+        self.ledger.orders = self.guard.train_params
         self.versions = Versions(
             self.ledger, self.weights, self.registry, rollout_role=self.scheduler.source.role,
             events=self.events, counters=self._counters, free=self.store_feed.free,
-            output=spec.output)
+            output=spec.output, guard=self.guard, set_max_staleness=self.set_max_staleness)
         #: called with each step's line (the launcher prints them, the monitor streams them)
         self.on_step = self.versions.on_step
         self.step_log = self.versions.step_log
@@ -346,6 +352,13 @@ class Controller:
             self._log().info("max_staleness changed", max_staleness=n, previous=old)
             self._changed_now()
             self._wake()
+
+    def scale_lr(self, factor: float) -> None:
+        """Multiply the trainer's learning rate by ``factor`` from the next step none of whose
+        micro-batches was handed out yet (the stability guard's own changes compose with it)."""
+        self.guard.scale_lr(factor, self.ledger.next_unplaced_step)
+        self.events.emit("lr_scale", lr_scale=self.guard.lr_scale, version=self.version)
+        self._log().info("learning rate scaled", factor=factor, lr_scale=self.guard.lr_scale)
 
     def stop(self) -> None:
         """End the current `run` at the last completed step, as if it were its target.

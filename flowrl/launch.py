@@ -53,6 +53,7 @@ def _format_step(entry: dict[str, Any]) -> str:
         f"  served v{served}"
         + ("" if loss is None else f"  loss {loss:+.4f}")
         + (f"  reward failed {failed}" if failed else "")
+        + (f"\n      {entry['stability']}" if entry.get("stability") else "")
     )
 
 

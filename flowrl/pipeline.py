@@ -65,6 +65,9 @@ class PipelineSpec:
     #: writes there with its run state (`flowrl.resume`), so the run can be resumed.
     output: str | None = None
     seed: int = 0
+    #: the stability guard's settings (a recipe's ``stability`` section as JSON); None runs
+    #: no guard
+    stability: dict[str, Any] | None = None
 
     def graph(self) -> StageGraph:
         return StageGraph(self.stages, SOURCE_FIELDS)

@@ -21,7 +21,8 @@ PUBLIC = [
     "AlgorithmConfig", "ArithmeticConfig", "ClusterConfig", "ClusterSettings", "Controller",
     "CriticConfig", "DataConfig", "ModelConfig", "MonitorConfig", "PipelineSpec",
     "PlacementConfig", "PoolSpec", "RayConfig", "RayResources", "Recipe", "RecipeError",
-    "RewardConfig", "RolloutConfig", "RunError", "SimConfig", "TinyModelConfig", "TrainerConfig",
+    "RewardConfig", "RolloutConfig", "RunError", "SimConfig", "StabilityActions", "StabilityConfig",
+    "TinyModelConfig", "TrainerConfig",
     "compile_recipe", "given", "load_recipe", "run_recipe",
 ]
 

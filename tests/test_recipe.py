@@ -59,8 +59,8 @@ def test_public_api_is_pinned() -> None:
         "LOSS_AGG_ALGORITHM_NAMES", "TINY_MODEL", "AlgorithmConfig", "ArithmeticConfig",
         "ClusterSettings", "CriticConfig", "DataConfig", "ModelConfig", "MonitorConfig",
         "PlacementConfig", "RayConfig", "RayResources", "Recipe", "RewardConfig",
-        "RolloutConfig", "SimConfig", "TinyModelConfig", "TrainerConfig", "callable_ref",
-        "check_fn_ref",
+        "RolloutConfig", "SimConfig", "StabilityActions", "StabilityConfig", "TinyModelConfig",
+        "TrainerConfig", "callable_ref", "check_fn_ref",
     }
 
 

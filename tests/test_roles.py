@@ -519,3 +519,33 @@ async def test_a_trainer_joining_a_run_continues_its_learning_rate_schedule(
     other = TorchTrainerEngine(model_dir, lr=1e-3, warmup_steps=10, device="cpu")
     await TrainerRole(other, TrainSettings(), pad_token_id=0).load_version(5, {})
     assert other.step == 0
+
+
+async def test_the_stability_guards_orders_keep_restore_and_scale_the_rate(
+    model_dir: Path,
+) -> None:
+    engine = TorchTrainerEngine(model_dir, lr=1e-3, device="cpu")
+    role = TrainerRole(engine, TrainSettings(), pad_token_id=PAD)
+    inputs = synthetic_groups([3, 3], seed=7)
+
+    async def step(n: int, **orders: Any) -> RoleOutput:
+        return await role.run(task(6, [0, 0, 0, 1, 1, 1], stage="train",
+                                   params={"step": n, "step_end": True, **orders}), inputs)
+
+    await step(0)
+    version_1 = engine.whole_state()
+    kept = await step(1, keep_from=1)  # keeps version 1 at the start of step 1
+    assert kept.metrics["kept_version"] == 1
+    await step(2, keep_from=1)  # the same order again: no new copy
+    assert role.orders.kept_version == 1
+    assert not params_equal_to(engine.model, version_1)
+    # A rollback restores version 1 at the start of the step; at a rate of 0 the step then
+    # leaves the weights there. The schedule keeps its place.
+    back = await step(3, keep_from=1, rollback={"id": 1, "version": 1}, lr_scale=0.0)
+    assert back.metrics["lr"] == 0.0
+    assert params_equal_to(engine.model, version_1)
+    assert engine.step == 4  # 3 steps, the restored copy of step 1, and this one
+    # Each rollback order is carried out once; the rate scale follows the order in force.
+    again = await step(4, keep_from=1, rollback={"id": 1, "version": 1}, lr_scale=0.5)
+    assert again.metrics["lr"] == pytest.approx(0.5 * engine.lr_at(4))
+    assert not params_equal_to(engine.model, version_1)

@@ -17,7 +17,7 @@ Pure: no sockets, no clock.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +80,8 @@ class StepLedger:
         self.rows_trained = 0
         self.rows_trained_twice = 0
         self.samples_trained = 0
+        #: the stability guard's orders for the train tasks of a step (none by default)
+        self.orders: Callable[[int], dict[str, Any]] = lambda step: {}
 
     def resume(self, state: RunState) -> None:
         self.version = self.train_step = state.version
@@ -113,9 +115,15 @@ class StepLedger:
 
     def params(self, step: int, step_end: bool) -> dict[str, Any]:
         """What a train task tells its trainer: the step, whether it ends it, which attempt,
-        and the staleness in force (``tis_cap="auto"`` follows it)."""
+        the staleness in force (``tis_cap="auto"`` follows it) and the stability guard's
+        orders for that step (`orders`)."""
         return {"step": step, "step_end": step_end, "attempt": self.attempt,
-                "max_staleness": self.admission.gate.max_staleness}
+                "max_staleness": self.admission.gate.max_staleness, **self.orders(step)}
+
+    @property
+    def next_unplaced_step(self) -> int:
+        """The first step none of whose train micro-batches was handed out yet."""
+        return self.train_step + (1 if self.groups_in_step else 0)
 
     @property
     def pending(self) -> int:

@@ -4,7 +4,9 @@ When the ledger commits a step, the new version's weights (handles the trainer w
 node's store) are kept and broadcast to the rollout workers, versions no worker can still need
 are released, the step's line is added to the step log (and given to every ``on_step``
 callback: the launcher prints it, the monitor streams it), and the run state is written beside
-the trainer's checkpoint of that version, if it wrote one.
+the trainer's checkpoint of that version, if it wrote one. The stability guard
+(`flowrl.control.stability`) judges each line before anyone sees it: what it does is on the
+line (``stability``), in the log and a ``stability`` event.
 
 Broadcasts leave in order from one owned task (`broadcast`), never from fire-and-forget tasks.
 """
@@ -22,6 +24,7 @@ import structlog
 from flowrl import messages as m
 from flowrl.control.ledger import StepLedger
 from flowrl.control.run_view import RunCounters
+from flowrl.control.stability import GuardAction, StabilityGuard
 from flowrl.control.step_metrics import StageMetrics, step_entry
 from flowrl.control.weights import WeightVersions
 from flowrl.events import EventBus
@@ -38,8 +41,11 @@ log = structlog.get_logger("flowrl.controller")
 class Versions:
     def __init__(self, ledger: StepLedger, weights: WeightVersions, registry: Registry, *,
                  rollout_role: str, events: EventBus, counters: RunCounters,
-                 free: Callable[[list[Any]], None], output: str | Path | None) -> None:
-        """``free(handles)``: release store memory; ``output``: where checkpoints go."""
+                 free: Callable[[list[Any]], None], output: str | Path | None,
+                 guard: StabilityGuard | None = None,
+                 set_max_staleness: Callable[[int], None] = lambda n: None) -> None:
+        """``free(handles)``: release store memory; ``output``: where checkpoints go;
+        ``guard``: judges each step (``set_max_staleness`` carries out its tightening)."""
         self.ledger = ledger
         self.weights = weights
         self.registry = registry
@@ -48,6 +54,8 @@ class Versions:
         self.counters = counters
         self._free = free
         self._output = output
+        self.guard = guard
+        self._set_max_staleness = set_max_staleness
         #: one line per committed step
         self.step_log: list[dict[str, Any]] = []
         #: called with each step's line (the launcher prints them, the monitor streams them)
@@ -82,6 +90,8 @@ class Versions:
                 save_beside_checkpoint(self._output, self.ledger.run_state())
             except OSError as exc:  # the step is committed; only resuming from here is lost
                 log.error("run state not saved", version=commit.version, error=repr(exc))
+        if self.guard is not None:
+            self._judge(entry)
         self.step_log.append(entry)
         log.debug("step", **entry)
         self.events.emit("step", **entry)
@@ -90,6 +100,31 @@ class Versions:
         for callback in self.on_step:
             callback(entry)
         return entry
+
+    def _judge(self, entry: dict[str, Any]) -> None:
+        """The guard's verdict on a step's line, carried out and said."""
+        guard = self.guard
+        assert guard is not None
+        gate = self.ledger.admission.gate
+        actions = guard.observe(entry["step"], self.ledger.version, entry,
+                                max_staleness=gate.max_staleness,
+                                next_step=self.ledger.next_unplaced_step)
+        for a in actions:
+            self._act(a, guard)
+        if actions:
+            entry["stability"] = "; ".join(a.describe() for a in actions)
+
+    def _act(self, a: GuardAction, guard: StabilityGuard) -> None:
+        detail: dict[str, Any] = {"step": a.step, "signal": a.signal, "action": a.action,
+                                  "value": a.value, "threshold": a.threshold,
+                                  "lr_scale": guard.lr_scale}
+        if a.action == "tighten_staleness":
+            detail["max_staleness"] = max(0, self.ledger.admission.gate.max_staleness - 1)
+            self._set_max_staleness(detail["max_staleness"])
+        if a.action == "rollback":
+            detail["rollback_to"] = guard.kept_version  # None: nothing kept, the rate only
+        log.warning(a.describe(), **detail)
+        self.events.emit("stability", **detail)
 
     def release_unserved(self) -> None:
         """Free the weight versions no rollout worker serves or may still load."""

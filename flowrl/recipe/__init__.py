@@ -1,7 +1,7 @@
 """Recipes: the typed, validated description of one RL run.
 
 A `Recipe` is a frozen pydantic model made of small sections (model, data, algorithm, rollout,
-reward, trainer, monitor, sim, placement). Defaults make the common case short::
+reward, trainer, monitor, sim, placement, stability). Defaults make the common case short::
 
     recipe = Recipe(
         steps=200,
@@ -56,6 +56,7 @@ from flowrl.recipe.recipe import Recipe
 from flowrl.recipe.reward import RewardConfig, callable_ref, check_fn_ref
 from flowrl.recipe.rollout import RolloutConfig
 from flowrl.recipe.sim import SimConfig
+from flowrl.recipe.stability import StabilityActions, StabilityConfig
 from flowrl.recipe.trainer import TrainerConfig
 
 __all__ = [
@@ -75,6 +76,8 @@ __all__ = [
     "RewardConfig",
     "RolloutConfig",
     "SimConfig",
+    "StabilityActions",
+    "StabilityConfig",
     "TinyModelConfig",
     "TrainerConfig",
     "callable_ref",

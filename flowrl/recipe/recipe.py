@@ -21,6 +21,7 @@ from flowrl.recipe.reward import RewardConfig, check_fn_ref
 from flowrl.recipe.rollout import RolloutConfig
 from flowrl.recipe.section import _rule, _Section
 from flowrl.recipe.sim import SimConfig
+from flowrl.recipe.stability import StabilityConfig
 from flowrl.recipe.trainer import TrainerConfig
 from flowrl.worker_spec import (
     AlgorithmSpec,
@@ -70,6 +71,8 @@ class Recipe(_Section):
     """Simulated costs; only with ``rollout.engine="sim"``."""
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
     """Process placement."""
+    stability: StabilityConfig = Field(default_factory=StabilityConfig)
+    """The guard that watches each step's training signals and acts on them."""
 
     @model_validator(mode="after")
     def _cross_section(self) -> Recipe:
@@ -188,6 +191,7 @@ class Recipe(_Section):
             output=(str(self.output) if self.output is not None and self.checkpoint_every
                     and not sim else None),
             seed=self.seed,
+            stability=self.stability.model_dump(mode="json"),
         )
 
     def sim_cost(self) -> dict[str, Any]:

@@ -109,6 +109,8 @@ class TorchTrainerEngine:
         self._step = 0
         self._skipped = 0
         self._pending = 0  # micro-batches accumulated since the last optimizer step
+        #: the schedule's rate is multiplied by this (the stability guard lowers it)
+        self.lr_scale = 1.0
 
     @property
     def step(self) -> int:
@@ -210,7 +212,7 @@ class TorchTrainerEngine:
     def optimizer_step(self) -> dict[str, float]:
         if self._pending == 0:
             raise RuntimeError("optimizer_step without any train_micro_batch since the last step")
-        lr = self.lr_at(self._step)
+        lr = self.lr_at(self._step) * self.lr_scale
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         grad_norm, skipped = clip_and_step(self.optimizer, self._params.values(), self._grad_clip)

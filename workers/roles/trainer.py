@@ -27,7 +27,9 @@ per-token ``advantages`` the critic stage wrote (GAE against its values) as they
 Metrics of the task that ends a step cover the whole step: ``loss`` (L), ``grad_norm`` (before
 clipping), ``lr``, ``reward_mean``, ``clip_frac``, ``approx_kl`` (token-weighted means),
 ``kl`` (the aggregated KL term, when on), ``tis_mean`` (when on), ``entropy`` (the sampled
-tokens' mean surprisal, when the entropy bonus is on), ``tokens``, ``seqs``,
+tokens' mean surprisal), ``mismatch_kl`` (KL of the sampling policy to the trainer's on the
+sampled tokens: engine mismatch plus staleness), ``kept_version`` (the weights kept for a
+rollback, `workers.roles.guard_orders`, once there are any), ``tokens``, ``seqs``,
 ``skipped`` (1 when a non-finite gradient skipped the update), ``flat_groups`` (the share of
 the step's groups whose rewards are all equal: they carry no group-relative signal, and a share
 near 1 means the policy has stopped exploring).
@@ -59,12 +61,14 @@ from flowrl.algorithms import (
     dr_grpo_advantages,
     filter_groups,
     grpo_advantages,
+    kl_estimate,
     reinforce_pp_advantages,
     rloo_advantages,
     sampled_entropy,
 )
 from flowrl.worker_spec import EngineSpec
 from workers.engines.protocols import SequenceBatch, TrainerEngine, TrainerState
+from workers.roles.guard_orders import GuardOrders
 from workers.runtime import RoleOutput
 
 __all__ = [
@@ -230,6 +234,15 @@ def scale_gradients(engine: TrainerEngine, factor: float) -> None:
                 p.grad.mul_(factor)
 
 
+def set_lr_scale(engine: TrainerEngine, scale: float) -> None:
+    """Have the engine's optimizer steps use its schedule's rate times ``scale`` (an engine
+    without an ``lr_scale`` can only run at 1)."""
+    if hasattr(engine, "lr_scale"):
+        engine.lr_scale = scale
+    elif scale != 1.0:
+        raise TypeError(f"{type(engine).__name__} cannot scale its learning rate")
+
+
 def discard_gradients(engine: TrainerEngine) -> None:
     """Drop the engine's accumulated gradients (its ``discard_gradients()`` when it has one,
     else its torch ``model``'s ``zero_grad``)."""
@@ -261,7 +274,8 @@ class _Step:
     approx_kl: float = 0.0  # Σ approx_kl · tokens
     tis: float = 0.0  # Σ tis_mean · tokens
     tis_tokens: int = 0  # tokens of the micro-batches trained with TIS on
-    entropy: float = 0.0  # Σ entropy · tokens (when the bonus is on)
+    entropy: float = 0.0  # Σ entropy · tokens
+    mismatch_kl: float = 0.0  # Σ KL(sampling policy ‖ trainer) · tokens
     groups: int = 0
     flat_groups: int = 0  # groups whose rewards are all equal (no group-relative signal)
 
@@ -282,6 +296,8 @@ class TrainerRole:
         #: whether a step's end exports the new weights (a data-parallel group exports once,
         #: from rank 0: `workers.roles.dp_trainer`).
         self.exports_weights = True
+        #: the stability guard's orders: learning-rate scale, weights kept, rollbacks
+        self.orders = GuardOrders()
 
     async def run(self, task: m.TaskMsg, inputs: dict[str, list[Any]]) -> RoleOutput:
         async with self._lock:
@@ -303,6 +319,9 @@ class TrainerRole:
             # The controller ends every step with a step_end task; this means one went missing.
             log.warning("micro-batch of another step joins the accumulated gradients",
                         accumulating=self._step.step, task_step=step)
+        if self._step.micro_batches == 0:
+            self.orders.at_step_start(self.engine, params, version=self.version, load=_load_into)
+            set_lr_scale(self.engine, self.orders.lr_scale)
         metrics = self.accumulate(batch, self.settings.tis_cap_at(params.get("max_staleness")))
         self._step.step = step
         self._step.attempt = attempt
@@ -320,16 +339,23 @@ class TrainerRole:
 
         def loss_fn(lps: Tensor, seqs: SequenceBatch) -> tuple[Tensor, dict[str, float]]:
             dev = lps.device
-            return compute_policy_loss(
-                lps, lps.detach(), adv.to(dev), seqs.response_mask,
+            mask = seqs.response_mask
+            rollout = batch.rollout_logprobs.to(dev)
+            loss, metrics = compute_policy_loss(
+                lps, lps.detach(), adv.to(dev), mask,
                 clip_eps_low=s.clip_low, clip_eps_high=s.clip_high, loss_agg=s.loss_agg,
                 max_tokens=s.max_new_tokens, num_tokens=1.0, num_seqs=1.0,
-                rollout_logprobs=batch.rollout_logprobs.to(dev), tis_cap=tis_cap,
+                rollout_logprobs=rollout, tis_cap=tis_cap,
                 ref_logprobs=None if batch.ref_logprobs is None else batch.ref_logprobs.to(dev),
                 kl_coef=s.kl_coef, kl_estimator=s.kl_estimator,
-                entropy=sampled_entropy(lps, seqs.response_mask) if s.entropy_coef else None,
-                entropy_coef=s.entropy_coef,
+                # Always measured (the stability guard watches it); it enters the loss only
+                # with an entropy bonus.
+                entropy=sampled_entropy(lps, mask), entropy_coef=s.entropy_coef,
             )
+            with torch.no_grad():  # KL(sampling policy ‖ trainer), on the sampled tokens
+                mismatch = kl_estimate(rollout, lps.detach(), mask, "k3").sum()
+                metrics["mismatch_kl"] = float(mismatch) / max(1, int(mask.sum()))
+            return loss, metrics
 
         if s.kl_coef and batch.ref_logprobs is None:
             raise ValueError("kl_coef > 0 but the task carries no ref_logprobs")
@@ -347,6 +373,7 @@ class TrainerRole:
         st.tis += out.get("tis_mean", 0.0) * tokens
         st.tis_tokens += tokens if tis_cap is not None else 0
         st.entropy += out.get("entropy", 0.0) * tokens
+        st.mismatch_kl += out.get("mismatch_kl", 0.0) * tokens
         kept = filter_groups(batch.rewards, batch.group_ids)
         st.flat_groups += int(kept.dropped_groups.numel())
         st.groups += int(kept.dropped_groups.numel() + kept.kept_groups.numel())
@@ -381,8 +408,10 @@ class TrainerRole:
             metrics["kl"] = st.kl / denom
         if st.tis_tokens:
             metrics["tis_mean"] = st.tis / st.tis_tokens
-        if s.entropy_coef:
-            metrics["entropy"] = st.entropy / st.tokens
+        metrics["entropy"] = st.entropy / st.tokens
+        metrics["mismatch_kl"] = st.mismatch_kl / st.tokens
+        if self.orders.kept_version is not None:
+            metrics["kept_version"] = float(self.orders.kept_version)
         if self._checkpoint_due():
             try:
                 self.save_checkpoint()
