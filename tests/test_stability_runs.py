@@ -1,0 +1,108 @@
+"""The stability guard in real runs of the default job (real processes, the tiny model and
+task): a failure is induced, and the guarded run recovers where an unguarded run does not."""
+
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flowrl.controller import Controller
+from flowrl.recipe_file import load_recipe
+from flowrl.run import compile_recipe
+
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny_cpu.py"
+# Judged from step 6 on, over 5-step reward means; acting after 2 steps past a threshold.
+QUICK_GUARD = ["stability.warmup_steps=5", "stability.window=2", "stability.reward_window=5",
+               "stability.keep_every=5", "stability.reward_min_gain=0.02"]
+
+
+def recipe(*overrides: str) -> Any:
+    return load_recipe(RECIPE, [*QUICK_GUARD, *overrides])
+
+
+def mean_reward(log: list[dict[str, Any]], first: int, last: int) -> float:
+    """Mean reward of steps first..last (1-based, inclusive)."""
+    return statistics.fmean(e["reward_mean"] for e in log[first - 1:last])
+
+
+def guard_events(ctl: Controller) -> list[dict[str, Any]]:
+    return [e for e in ctl.events.recent if e["kind"] == "stability"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("guarded", [True, False])
+async def test_a_learning_rate_spike_is_rolled_back(guarded: bool) -> None:
+    spec = compile_recipe(recipe("steps=100", f"stability.enabled={guarded}"))
+    async with Controller(spec) as ctl:
+        await ctl.run(steps=40)
+        before = mean_reward(ctl.step_log, 31, 40)
+        ctl.scale_lr(100.0)  # Adam at 0.1 on a 0.9M-parameter model: the policy is wrecked
+        await ctl.run(steps=60)
+        log, events = ctl.step_log, guard_events(ctl)
+    after = mean_reward(log, 91, 100)
+    wrecked = min(e["reward_mean"] for e in log[40:60])
+    assert wrecked < before - 0.2  # the spike did collapse the policy
+    if not guarded:
+        assert events == []
+        assert after < before - 0.2  # and it does not come back by itself
+        return
+    rollbacks = [e for e in events if e["action"] == "rollback"]
+    assert rollbacks, events
+    assert rollbacks[0]["signal"] == "reward_drop"
+    assert rollbacks[0]["rollback_to"] is not None
+    assert rollbacks[0]["rollback_to"] <= 40  # weights from before the spike
+    # The rate in force when they were kept, halved: the spike is undone with the weights.
+    assert rollbacks[0]["lr_scale"] == 0.5
+    assert after > before - 0.1  # recovered
+    assert any("stability: reward" in e.get("stability", "") for e in log)  # on the line
+
+
+CORRUPT = '''
+"""Installed into every worker process: the rollout engine reports its logprobs 30 nats too
+high (a broken engine), so stale-sample weights exp(trainer - rollout) vanish."""
+import dataclasses
+
+from workers.engines import hf_rollout
+
+_generate = hf_rollout.HFRolloutEngine.generate
+
+
+def generate(self, prompts, params):
+    return [dataclasses.replace(g, logprobs=g.logprobs + 30.0)
+            for g in _generate(self, prompts, params)]
+
+
+hf_rollout.HFRolloutEngine.generate = generate
+'''
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("guarded", [True, False])
+async def test_a_corrupted_rollout_engine_is_caught_by_the_mismatch_kl(
+    guarded: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A patched engine is the point of this test: a real engine that misreports is what
+    # the guard must catch, and no real engine here misreports on demand.
+    (tmp_path / "sitecustomize.py").write_text(CORRUPT)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    spec = compile_recipe(recipe("steps=60", f"stability.enabled={guarded}"))
+    async with Controller(spec) as ctl:
+        await ctl.run(steps=60)
+        log, events, staleness = ctl.step_log, guard_events(ctl), ctl.max_staleness
+    assert all(e["train_mismatch_kl"] > 20 for e in log)  # the engine is broken throughout
+    late_norm = statistics.fmean(e["train_grad_norm"] for e in log[-10:])
+    if not guarded:
+        assert staleness == 1
+        assert late_norm < 1e-6  # weights ~exp(-30): nothing is learnt
+        return
+    assert events[0]["signal"] == "mismatch_kl"
+    assert events[0]["action"] == "tighten_staleness"
+    assert events[0]["max_staleness"] == 0
+    assert staleness == 0  # on-policy: no correction, the engine's logprobs go unused
+    assert late_norm > 1e-3
+    assert mean_reward(log, 51, 60) > mean_reward(log, 1, 10) + 0.05
