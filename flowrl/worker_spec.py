@@ -30,6 +30,7 @@ __all__ = [
     "DEFAULT_DP_TIMEOUT_S",
     "AlgorithmSpec",
     "ArithmeticDataSpec",
+    "CorrectionName",
     "CriticSpec",
     "DataParallelSpec",
     "Endpoints",
@@ -37,6 +38,7 @@ __all__ = [
     "FileDataSpec",
     "ModelSpec",
     "PolicyLossAgg",
+    "PolicyLossName",
     "ProcessSpec",
     "ResumeSpec",
     "RewardSpec",
@@ -53,6 +55,12 @@ DEFAULT_DP_TIMEOUT_S = 600.0
 
 PolicyLossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 """Loss aggregation as `flowrl.algorithms.compute_policy_loss` spells it."""
+
+PolicyLossName = Literal["ppo_clip", "gspo", "cispo"]
+"""The policy objective (`flowrl.algorithms.PolicyLoss`)."""
+
+CorrectionName = Literal["tis", "seq_tis", "mis", "icepop"]
+"""The rollout correction (`flowrl.algorithms.CorrectionKind`)."""
 
 
 class _Spec(BaseModel):
@@ -88,11 +96,15 @@ class AlgorithmSpec(_Spec):
     kl_coef: float
     kl_estimator: Literal["k1", "k2", "k3"]
     entropy_coef: float
+    policy_loss: PolicyLossName
     clip_low: float
     clip_high: float
     loss_agg: PolicyLossAgg
+    correction: CorrectionName
     #: a cap, None (off), or ``auto``: resolved per train task from the staleness in force.
     tis_cap: float | Literal["auto"] | None
+    #: ``(low, high)``, None (off), or ``auto``: as `tis_cap`, for the masking corrections.
+    mask_bounds: tuple[float, float] | Literal["auto"] | None
 
 
 class SamplingSpec(_Spec):

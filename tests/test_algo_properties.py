@@ -1,5 +1,5 @@
-"""Invariances of the group advantage estimators (hypothesis), the torch-only import rule, and
-device agreement (CUDA when present)."""
+"""Invariances of the group advantage estimators and of the rollout corrections (hypothesis), the
+torch-only import rule, and device agreement (CUDA when present)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from flowrl.algorithms import (
+    RolloutCorrection,
     compute_policy_loss,
+    correction_weights,
     dr_grpo_advantages,
     filter_groups,
     gae_advantages,
@@ -78,6 +80,52 @@ def test_group_advantage_invariances(
     nonzero = _group_sums(dr.abs(), ids) > 0
     present = torch.bincount(ids) > 0
     assert keep.kept_groups.tolist() == torch.nonzero(nonzero & present).flatten().tolist()
+
+
+# Ragged rows of per-token log(π_old/π_rollout), padded into [B, T] by the test.
+log_ratio_rows = st.lists(st.lists(st.floats(-3, 3), min_size=0, max_size=6), min_size=1,
+                          max_size=6)
+
+
+@settings(max_examples=150, deadline=None)
+@given(log_ratio_rows, st.sampled_from(["tis", "seq_tis", "mis", "icepop"]), st.floats(1, 5),
+       st.floats(0, 1), st.floats(1, 5))
+def test_correction_weight_invariants(
+    rows: list[list[float]], kind: str, cap: float, low: float, high: float
+) -> None:
+    assume(low < high)
+    b, n = len(rows), max(1, max(len(r) for r in rows))
+    mask = torch.zeros(b, n, dtype=torch.bool)
+    log_w = torch.zeros(b, n, dtype=F64)
+    for i, row in enumerate(rows):
+        mask[i, : len(row)] = True
+        log_w[i, : len(row)] = torch.tensor(row, dtype=F64)
+    old = -torch.linspace(0.1, 5.0, b * n, dtype=F64).reshape(b, n)
+    rollout = (old - log_w).masked_fill(~mask, float("nan"))  # padding is garbage
+    correction = RolloutCorrection(kind, cap=cap, bounds=(low, high))  # type: ignore[arg-type]
+    w, dropped = correction_weights(old, rollout, mask, correction)
+    assert torch.isfinite(w).all()
+    assert (w >= 0).all()
+    assert (w[~mask] == 0).all()
+    assert not dropped[~mask].any()
+    if correction.masks:
+        # kept samples weigh their ratio, inside the bounds; dropped ones weigh exactly 0
+        assert (w[dropped] == 0).all()
+        kept = mask & ~dropped
+        assert (w[kept] >= low * (1 - 1e-12)).all()
+        assert (w[kept] <= high * (1 + 1e-12)).all()
+    else:
+        assert not dropped.any()
+        assert (w[mask] <= cap * (1 + 1e-12)).all()
+        assert (w[mask] > 0).all()
+    if kind in ("seq_tis", "mis"):  # one weight per sequence
+        for i in range(b):
+            row = w[i][mask[i]]
+            assert (row == row[0]).all() if row.numel() else True
+    # Samples drawn by π_old itself are not corrected.
+    same, none_dropped = correction_weights(old, old, mask, correction)
+    assert (same[mask] == 1).all()
+    assert not none_dropped.any()
 
 
 def test_import_pulls_in_nothing_but_torch() -> None:

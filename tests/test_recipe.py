@@ -139,6 +139,21 @@ def test_recipe_names_and_defaults_match_the_algorithms() -> None:
     assert set(recipe_mod.LOSS_AGG_ALGORITHM_NAMES) == set(recipe_names)
     assert set(recipe_mod.LOSS_AGG_ALGORITHM_NAMES.values()) == set(typing.get_args(LossAgg))
 
+    import flowrl.algorithms as alg
+    from flowrl.recipe import algorithm as section
+    from flowrl.worker_spec import CorrectionName, PolicyLossName
+
+    assert typing.get_args(PolicyLossName) == typing.get_args(alg.PolicyLoss)
+    assert typing.get_args(CorrectionName) == typing.get_args(alg.CorrectionKind)
+    assert section.CLIP_DEFAULTS == alg.CLIP_DEFAULTS
+    assert section.DEFAULT_MASK_BOUNDS == alg.DEFAULT_MASK_BOUNDS
+    assert set(section.TRUNCATING_CORRECTIONS) | set(alg.MASKING_KINDS) == set(typing.get_args(
+        CorrectionName))
+    assert not set(section.TRUNCATING_CORRECTIONS) & set(alg.MASKING_KINDS)
+    for loss in typing.get_args(PolicyLossName):
+        a = AlgorithmConfig(policy_loss=loss)
+        assert (a.clip_low_resolved, a.clip_high_resolved) == alg.clip_range(loss)
+
 
 def test_sim_config_mirrors_sim_cost() -> None:
     from workers.sim import SimCost
@@ -161,6 +176,44 @@ def test_tis_cap_resolution(staleness: int, cap: Any, expected: float | None) ->
     assert r.tis_cap == expected
     # Workers get "auto" as it is: trainers resolve it from the staleness in force.
     assert r.to_pipeline().engine_config["algorithm"]["tis_cap"] == cap
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ({}, ("ppo_clip", 0.2, 0.2, "token-mean")),
+        ({"clip_low": 0.1}, ("ppo_clip", 0.1, 0.1, "token-mean")),
+        ({"clip_high": 0.28}, ("ppo_clip", 0.2, 0.28, "token-mean")),
+        ({"policy_loss": "gspo"}, ("gspo", 3e-4, 4e-4, "seq-mean-token-mean")),
+        ({"policy_loss": "gspo", "clip_high": 1e-3, "loss_agg": "token_mean"},
+         ("gspo", 3e-4, 1e-3, "token-mean")),
+        ({"policy_loss": "cispo"}, ("cispo", 1.0, 0.28, "token-mean")),
+    ],
+)
+def test_policy_loss_and_its_defaults_reach_the_workers(
+    given: dict[str, Any], expected: tuple[str, float, float, str]
+) -> None:
+    a = Recipe(steps=1, algorithm=AlgorithmConfig(**given)).to_pipeline().engine_config[
+        "algorithm"]
+    assert (a["policy_loss"], a["clip_low"], a["clip_high"], a["loss_agg"]) == expected
+
+
+def test_corrections_reach_the_workers(tmp_path: Path) -> None:
+    a = Recipe(steps=1).to_pipeline().engine_config["algorithm"]
+    assert (a["correction"], a["tis_cap"], a["mask_bounds"]) == ("tis", "auto", "auto")
+    icepop = Recipe(steps=1, max_staleness=2,
+                    algorithm=AlgorithmConfig(correction="icepop", mask_bounds=(0.25, 4.0)))
+    a = icepop.to_pipeline().engine_config["algorithm"]
+    assert (a["correction"], a["mask_bounds"]) == ("icepop", [0.25, 4.0])
+    assert icepop.tis_cap is None  # a masking correction has no cap
+    seq = Recipe(steps=1, max_staleness=1, algorithm=AlgorithmConfig(correction="seq_tis"))
+    assert seq.tis_cap == 2.0
+    # ... and from the command line.
+    path = write(tmp_path, "from flowrl.recipe import Recipe\nrecipe = Recipe(steps=1)\n")
+    r = load_recipe(path, ["algorithm.policy_loss=gspo", "algorithm.correction=mis",
+                           "algorithm.mask_bounds=[0.5, 3]"])
+    assert (r.algorithm.policy_loss, r.algorithm.correction) == ("gspo", "mis")
+    assert r.algorithm.mask_bounds == (0.5, 3.0)
 
 
 def test_recipe_is_frozen_and_hashable() -> None:
@@ -204,6 +257,14 @@ def test_fields_are_documented() -> None:
         ("algorithm={'entropy_coef': -0.01}", "algorithm.entropy_coef"),
         ("algorithm={'entropy_coef': 2.0}", "algorithm.entropy_coef"),
         ("algorithm={'tis_cap': float('nan')}", "algorithm.tis_cap"),
+        ("algorithm={'policy_loss': 'ppo'}", "algorithm.policy_loss"),
+        ("algorithm={'clip_low': 1.5}", "algorithm.clip_low"),
+        ("algorithm={'correction': 'truncate'}", "algorithm.correction"),
+        ("algorithm={'correction': 'icepop', 'tis_cap': 1.5}", "algorithm.tis_cap"),
+        ("algorithm={'mask_bounds': (0.5, 2.0)}", "algorithm.mask_bounds"),
+        ("algorithm={'correction': 'mis', 'mask_bounds': (1.5, 2.0)}", "algorithm.mask_bounds"),
+        ("algorithm={'correction': 'mis', 'mask_bounds': (0.5, float('inf'))}",
+         "algorithm.mask_bounds"),
         ("reward={'fn': 'no_colon'}", "reward.fn"),
         ("reward={'fn': 'missing_file.py:f'}", "reward.fn"),
         ("reward={'fn': lambda p, r: 1.0}", "reward.fn"),

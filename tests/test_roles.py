@@ -16,7 +16,15 @@ import torch
 from torch import Tensor
 
 from flowrl import messages as m
-from flowrl.algorithms import LossAgg, compute_policy_loss, grpo_advantages, sampled_entropy
+from flowrl.algorithms import (
+    CorrectionKind,
+    LossAgg,
+    PolicyLoss,
+    RolloutCorrection,
+    compute_policy_loss,
+    grpo_advantages,
+    sampled_entropy,
+)
 from flowrl.recipe import (
     AlgorithmConfig,
     DataConfig,
@@ -58,14 +66,14 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def engine_config(
     model_dir: Path, *, reward_fn: str = "workers.roles.builtin_rewards:exact_match",
     max_prompt_tokens: int = 64, lr: float = 1e-3, output: Path | None = None,
-    checkpoint_every: int = 0, kl_coef: float = 0.0,
+    checkpoint_every: int = 0, kl_coef: float = 0.0, algorithm: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What a worker receives, through the real recipe compiler."""
     recipe = Recipe(
         steps=2,
         model=ModelConfig(path=str(model_dir)),
         data=DataConfig(max_prompt_tokens=max_prompt_tokens),
-        algorithm=AlgorithmConfig(group_size=4, kl_coef=kl_coef),
+        algorithm=AlgorithmConfig(group_size=4, kl_coef=kl_coef, **(algorithm or {})),
         rollout=RolloutConfig(max_new_tokens=MAX_NEW, temperature=1.0),
         reward=RewardConfig(fn=reward_fn, timeout_s=5.0),
         trainer=TrainerConfig(lr=lr, groups_per_step=2, grad_clip=1.0),
@@ -301,16 +309,33 @@ def concat(*parts: dict[str, list[Any]]) -> dict[str, list[Any]]:
     return {k: [v for p in parts for v in p[k]] for k in parts[0]}
 
 
-@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean",
-                                      "seq-mean-token-sum-norm"])
+# (policy loss, loss aggregation, correction, its cap or bounds)
+OBJECTIVES: list[tuple[PolicyLoss, LossAgg, CorrectionKind, Any]] = [
+    ("ppo_clip", "token-mean", "tis", 1.5),
+    ("ppo_clip", "seq-mean-token-mean", "tis", 1.5),
+    ("ppo_clip", "seq-mean-token-sum-norm", "tis", 1.5),
+    ("gspo", "seq-mean-token-mean", "seq_tis", 1.5),
+    ("cispo", "token-mean", "mis", (0.5, 2.0)),
+    ("ppo_clip", "token-mean", "icepop", (0.5, 2.0)),
+]
+
+
+@pytest.mark.parametrize(("policy_loss", "loss_agg", "kind", "setting"), OBJECTIVES,
+                         ids=["-".join(case[:3]) for case in OBJECTIVES])
 async def test_streamed_accumulation_equals_the_concatenated_batch(
-    model_dir: Path, loss_agg: LossAgg
+    model_dir: Path, policy_loss: PolicyLoss, loss_agg: LossAgg, kind: CorrectionKind,
+    setting: Any,
 ) -> None:
     # Micro-batches of different row and token counts: averaging micro-batch means is wrong.
     first, second = synthetic_groups([3, 3], seed=1), synthetic_groups([3], seed=2)
     groups_first, groups_second = [0, 0, 0, 1, 1, 1], [2, 2, 2]
-    settings = TrainSettings(algorithm="grpo", loss_agg=loss_agg, kl_coef=0.05, tis_cap=1.5,
+    masks = kind in ("mis", "icepop")
+    settings = TrainSettings(algorithm="grpo", policy_loss=policy_loss, loss_agg=loss_agg,
+                             kl_coef=0.05, correction=kind, tis_cap=None if masks else setting,
+                             mask_bounds=setting if masks else None,
                              max_new_tokens=MAX_NEW * 2, entropy_coef=0.01)
+    correction = (RolloutCorrection(kind, bounds=setting) if masks
+                  else RolloutCorrection(kind, cap=setting))
     engine = SpyEngine(model_dir, lr=1e-3, device="cpu", dtype=torch.float64)
     role = TrainerRole(engine, settings, pad_token_id=PAD)
     mid = await role.run(task(6, groups_first, stage="train",
@@ -329,9 +354,9 @@ async def test_streamed_accumulation_equals_the_concatenated_batch(
 
     def loss_fn(lps: Tensor, seqs: SequenceBatch) -> tuple[Tensor, dict[str, float]]:
         return compute_policy_loss(
-            lps, lps.detach(), adv, seqs.response_mask, loss_agg=loss_agg,
-            max_tokens=MAX_NEW * 2, rollout_logprobs=full.rollout_logprobs, tis_cap=1.5,
-            ref_logprobs=full.ref_logprobs, kl_coef=0.05,
+            lps, lps.detach(), adv, seqs.response_mask, policy_loss=policy_loss,
+            loss_agg=loss_agg, max_tokens=MAX_NEW * 2, rollout_logprobs=full.rollout_logprobs,
+            correction=correction, ref_logprobs=full.ref_logprobs, kl_coef=0.05,
             entropy=sampled_entropy(lps, seqs.response_mask), entropy_coef=0.01)
 
     whole = TorchTrainerEngine(model_dir, lr=1e-3, device="cpu", dtype=torch.float64)
@@ -339,6 +364,11 @@ async def test_streamed_accumulation_equals_the_concatenated_batch(
     assert end.metrics["loss"] == pytest.approx(want["loss"], abs=1e-6, rel=1e-6)
     assert end.metrics["kl"] == pytest.approx(want["kl_loss"], abs=1e-6, rel=1e-6)
     assert end.metrics["tis_mean"] == pytest.approx(want["tis_mean"], abs=1e-6)
+    if masks:  # the synthetic rows straddle the bounds: some are dropped, not all
+        assert 0.0 < end.metrics["is_masked_frac"] < 1.0
+        assert end.metrics["is_masked_frac"] == pytest.approx(want["is_masked_frac"], abs=1e-6)
+    else:
+        assert "is_masked_frac" not in end.metrics
     assert end.metrics["entropy"] == pytest.approx(want["entropy"], abs=1e-6)
     assert end.metrics["tokens"] == full.num_tokens
     grads = {n: p.grad for n, p in whole.model.named_parameters() if p.grad is not None}
@@ -353,8 +383,9 @@ async def test_streamed_accumulation_equals_the_concatenated_batch(
         lps = whole.logprobs(b.seqs)
         naive.append(compute_policy_loss(
             lps, lps, grpo_advantages(b.rewards, b.group_ids), b.seqs.response_mask,
-            loss_agg=loss_agg, max_tokens=MAX_NEW * 2, rollout_logprobs=b.rollout_logprobs,
-            tis_cap=1.5, ref_logprobs=b.ref_logprobs, kl_coef=0.05)[0].item())
+            policy_loss=policy_loss, loss_agg=loss_agg, max_tokens=MAX_NEW * 2,
+            rollout_logprobs=b.rollout_logprobs, correction=correction,
+            ref_logprobs=b.ref_logprobs, kl_coef=0.05)[0].item())
     assert abs(sum(naive) / 2 - want["loss"]) > 1e-4
 
 
@@ -462,6 +493,30 @@ async def test_step_end_weights_load_into_rollout_and_checkpoint(
     assert [p.name for p in (tmp_path / "run").iterdir()] == ["step_6"]
     saved = load_causal_lm(ckpt, device=torch.device("cpu"), dtype=torch.float32)
     assert params_equal(saved, trainer.engine.model)
+
+
+def test_the_recipes_objective_reaches_the_trainer(model_dir: Path) -> None:
+    config = engine_config(model_dir, algorithm={"policy_loss": "gspo", "correction": "mis",
+                                                  "mask_bounds": (0.25, 4.0)})
+    role = make_hf_role("train", config, seed=0)
+    assert isinstance(role, TrainerRole)
+    s = role.settings
+    assert (s.policy_loss, s.clip_low, s.clip_high, s.loss_agg) == (
+        "gspo", 3e-4, 4e-4, "seq-mean-token-mean")
+    assert (s.correction, s.mask_bounds) == ("mis", (0.25, 4.0))
+    # Given bounds hold at any staleness; the default ("auto") only while rows may be stale.
+    assert s.correction_at(0) == RolloutCorrection("mis", bounds=(0.25, 4.0))
+    auto = TrainSettings(correction="icepop", mask_bounds="auto")
+    assert auto.correction_at(0) is None
+    assert auto.correction_at(2) == RolloutCorrection("icepop", bounds=(0.5, 2.0))
+    assert TrainSettings(correction="seq_tis", tis_cap="auto").correction_at(1) == (
+        RolloutCorrection("seq_tis", cap=2.0))
+    with pytest.raises(ValueError, match="max_staleness"):
+        auto.correction_at(None)
+    with pytest.raises(ValueError, match=r"algorithm\.mask_bounds"):
+        TrainSettings(correction="mis", mask_bounds=(2.0, 3.0))
+    with pytest.raises(ValueError, match=r"algorithm\.policy_loss"):
+        TrainSettings(policy_loss="ppo")  # type: ignore[arg-type]
 
 
 def test_factory_rejects_what_it_cannot_serve(model_dir: Path, tmp_path: Path) -> None:

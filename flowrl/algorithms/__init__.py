@@ -1,4 +1,5 @@
-"""RL algorithm math as pure torch functions: advantages, policy/value losses, KL, sampling.
+"""RL algorithm math as pure torch functions: advantages, policy/value losses, rollout
+corrections, KL, sampling.
 
 Imports torch only, so worker processes may import it. Shapes: token tensors are padded
 ``[B, T]`` with a bool/float response mask; sequence rewards are ``[B]``; groups are ``[B]``
@@ -18,24 +19,42 @@ from .advantages import (
     rloo_advantages,
     token_level_rewards,
 )
+from .corrections import (
+    DEFAULT_MASK_BOUNDS,
+    DEFAULT_TIS_CAP,
+    MASKING_KINDS,
+    CorrectionKind,
+    RolloutCorrection,
+    correction_weights,
+    default_tis_cap,
+    tis_weights,
+)
 from .kl import KLEstimator, kl_estimate, kl_loss
 from .losses import (
-    DEFAULT_TIS_CAP,
+    CLIP_DEFAULTS,
+    PolicyLoss,
+    clip_range,
     compute_policy_loss,
-    default_tis_cap,
     sampled_entropy,
-    tis_weights,
     value_loss,
 )
 from .sampling import GroupFilter, filter_groups
 
 __all__ = [
+    "CLIP_DEFAULTS",
+    "DEFAULT_MASK_BOUNDS",
     "DEFAULT_TIS_CAP",
+    "MASKING_KINDS",
+    "CorrectionKind",
     "GroupFilter",
     "KLEstimator",
     "LossAgg",
+    "PolicyLoss",
+    "RolloutCorrection",
     "aggregate_loss",
+    "clip_range",
     "compute_policy_loss",
+    "correction_weights",
     "default_tis_cap",
     "discounted_returns",
     "dr_grpo_advantages",

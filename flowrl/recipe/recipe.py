@@ -11,7 +11,12 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages, ppo_stages
-from flowrl.recipe.algorithm import DEFAULT_TIS_CAP, LOSS_AGG_ALGORITHM_NAMES, AlgorithmConfig
+from flowrl.recipe.algorithm import (
+    DEFAULT_TIS_CAP,
+    LOSS_AGG_ALGORITHM_NAMES,
+    TRUNCATING_CORRECTIONS,
+    AlgorithmConfig,
+)
 from flowrl.recipe.critic import CriticConfig
 from flowrl.recipe.data import DataConfig
 from flowrl.recipe.model import TINY_MODEL, ModelConfig
@@ -123,8 +128,11 @@ class Recipe(_Section):
     @property
     def tis_cap(self) -> float | None:
         """The TIS cap at the start of the run: `AlgorithmConfig.tis_cap`, with ``"auto"`` →
-        2.0 when ``max_staleness > 0``, else None (off). Trainers resolve ``"auto"`` per task
-        from the staleness in force, which the monitor may change mid-run."""
+        2.0 when ``max_staleness > 0``, else None (off); None as well under a masking
+        correction, which has no cap. Trainers resolve ``"auto"`` per task from the staleness
+        in force, which the monitor may change mid-run."""
+        if self.algorithm.correction not in TRUNCATING_CORRECTIONS:
+            return None
         cap = self.algorithm.tis_cap
         if cap == "auto":
             return DEFAULT_TIS_CAP if self.max_staleness > 0 else None
@@ -217,10 +225,10 @@ class Recipe(_Section):
             data=data,
             algorithm=AlgorithmSpec(
                 name=a.name, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
-                entropy_coef=a.entropy_coef,
-                clip_low=a.clip_low, clip_high=a.clip_high_resolved,
-                loss_agg=LOSS_AGG_ALGORITHM_NAMES[a.loss_agg],
-                tis_cap=a.tis_cap),
+                entropy_coef=a.entropy_coef, policy_loss=a.policy_loss,
+                clip_low=a.clip_low_resolved, clip_high=a.clip_high_resolved,
+                loss_agg=LOSS_AGG_ALGORITHM_NAMES[a.loss_agg_resolved],
+                correction=a.correction, tis_cap=a.tis_cap, mask_bounds=a.mask_bounds),
             sampling=SamplingSpec(temperature=self.rollout.temperature, top_p=self.rollout.top_p,
                                   max_new_tokens=self.rollout.max_new_tokens,
                                   stop=self.rollout.stop),

@@ -2,11 +2,12 @@
 
 Per micro-batch (task): the rows' prompt+response tokens form a right-padded `SequenceBatch`;
 advantages come from the rewards and the rows' groups (``task["row_groups"]``) by the configured
-estimator; the policy loss is `flowrl.algorithms.compute_policy_loss` with
-``old_logprobs = logprobs.detach()`` (one update per batch: on-policy ratio 1), truncated
-importance sampling against ``rollout_logprobs`` when ``tis_cap`` is set, the KL term to
-``ref_logprobs`` when ``kl_coef > 0``, and an entropy bonus (`flowrl.algorithms.sampled_entropy`)
-when ``entropy_coef > 0``. The task with ``params["step_end"]`` ends the step: the
+estimator; the policy loss is `flowrl.algorithms.compute_policy_loss` (``ppo_clip``, ``gspo`` or
+``cispo``) with ``old_logprobs = logprobs.detach()`` (one update per batch: on-policy ratio 1),
+the rollout correction against ``rollout_logprobs`` (truncated importance sampling per token or
+sequence, or masking) when it is on for the task, the KL term to ``ref_logprobs`` when
+``kl_coef > 0``, and an entropy bonus (`flowrl.algorithms.sampled_entropy`) when
+``entropy_coef > 0``. The task with ``params["step_end"]`` ends the step: the
 optimizer steps, the new weights are exported as version + 1 (`RoleOutput.weights`), and a
 checkpoint is written every ``checkpoint_every`` steps (and at the last step).
 
@@ -26,13 +27,14 @@ per-token ``advantages`` the critic stage wrote (GAE against its values) as they
 
 Metrics of the task that ends a step cover the whole step: ``loss`` (L), ``grad_norm`` (before
 clipping), ``lr``, ``reward_mean``, ``clip_frac``, ``approx_kl`` (token-weighted means),
-``kl`` (the aggregated KL term, when on), ``tis_mean`` (when on), ``entropy`` (the sampled
-tokens' mean surprisal), ``mismatch_kl`` (KL of the sampling policy to the trainer's on the
-sampled tokens: engine mismatch plus staleness), ``kept_version`` (the weights kept for a
-rollback, `workers.roles.guard_orders`, once there are any), ``tokens``, ``seqs``,
-``skipped`` (1 when a non-finite gradient skipped the update), ``flat_groups`` (the share of
-the step's groups whose rewards are all equal: they carry no group-relative signal, and a share
-near 1 means the policy has stopped exploring).
+``kl`` (the aggregated KL term, when on), ``tis_mean`` (the mean correction weight, when a
+correction is on), ``is_masked_frac`` (the share of tokens a masking correction dropped, when
+one is on), ``entropy`` (the sampled tokens' mean surprisal), ``mismatch_kl`` (KL of the
+sampling policy to the trainer's on the sampled tokens: engine mismatch plus staleness),
+``kept_version`` (the weights kept for a rollback, `workers.roles.guard_orders`, once there are
+any), ``tokens``, ``seqs``, ``skipped`` (1 when a non-finite gradient skipped the update),
+``flat_groups`` (the share of the step's groups whose rewards are all equal: they carry no
+group-relative signal, and a share near 1 means the policy has stopped exploring).
 
 Compute runs in a thread, one task at a time. `load_version` with no weights means "resume at
 this version"; with weights of a newer version it loads them (a trainer joining a running job);
@@ -54,8 +56,15 @@ from torch import Tensor
 
 from flowrl import messages as m
 from flowrl.algorithms import (
+    DEFAULT_MASK_BOUNDS,
+    DEFAULT_TIS_CAP,
+    MASKING_KINDS,
+    CorrectionKind,
     KLEstimator,
     LossAgg,
+    PolicyLoss,
+    RolloutCorrection,
+    clip_range,
     compute_policy_loss,
     default_tis_cap,
     dr_grpo_advantages,
@@ -86,14 +95,20 @@ class TrainSettings:
     """The objective and checkpointing of a train role (see `from_config`)."""
 
     algorithm: AdvantageName = "grpo"
-    clip_low: float = 0.2
+    policy_loss: PolicyLoss = "ppo_clip"
+    #: None: the policy loss's own (`flowrl.algorithms.clip_range`).
+    clip_low: float | None = None
     clip_high: float | None = None
     loss_agg: LossAgg = "token-mean"
     kl_coef: float = 0.0
     kl_estimator: KLEstimator = "k3"
-    #: a cap, None (off), or ``auto``: on (`DEFAULT_TIS_CAP`) for the tasks trained while
-    #: ``max_staleness > 0`` is in force (``params["max_staleness"]``; it may change mid-run).
+    correction: CorrectionKind = "tis"
+    #: the cap of ``tis`` / ``seq_tis``: a cap, None (off), or ``auto``: on (`DEFAULT_TIS_CAP`)
+    #: for the tasks trained while ``max_staleness > 0`` is in force
+    #: (``params["max_staleness"]``; it may change mid-run).
     tis_cap: float | Literal["auto"] | None = None
+    #: the bounds of ``mis`` / ``icepop``: as `tis_cap` (``auto``: `DEFAULT_MASK_BOUNDS`).
+    mask_bounds: tuple[float, float] | Literal["auto"] | None = None
     #: weight of the entropy bonus (`flowrl.algorithms.sampled_entropy`); 0 turns it off.
     entropy_coef: float = 0.0
     #: the sampling temperature: logprobs are computed under the same tempered distribution.
@@ -112,6 +127,18 @@ class TrainSettings:
                              f"trainer; use one of {get_args(AdvantageName)}")
         if self.loss_agg not in get_args(LossAgg):
             raise ValueError(f"algorithm.loss_agg: unknown mode {self.loss_agg!r}")
+        if self.policy_loss not in get_args(PolicyLoss):
+            raise ValueError(f"algorithm.policy_loss: unknown policy loss {self.policy_loss!r}; "
+                             f"use one of {get_args(PolicyLoss)}")
+        if self.correction not in get_args(CorrectionKind):
+            raise ValueError(f"algorithm.correction: unknown correction {self.correction!r}; "
+                             f"use one of {get_args(CorrectionKind)}")
+        # Bad clip ranges, caps and bounds fail here, on construction, not at the first task.
+        try:
+            clip_range(self.policy_loss, self.clip_low, self.clip_high)
+        except ValueError as e:
+            raise ValueError(f"algorithm.clip_low / clip_high: {e}") from None
+        self.correction_at(1)
         if self.loss_agg == "seq-mean-token-sum-norm" and not self.max_new_tokens:
             raise ValueError("seq-mean-token-sum-norm needs max_new_tokens (a constant divisor)")
         if self.checkpoint_every < 0:
@@ -122,23 +149,38 @@ class TrainSettings:
         """From a worker's `EngineSpec`."""
         a = spec.algorithm
         return cls(
-            algorithm=a.name, clip_low=a.clip_low, clip_high=a.clip_high, loss_agg=a.loss_agg,
-            kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef,
-            tis_cap=a.tis_cap,
+            algorithm=a.name, policy_loss=a.policy_loss, clip_low=a.clip_low,
+            clip_high=a.clip_high, loss_agg=a.loss_agg, kl_coef=a.kl_coef,
+            kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef, correction=a.correction,
+            tis_cap=a.tis_cap, mask_bounds=a.mask_bounds,
             temperature=spec.sampling.temperature, max_new_tokens=spec.sampling.max_new_tokens,
             output=None if spec.output is None else Path(spec.output),
             checkpoint_every=spec.checkpoint_every, steps=spec.steps,
         )
 
-    def tis_cap_at(self, max_staleness: int | None) -> float | None:
-        """The TIS cap of a task trained while ``max_staleness`` is in force: `tis_cap`, with
-        ``auto`` on (`default_tis_cap`) exactly when rows may be stale. ValueError when
-        ``auto`` meets a task that does not say (the controller always does)."""
-        if self.tis_cap != "auto":
-            return self.tis_cap
-        if max_staleness is None:
-            raise ValueError("tis_cap 'auto' needs the task's params['max_staleness']")
-        return default_tis_cap(max_staleness)
+    def correction_at(self, max_staleness: int | None) -> RolloutCorrection | None:
+        """The rollout correction of a task trained while ``max_staleness`` is in force (None:
+        off): `correction` with its `tis_cap` or `mask_bounds`, ``auto`` on exactly when rows
+        may be stale (`default_tis_cap`). ValueError when ``auto`` meets a task that does not
+        say (the controller always does)."""
+        truncates = self.correction not in MASKING_KINDS
+        setting = self.tis_cap if truncates else self.mask_bounds
+        name = "tis_cap" if truncates else "mask_bounds"
+        if setting == "auto":
+            if max_staleness is None:
+                raise ValueError(f"{name} 'auto' needs the task's params['max_staleness']")
+            if default_tis_cap(max_staleness) is None:
+                return None
+            setting = DEFAULT_TIS_CAP if truncates else DEFAULT_MASK_BOUNDS
+        if setting is None:
+            return None
+        try:
+            if isinstance(setting, tuple):
+                return RolloutCorrection(self.correction, bounds=setting)
+            assert not isinstance(setting, str)
+            return RolloutCorrection(self.correction, cap=setting)
+        except ValueError as e:
+            raise ValueError(f"algorithm.{name}: {e}") from None
 
     @property
     def count_tokens(self) -> bool:
@@ -273,7 +315,9 @@ class _Step:
     clip: float = 0.0  # Σ clip_frac · tokens
     approx_kl: float = 0.0  # Σ approx_kl · tokens
     tis: float = 0.0  # Σ tis_mean · tokens
-    tis_tokens: int = 0  # tokens of the micro-batches trained with TIS on
+    tis_tokens: int = 0  # tokens of the micro-batches trained with a correction on
+    masked: float = 0.0  # Σ is_masked_frac · tokens
+    mask_tokens: int = 0  # tokens of the micro-batches trained with a masking correction on
     entropy: float = 0.0  # Σ entropy · tokens
     mismatch_kl: float = 0.0  # Σ KL(sampling policy ‖ trainer) · tokens
     groups: int = 0
@@ -322,16 +366,19 @@ class TrainerRole:
         if self._step.micro_batches == 0:
             self.orders.at_step_start(self.engine, params, version=self.version, load=_load_into)
             set_lr_scale(self.engine, self.orders.lr_scale)
-        metrics = self.accumulate(batch, self.settings.tis_cap_at(params.get("max_staleness")))
+        metrics = self.accumulate(batch,
+                                  self.settings.correction_at(params.get("max_staleness")))
         self._step.step = step
         self._step.attempt = attempt
         if not params.get("step_end", False):
             return RoleOutput(fields={}, metrics=metrics)
         return self.finish_step()
 
-    def accumulate(self, batch: TrainBatch, tis_cap: float | None) -> dict[str, float]:
-        """Forward and backward of one micro-batch's loss *sum* into the gradients, with
-        truncated importance sampling capped at ``tis_cap`` (None: off)."""
+    def accumulate(
+        self, batch: TrainBatch, correction: RolloutCorrection | None
+    ) -> dict[str, float]:
+        """Forward and backward of one micro-batch's loss *sum* into the gradients, with the
+        rollout ``correction`` (None: off)."""
         s = self.settings
         if batch.num_tokens == 0:
             raise ValueError("micro-batch has no response tokens")
@@ -342,10 +389,10 @@ class TrainerRole:
             mask = seqs.response_mask
             rollout = batch.rollout_logprobs.to(dev)
             loss, metrics = compute_policy_loss(
-                lps, lps.detach(), adv.to(dev), mask,
+                lps, lps.detach(), adv.to(dev), mask, policy_loss=s.policy_loss,
                 clip_eps_low=s.clip_low, clip_eps_high=s.clip_high, loss_agg=s.loss_agg,
                 max_tokens=s.max_new_tokens, num_tokens=1.0, num_seqs=1.0,
-                rollout_logprobs=rollout, tis_cap=tis_cap,
+                rollout_logprobs=rollout, correction=correction,
                 ref_logprobs=None if batch.ref_logprobs is None else batch.ref_logprobs.to(dev),
                 kl_coef=s.kl_coef, kl_estimator=s.kl_estimator,
                 # Always measured (the stability guard watches it); it enters the loss only
@@ -371,7 +418,9 @@ class TrainerRole:
         st.clip += out["clip_frac"] * tokens
         st.approx_kl += out["approx_kl"] * tokens
         st.tis += out.get("tis_mean", 0.0) * tokens
-        st.tis_tokens += tokens if tis_cap is not None else 0
+        st.tis_tokens += tokens if correction is not None else 0
+        st.masked += out.get("is_masked_frac", 0.0) * tokens
+        st.mask_tokens += tokens if correction is not None and correction.masks else 0
         st.entropy += out.get("entropy", 0.0) * tokens
         st.mismatch_kl += out.get("mismatch_kl", 0.0) * tokens
         kept = filter_groups(batch.rewards, batch.group_ids)
@@ -408,6 +457,8 @@ class TrainerRole:
             metrics["kl"] = st.kl / denom
         if st.tis_tokens:
             metrics["tis_mean"] = st.tis / st.tis_tokens
+        if st.mask_tokens:
+            metrics["is_masked_frac"] = st.masked / st.mask_tokens
         metrics["entropy"] = st.entropy / st.tokens
         metrics["mismatch_kl"] = st.mismatch_kl / st.tokens
         if self.orders.kept_version is not None:
