@@ -57,10 +57,10 @@ def problems_of(excinfo: pytest.ExceptionInfo[RecipeError]) -> dict[str, str]:
 def test_public_api_is_pinned() -> None:
     assert set(recipe_mod.__all__) == {
         "LOSS_AGG_ALGORITHM_NAMES", "TINY_MODEL", "AlgorithmConfig", "ArithmeticConfig",
-        "ClusterSettings", "CriticConfig", "DataConfig", "ModelConfig", "MonitorConfig",
-        "PlacementConfig", "RayConfig", "RayResources", "Recipe", "RewardConfig",
-        "RolloutConfig", "SimConfig", "TinyModelConfig", "TrainerConfig", "callable_ref",
-        "check_fn_ref",
+        "ClusterSettings", "CriticConfig", "DataConfig", "JudgeConfig", "ModelConfig",
+        "MonitorConfig", "PlacementConfig", "RayConfig", "RayResources", "Recipe",
+        "RewardConfig", "RewardModelConfig", "RolloutConfig", "SimConfig", "TinyModelConfig",
+        "TrainerConfig", "callable_ref", "check_fn_ref",
     }
 
 
