@@ -153,9 +153,15 @@ def test_the_tiny_reward_model_is_built_and_cached(tmp_path: Path,
 # ---- real runs -----------------------------------------------------------------------------------
 
 
-async def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *overrides: str,
+@pytest.fixture(scope="module")
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One model cache for the runs below: the policy is built once."""
+    return tmp_path_factory.mktemp("cache")
+
+
+async def _run(cache: Path, monkeypatch: pytest.MonkeyPatch, *overrides: str,
                steps: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
     recipe = load_recipe(ROOT / RECIPE, list(overrides))
     log: list[dict[str, Any]] = []
     summary = await run_recipe(recipe, steps=steps, monitor=False, on_step=log.append)
@@ -164,9 +170,9 @@ async def _run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *overrides: str,
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-async def test_the_recipe_trains_on_its_reward_model(tmp_path: Path,
+async def test_the_recipe_trains_on_its_reward_model(model_cache: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    summary, log = await _run(tmp_path, monkeypatch, steps=3)
+    summary, log = await _run(model_cache, monkeypatch, steps=3)
     assert summary["version"] == 3
     assert summary["rows_trained_twice"] == 0
     assert len(log) == 3
@@ -179,11 +185,11 @@ async def test_the_recipe_trains_on_its_reward_model(tmp_path: Path,
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 async def test_the_recipe_with_a_judge_counts_unparsable_verdicts(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    model_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Synchronous, so that the failures counted by a step are those of its own rows.
     summary, log = await _run(
-        tmp_path, monkeypatch, "reward.model=null", "max_staleness=0",
+        model_cache, monkeypatch, "reward.model=null", "max_staleness=0",
         'reward.judge={"max_prompt_tokens": 96, "default": -0.5}', steps=2)
     assert summary["version"] == 2
     assert summary["rows_trained_twice"] == 0
