@@ -214,11 +214,15 @@ def _submodel(annotation: Any) -> type[BaseModel] | None:
 
 
 def _section_paths() -> dict[str, tuple[type[BaseModel], tuple[str, ...]]]:
-    """Model class name → (class, its field path inside a Recipe)."""
+    """Model class name → (class, its field path inside a Recipe); a class found at several
+    paths (`TinyModelConfig`: the policy's and the reward model's) gets none, so an error in
+    one built on its own names its field, and the line, rather than a guess."""
     out: dict[str, tuple[type[BaseModel], tuple[str, ...]]] = {}
 
     def walk(cls: type[BaseModel], path: tuple[str, ...]) -> None:
-        out.setdefault(cls.__name__, (cls, path))
+        seen = out.setdefault(cls.__name__, (cls, path))
+        if seen[1] != path:
+            out[cls.__name__] = (cls, ())
         for name, info in cls.model_fields.items():
             sub = _submodel(info.annotation)
             if sub is not None:

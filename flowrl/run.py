@@ -21,8 +21,9 @@ from typing import Any
 from flowrl.controller import Controller
 from flowrl.node_hub import ClusterConfig
 from flowrl.pipeline import PipelineSpec
-from flowrl.recipe import CONTROLLER_NODE, TINY_MODEL, ClusterSettings, Recipe
+from flowrl.recipe import CONTROLLER_NODE, TINY_MODEL, ClusterSettings, Recipe, TinyModelConfig
 from flowrl.resume import RunState, latest_checkpoint
+from flowrl.tiny_model import HeadKind
 from flowrl.worker_spec import ModelSpec, ResumeSpec
 from transport import shm
 from transport.errors import SharedMemoryTooSmall
@@ -39,18 +40,34 @@ def prepare_model(recipe: Recipe) -> Path | None:
         return None
     if recipe.model.path != TINY_MODEL:
         return Path(recipe.model.path)
+    return tiny_model_dir(recipe.model.tiny)
+
+
+def prepare_reward_model(recipe: Recipe) -> Path | None:
+    """The reward model's local directory (a tiny one built once and cached); None when the
+    reward is no model."""
+    rm = recipe.reward.model
+    if rm is None or recipe.rollout.engine == "sim":
+        return None
+    return Path(rm.path) if rm.path != TINY_MODEL else tiny_model_dir(rm.tiny, head="score")
+
+
+def tiny_model_dir(tiny: TinyModelConfig, *, head: HeadKind = "lm") -> Path:
+    """A tiny model of these settings in the cache, built on first use."""
     from flowrl.tiny_model import build_tiny_model, build_versions
 
-    settings = recipe.model.tiny.model_dump(mode="json")
+    settings = tiny.model_dump(mode="json")
     # Another install (other torch/transformers/tokenizers) builds other bytes: its own entry.
     keyed = {**settings, "libraries": build_versions()}
+    if head != "lm":  # a causal LM's key is as it always was, so its cache entry stays valid
+        keyed["head"] = head
     key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:12]
     out = cache_dir() / "models" / f"tiny-{key}"
     return build_tiny_model(
         out, vocab_size=settings["vocab_size"], hidden=settings["hidden"],
         layers=settings["layers"], heads=settings["heads"], kv_heads=settings["kv_heads"],
         max_positions=settings["max_positions"], pretrain_steps=settings["pretrain_steps"],
-        seed=settings["seed"], corpus_kind=settings["corpus"],
+        seed=settings["seed"], corpus_kind=settings["corpus"], head=head,
     )
 
 
@@ -72,7 +89,12 @@ def compile_recipe(
         placed = ModelSpec(path=str(checkpoint), reference_path=str(model))
         engine = engine.model_copy(update={
             "resume": ResumeSpec(checkpoint=str(checkpoint), version=state.version)})
-    engine = engine.model_copy(update={"model": placed})
+    update: dict[str, Any] = {"model": placed}
+    reward_model = prepare_reward_model(recipe)
+    if reward_model is not None and engine.reward.model is not None:
+        update["reward"] = engine.reward.model_copy(update={
+            "model": engine.reward.model.model_copy(update={"path": str(reward_model)})})
+    engine = engine.model_copy(update=update)
     return dataclasses.replace(spec, engine_config=engine.model_dump(mode="json"))
 
 

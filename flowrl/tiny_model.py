@@ -1,10 +1,12 @@
-"""A tiny, locally built causal LM and tokenizer for tests, demos and benchmarks.
+"""A tiny, locally built causal LM (or reward model) and tokenizer for tests, demos, benchmarks.
 
 No model hub is needed: `build_tiny_model` trains a byte-level BPE tokenizer on a synthetic
 corpus (small arithmetic such as ``12+7=19`` and plain words), builds a Qwen2 causal LM
 (tied embeddings, about 1M parameters at the defaults) and saves both with
 ``save_pretrained``, so ``AutoModelForCausalLM.from_pretrained(dir)`` and
-``AutoTokenizer.from_pretrained(dir)`` load it offline.
+``AutoTokenizer.from_pretrained(dir)`` load it offline. With ``head="score"`` the same body gets
+a scalar head instead (``Qwen2ForSequenceClassification``, ``num_labels=1``: a reward model that
+``AutoModelForSequenceClassification`` loads), with random weights.
 
 Guarantees:
 - Deterministic: the same arguments give byte-identical weights and tokenizer files.
@@ -21,7 +23,8 @@ Corpora (`CORPORA`): ``mixed`` (the default) as above; ``arithmetic`` holds only
 ``a<op>b=c`` lines with single-digit operands, so a short warm-up on it teaches the answer format
 of small arithmetic prompts quickly (short lines) while leaving most answers unknown.
 
-CLI: ``python -m flowrl.tiny_model OUT_DIR [--seed N] [--pretrain-steps N] [--corpus KIND]``.
+CLI: ``python -m flowrl.tiny_model OUT_DIR [--seed N] [--pretrain-steps N] [--corpus KIND]
+[--head lm|score]``.
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ PAD_TOKEN = "<|pad|>"
 CorpusKind = Literal["mixed", "arithmetic"]
 CORPORA: tuple[CorpusKind, ...] = ("mixed", "arithmetic")
 """The built-in corpora `synthetic_corpus` generates (see the module docstring)."""
+HeadKind = Literal["lm", "score"]
+HEADS: tuple[HeadKind, ...] = ("lm", "score")
+"""What sits on the transformer body: the language-modelling head or one scalar score."""
 # Bump when the build procedure changes so cached directories are rebuilt.
 _FORMAT = 1
 # The libraries whose versions the built bytes may depend on (tokenizer training, weight
@@ -97,6 +103,15 @@ class TinySpec:
     pretrain_steps: int
     libraries: dict[str, str]
     format: int = _FORMAT
+    head: HeadKind = "lm"
+
+    def manifest(self) -> dict[str, Any]:
+        """The spec as the manifest records it; a causal LM's leaves ``head`` out, so the
+        causal LMs cached before reward models existed stay valid."""
+        out = asdict(self)
+        if self.head == "lm":
+            del out["head"]
+        return out
 
 
 def build_versions() -> dict[str, str]:
@@ -203,41 +218,55 @@ def _pretrain(model: Any, tokenizer: Any, corpus: Sequence[str], steps: int, see
     model.eval()
 
 
+def build_tokenizer(corpus: Sequence[str], vocab_size: int) -> Any:
+    """A Qwen2-style byte-level BPE tokenizer trained on ``corpus`` (a transformers fast
+    tokenizer with this module's EOS and pad tokens); deterministic."""
+    from transformers import PreTrainedTokenizerFast
+
+    raw = _train_tokenizer(corpus, vocab_size)
+    fast_cls: Any = PreTrainedTokenizerFast
+    return fast_cls(
+        tokenizer_object=raw, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, unk_token=EOS_TOKEN
+    )
+
+
 def _write(dest: Path, spec: TinySpec, corpus: Sequence[str]) -> None:
     import torch
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
     hf_logging: Any = importlib.import_module("transformers.utils.logging")
     hf_logging.disable_progress_bar()  # build logs stay line-oriented
-    raw = _train_tokenizer(corpus, spec.vocab_size)
-    fast_cls: Any = PreTrainedTokenizerFast
-    tokenizer: Any = fast_cls(
-        tokenizer_object=raw, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, unk_token=EOS_TOKEN
-    )
+    tokenizer = build_tokenizer(corpus, spec.vocab_size)
+    lm = spec.head == "lm"
+    # The score head: one output and no vocabulary head to tie (a causal LM's config is as it
+    # always was, so its files stay byte-identical).
+    head: dict[str, Any] = {"tie_word_embeddings": True} if lm else {
+        "tie_word_embeddings": False, "num_labels": 1}
     config = Qwen2Config(
-        vocab_size=raw.get_vocab_size(),
+        vocab_size=tokenizer.backend_tokenizer.get_vocab_size(),
         hidden_size=spec.hidden,
         intermediate_size=spec.intermediate,
         num_hidden_layers=spec.layers,
         num_attention_heads=spec.heads,
         num_key_value_heads=spec.kv_heads,
         max_position_embeddings=spec.max_positions,
-        tie_word_embeddings=True,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
+        **head,
     )
     # A private RNG stream: the build is reproducible and leaves the caller's RNG untouched.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
-        model: Any = Qwen2ForCausalLM(config)
+        model_cls: Any = Qwen2ForCausalLM if lm else Qwen2ForSequenceClassification
+        model: Any = model_cls(config)
         if spec.pretrain_steps:
             _pretrain(model, tokenizer, corpus, spec.pretrain_steps, spec.seed)
     model.eval()
     model.save_pretrained(dest)
     tokenizer.save_pretrained(dest)
     # The manifest goes last: it marks the directory complete.
-    (dest / MANIFEST).write_text(json.dumps(asdict(spec), indent=2, sort_keys=True) + "\n")
+    (dest / MANIFEST).write_text(json.dumps(spec.manifest(), indent=2, sort_keys=True) + "\n")
 
 
 def _read_manifest(path: Path) -> dict[str, Any] | None:
@@ -262,6 +291,7 @@ def build_tiny_model(
     corpus: Iterable[str] | None = None,
     pretrain_steps: int = 0,
     corpus_kind: CorpusKind = "mixed",
+    head: HeadKind = "lm",
 ) -> Path:
     """Build (or reuse) a tiny Qwen2 model and tokenizer in ``out_dir``; return its path.
 
@@ -270,9 +300,16 @@ def build_tiny_model(
     random weights.
     The tokenizer's vocabulary is at most ``vocab_size`` (fewer if the corpus has too few
     merges); the model's vocabulary equals the tokenizer's.
+    ``head="score"`` builds a reward model (one scalar per sequence) with random weights
+    instead of a causal LM; it has no language-modelling warm-up.
     """
     if hidden % heads or heads % kv_heads:
         raise ValueError("hidden must divide by heads and heads by kv_heads")
+    if head not in HEADS:
+        raise ValueError(f"unknown head {head!r}; have {list(HEADS)}")
+    if head == "score" and pretrain_steps:
+        raise ValueError("a tiny reward model (head='score') has no language-modelling warm-up; "
+                         "pretrain_steps must be 0")
     lines = list(corpus) if corpus is not None else synthetic_corpus(seed, kind=corpus_kind)
     if not lines:
         raise ValueError("corpus is empty")
@@ -288,9 +325,10 @@ def build_tiny_model(
         corpus_sha256=_corpus_digest(lines),
         pretrain_steps=pretrain_steps,
         libraries=build_versions(),
+        head=head,
     )
     out = Path(out_dir)
-    if _read_manifest(out) == asdict(spec):
+    if _read_manifest(out) == spec.manifest():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     if not out.exists():
@@ -302,7 +340,7 @@ def build_tiny_model(
                 return out
             except OSError:
                 # Someone else created out_dir meanwhile; theirs wins if it is what we want.
-                if _read_manifest(out) == asdict(spec):
+                if _read_manifest(out) == spec.manifest():
                     return out
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -321,6 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--pretrain-steps", type=int, default=0)
     parser.add_argument("--corpus", choices=CORPORA, default="mixed")
+    parser.add_argument("--head", choices=HEADS, default="lm")
     args = parser.parse_args(argv)
     path = build_tiny_model(
         args.out_dir,
@@ -330,6 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         layers=args.layers,
         pretrain_steps=args.pretrain_steps,
         corpus_kind=args.corpus,
+        head=args.head,
     )
     print(path)
     return 0

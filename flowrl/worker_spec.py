@@ -36,11 +36,13 @@ __all__ = [
     "Endpoints",
     "EngineSpec",
     "FileDataSpec",
+    "JudgeSpec",
     "ModelSpec",
     "PolicyLossAgg",
     "PolicyLossName",
     "ProcessSpec",
     "ResumeSpec",
+    "RewardModelSpec",
     "RewardSpec",
     "RolloutSpec",
     "SamplingSpec",
@@ -61,6 +63,9 @@ PolicyLossName = Literal["ppo_clip", "gspo", "cispo"]
 
 CorrectionName = Literal["tis", "seq_tis", "mis", "icepop"]
 """The rollout correction (`flowrl.algorithms.CorrectionKind`)."""
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+"""A model's weights and compute; ``auto`` is bfloat16 where the device supports it."""
 
 
 class _Spec(BaseModel):
@@ -115,15 +120,48 @@ class SamplingSpec(_Spec):
 
 
 class RolloutSpec(_Spec):
-    dtype: Literal["auto", "float32", "bfloat16", "float16"]
+    dtype: Dtype
+
+
+class RewardModelSpec(_Spec):
+    #: a local sequence-classification model directory (the launcher resolves ``tiny``).
+    path: str
+    max_length: int = Field(ge=2)
+    batch_size: int = Field(ge=1)
+    dtype: Dtype
+
+
+class JudgeSpec(_Spec):
+    #: a local causal LM directory; None: the policy's initial model.
+    path: str | None
+    template: str
+    parse: Literal["number", "yes_no"]
+    min_score: float
+    max_score: float
+    default: float
+    max_new_tokens: int = Field(ge=1)
+    max_prompt_tokens: int = Field(ge=1)
+    stop: tuple[str, ...]
+    engine: Literal["hf", "vllm"]
+    dtype: Dtype
 
 
 class RewardSpec(_Spec):
+    """Exactly one of `fn`, `model` and `judge`."""
+
     #: ``module:function`` or ``/path/file.py:function``.
-    fn: str
+    fn: str | None
     batched: bool
     timeout_s: float
     concurrency: int
+    model: RewardModelSpec | None = None
+    judge: JudgeSpec | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> RewardSpec:
+        if sum(x is not None for x in (self.fn, self.model, self.judge)) != 1:
+            raise ValueError("exactly one of fn, model and judge")
+        return self
 
 
 class TrainerSpec(_Spec):

@@ -19,9 +19,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # Changing this list changes the public API: say so in CHANGELOG.md.
 PUBLIC = [
     "AlgorithmConfig", "ArithmeticConfig", "ClusterConfig", "ClusterSettings", "Controller",
-    "CriticConfig", "DataConfig", "ModelConfig", "MonitorConfig", "PipelineSpec",
+    "CriticConfig", "DataConfig", "JudgeConfig", "ModelConfig", "MonitorConfig", "PipelineSpec",
     "PlacementConfig", "PoolSpec", "RayConfig", "RayResources", "Recipe", "RecipeError",
-    "RewardConfig", "RolloutConfig", "RunError", "SimConfig", "StabilityActions", "StabilityConfig",
+    "RewardConfig", "RewardModelConfig", "RolloutConfig", "RunError", "SimConfig",
+    "StabilityActions", "StabilityConfig",
     "TinyModelConfig", "TrainerConfig",
     "compile_recipe", "given", "load_recipe", "run_recipe",
 ]

@@ -19,11 +19,13 @@ from flowrl.pipeline import PipelineSpec
 from flowrl.recipe import (
     AlgorithmConfig,
     DataConfig,
+    JudgeConfig,
     ModelConfig,
     MonitorConfig,
     PlacementConfig,
     Recipe,
     RewardConfig,
+    RewardModelConfig,
     RolloutConfig,
     SimConfig,
     TinyModelConfig,
@@ -57,9 +59,10 @@ def problems_of(excinfo: pytest.ExceptionInfo[RecipeError]) -> dict[str, str]:
 def test_public_api_is_pinned() -> None:
     assert set(recipe_mod.__all__) == {
         "LOSS_AGG_ALGORITHM_NAMES", "TINY_MODEL", "AlgorithmConfig", "ArithmeticConfig",
-        "ClusterSettings", "CriticConfig", "DataConfig", "ModelConfig", "MonitorConfig",
-        "PlacementConfig", "RayConfig", "RayResources", "Recipe", "RewardConfig",
-        "RolloutConfig", "SimConfig", "StabilityActions", "StabilityConfig", "TinyModelConfig",
+        "ClusterSettings", "CriticConfig", "DataConfig", "JudgeConfig", "ModelConfig",
+        "MonitorConfig", "PlacementConfig", "RayConfig", "RayResources", "Recipe",
+        "RewardConfig", "RewardModelConfig", "RolloutConfig", "SimConfig", "StabilityActions",
+        "StabilityConfig", "TinyModelConfig",
         "TrainerConfig", "callable_ref", "check_fn_ref",
     }
 
@@ -225,8 +228,8 @@ def test_recipe_is_frozen_and_hashable() -> None:
 
 def test_fields_are_documented() -> None:
     for cls in (Recipe, ModelConfig, TinyModelConfig, DataConfig, AlgorithmConfig,
-                RolloutConfig, RewardConfig, TrainerConfig, MonitorConfig, SimConfig,
-                PlacementConfig):
+                RolloutConfig, RewardConfig, RewardModelConfig, JudgeConfig, TrainerConfig,
+                MonitorConfig, SimConfig, PlacementConfig):
         undocumented = [n for n, f in cls.model_fields.items() if not f.description]
         assert not undocumented, f"{cls.__name__}: {undocumented}"
 
@@ -269,6 +272,12 @@ def test_fields_are_documented() -> None:
         ("reward={'fn': 'missing_file.py:f'}", "reward.fn"),
         ("reward={'fn': lambda p, r: 1.0}", "reward.fn"),
         ("rollout={'stop': ['ok', '']}", "rollout.stop"),
+        ("reward={'fn': None}", "reward.fn"),
+        ("reward={'model': {'path': 'tiny', 'tiny': {'hidden': 100, 'heads': 3}}}",
+         "reward.model.tiny.hidden"),
+        ("reward={'judge': {'template': 'Score:'}}", "reward.judge.template"),
+        ("reward={'judge': {'stop': ['']}}", "reward.judge.stop"),
+        ("reward={'judge': {'default': float('nan')}}", "reward.judge.default"),
     ],
 )
 def test_rules_name_their_field(tmp_path: Path, kwargs: str, field: str) -> None:
@@ -278,6 +287,20 @@ def test_rules_name_their_field(tmp_path: Path, kwargs: str, field: str) -> None
         load_recipe(path)
     assert field in problems_of(ei), str(ei.value)
     assert str(ei.value).startswith(f"{path}:2: {field}: ")
+
+
+def test_a_section_used_in_two_places_names_its_field_and_line_not_a_guess(
+    tmp_path: Path,
+) -> None:
+    # TinyModelConfig is both model.tiny and reward.model.tiny: built on its own, the error
+    # cannot know which, so it names the field and the line.
+    body = ("from flowrl.recipe import RewardModelConfig, TinyModelConfig\n"
+            "rm = RewardModelConfig(path='tiny',\n"
+            "                       tiny=TinyModelConfig(hidden=100, heads=3))\n")
+    path = write(tmp_path, body)
+    with pytest.raises(RecipeError) as ei:
+        load_recipe(path)
+    assert str(ei.value) == f"{path}:3: hidden: 100 does not divide by heads=3"
 
 
 def test_real_local_paths_pass(tmp_path: Path) -> None:

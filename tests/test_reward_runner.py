@@ -22,6 +22,7 @@ from workers.roles.reward_runner import (
     RewardResult,
     RewardRunner,
     RewardSample,
+    Unparsable,
     resolve_reward_fn,
 )
 
@@ -48,7 +49,7 @@ def release() -> Iterator[threading.Event]:
 def test_public_api_is_pinned() -> None:
     assert set(reward_mod.__all__) == {
         "FailureKind", "RewardFnError", "RewardResult", "RewardRunner", "RewardSample",
-        "RewardStats", "resolve_reward_fn",
+        "RewardStats", "Unparsable", "resolve_reward_fn",
     }
 
 
@@ -356,6 +357,25 @@ async def test_a_raising_batched_function_fails_every_sample() -> None:
     out = await runner(fn, batched=True).score(SAMPLES)
     assert [(x.ok, x.kind, x.error) for x in out] == [
         (False, "error", "RuntimeError: verifier down")] * 3
+
+
+async def test_unparsable_samples_score_their_fallback_and_are_counted() -> None:
+    def batch(prompts: list[str], responses: list[str], metas: list[dict[str, Any]]) -> Any:
+        return [0.5, Unparsable(-1.0, "no score in 'meh'"), Unparsable(math.nan, "nan")]
+
+    r = runner(batch, batched=True)
+    out = await r.score(SAMPLES)
+    assert out == [RewardResult(0.5, True),
+                   RewardResult(-1.0, False, "no score in 'meh'", "unparsable"),
+                   RewardResult(0.0, False, "returned nan, expected a finite number", "invalid")]
+    assert r.statistics().failures == {"error": 0, "timeout": 0, "invalid": 1, "stuck": 0,
+                                       "unparsable": 1}
+
+    async def one(prompt: str, response: str, **meta: Any) -> Any:
+        return Unparsable(0.25, "unreadable") if response == "5" else 1.0
+
+    out = await runner(one).score(SAMPLES)
+    assert [(x.reward, x.kind) for x in out] == [(1.0, None), (0.25, "unparsable"), (1.0, None)]
 
 
 async def test_cancelling_score_propagates(release: threading.Event) -> None:

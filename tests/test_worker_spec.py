@@ -20,8 +20,11 @@ from flowrl.controller import Controller
 from flowrl.recipe import (
     AlgorithmConfig,
     DataConfig,
+    JudgeConfig,
     ModelConfig,
     Recipe,
+    RewardConfig,
+    RewardModelConfig,
     RolloutConfig,
     TinyModelConfig,
     TrainerConfig,
@@ -139,6 +142,12 @@ async def test_every_field_of_the_spec_is_read_by_the_worker_side(
             "model": ws.ModelSpec(path=str(model), reference_path=str(model)),
             "resume": ws.ResumeSpec(checkpoint=str(tmp_path / "elsewhere" / "step_1"),
                                     version=1)})
+    scorer = build_tiny_model(tmp_path / "rm", hidden=32, layers=1, heads=2, kv_heads=1,
+                              max_positions=64, head="score")
+    graded = [Recipe(steps=1, model=ModelConfig(path=str(model)),
+                     reward=RewardConfig(**source)).engine_spec()
+              for source in ({"model": RewardModelConfig(path=str(scorer), max_length=32)},
+                             {"judge": JudgeConfig(max_prompt_tokens=32)})]
     threads = torch.get_num_threads()
     try:
         # What a worker process does with its spec (`workers.main.main` and `serve`) ...
@@ -149,7 +158,8 @@ async def test_every_field_of_the_spec_is_read_by_the_worker_side(
         assert len(worker_main.make_roles(spec)) == 2
         # ... and what the real engines' factory reads, every role of each variant.
         for config, roles in ((ppo, ("rollout", "reward", "reference", "critic", "train")),
-                              (resumed, ("rollout", "reference", "critic"))):
+                              (resumed, ("rollout", "reference", "critic")),
+                              *((g, ("reward",)) for g in graded)):
             for role in roles:
                 process = spec.process.model_copy(update={
                     "name": f"{role}.0", "role": role, "count": 1, "engine": "hf",

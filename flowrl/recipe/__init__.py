@@ -7,7 +7,7 @@ reward, trainer, monitor, sim, placement, stability). Defaults make the common c
         steps=200,
         model=ModelConfig(path="/models/qwen2.5-0.5b"),
         data=DataConfig(kind="jsonl", path="data/gsm8k.jsonl"),
-        reward=RewardConfig(fn="my_rewards:score"),
+        reward=RewardConfig(fn="my_rewards:score"),  # or model=RewardModelConfig(path=...)
     )
 
 Guarantees:
@@ -20,7 +20,8 @@ Guarantees:
   (what workers are told, in a 0600 file).
 - The monitor token is a `SecretStr`: it is never shown by ``repr``/``str``/``model_dump_json``,
   input values are hidden in validation errors, and it is never put in ``engine_config``.
-- Filesystem checks (model directory, data file, reward file) run only for local placement on
+- Filesystem checks (model directory, data file, reward file, reward model and judge
+  directories) run only for local placement on
   one node with a real engine, where the controller's filesystem is the workers' filesystem.
 - ``placement.roles`` names only roles the run has, each with at least one node; nodes other
   than the controller's need ``placement.cluster`` (with a key file) unless Ray places them.
@@ -53,7 +54,13 @@ from flowrl.recipe.placement import (
     RayResources,
 )
 from flowrl.recipe.recipe import Recipe
-from flowrl.recipe.reward import RewardConfig, callable_ref, check_fn_ref
+from flowrl.recipe.reward import (
+    JudgeConfig,
+    RewardConfig,
+    RewardModelConfig,
+    callable_ref,
+    check_fn_ref,
+)
 from flowrl.recipe.rollout import RolloutConfig
 from flowrl.recipe.sim import SimConfig
 from flowrl.recipe.stability import StabilityActions, StabilityConfig
@@ -67,6 +74,7 @@ __all__ = [
     "ClusterSettings",
     "CriticConfig",
     "DataConfig",
+    "JudgeConfig",
     "ModelConfig",
     "MonitorConfig",
     "PlacementConfig",
@@ -74,6 +82,7 @@ __all__ = [
     "RayResources",
     "Recipe",
     "RewardConfig",
+    "RewardModelConfig",
     "RolloutConfig",
     "SimConfig",
     "StabilityActions",

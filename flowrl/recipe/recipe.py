@@ -4,6 +4,7 @@ controller's `PipelineSpec` and the workers' `EngineSpec`."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -36,11 +37,34 @@ from flowrl.worker_spec import (
     EngineSpec,
     FileDataSpec,
     ModelSpec,
-    RewardSpec,
     RolloutSpec,
     SamplingSpec,
     TrainerSpec,
 )
+
+
+def _model_config(field: str, path: str) -> dict[str, Any]:
+    """The ``config.json`` of the model directory ``path``, or a rule error naming ``field``."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise _rule(field, f"{path!r} is not a model directory (no config.json in it)")
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise _rule(field, f"{str(file)!r} cannot be read as JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise _rule(field, f"{str(file)!r} holds no JSON object")
+    return config
+
+
+def _num_labels(config: dict[str, Any]) -> int:
+    """A classifier's outputs as transformers counts them (``id2label``, else ``num_labels``,
+    else its default of 2)."""
+    labels = config.get("id2label")
+    if isinstance(labels, dict):
+        return len(labels)
+    n = config.get("num_labels", 2)
+    return n if isinstance(n, int) else 2
 
 
 class Recipe(_Section):
@@ -90,6 +114,11 @@ class Recipe(_Section):
                         f"{self.algorithm.name!r}, not 'ppo'")
         if self.checkpoint_every and self.output is None:
             raise _rule("checkpoint_every", "needs output (a directory to write checkpoints to)")
+        served = "model" if self.reward.model is not None else (
+            "judge" if self.reward.judge is not None else None)
+        if sim and served is not None:
+            raise _rule(f"reward.{served}", "simulated reward workers score no text; a reward "
+                        f"{served} needs rollout.engine 'hf' or 'vllm'")
         if sim and self.trainer.ranks > 1:
             raise _rule("trainer.ranks", "simulated trainers do not all-reduce; data-parallel "
                         "ranks need rollout.engine 'hf' or 'vllm'")
@@ -106,6 +135,14 @@ class Recipe(_Section):
                 raise _rule("rollout.max_new_tokens", f"data.max_prompt_tokens + "
                             f"rollout.max_new_tokens = {longest} exceeds "
                             f"model.tiny.max_positions = {self.model.tiny.max_positions}")
+        judge = self.reward.judge
+        if not sim and judge is not None and judge.path is None and self.model.path == TINY_MODEL:
+            longest = judge.max_prompt_tokens + judge.max_new_tokens
+            if longest > self.model.tiny.max_positions:
+                raise _rule("reward.judge.max_prompt_tokens", f"with max_new_tokens = "
+                            f"{judge.max_new_tokens}, {longest} tokens exceed the judge's (the "
+                            f"policy's) model.tiny.max_positions = "
+                            f"{self.model.tiny.max_positions}")
         unrun = sorted(set(self.placement.roles) - set(self.roles))
         if unrun:
             raise _rule(f"placement.roles.{unrun[0]}", f"this run has no {unrun[0]} workers "
@@ -124,6 +161,14 @@ class Recipe(_Section):
             target, _ = check_fn_ref(self.reward.fn)
             if target.endswith(".py") and not Path(target).is_file():
                 raise _rule("reward.fn", f"no such file: {target!r}")
+        rm, judge = self.reward.model, self.reward.judge
+        if rm is not None and rm.path != TINY_MODEL:
+            labels = _num_labels(_model_config("reward.model.path", rm.path))
+            if labels != 1:
+                raise _rule("reward.model.path", f"{rm.path!r} is a model with {labels} "
+                            "labels; a reward model has one (num_labels=1)")
+        if judge is not None and judge.path is not None:
+            _model_config("reward.judge.path", judge.path)
 
     @property
     def tis_cap(self) -> float | None:
@@ -173,7 +218,7 @@ class Recipe(_Section):
             PoolSpec("rollout", count=self.rollout.workers, per_process=rollout_per_process,
                      threads=self.rollout.threads),
             PoolSpec("reward", count=self.reward.workers, per_process=reward_per_process,
-                     capacity=reward_capacity),
+                     capacity=reward_capacity, threads=self.reward.threads),
         ]
         if reference:
             pools.append(PoolSpec("reference", count=1, threads=self.rollout.threads))
@@ -233,9 +278,7 @@ class Recipe(_Section):
                                   max_new_tokens=self.rollout.max_new_tokens,
                                   stop=self.rollout.stop),
             rollout=RolloutSpec(dtype=self.rollout.dtype),
-            reward=RewardSpec(fn=self.reward.ref, batched=self.reward.batched,
-                              timeout_s=self.reward.timeout_s,
-                              concurrency=self.reward.concurrency),
+            reward=self.reward.spec(),
             trainer=TrainerSpec(lr=t.lr, weight_decay=t.weight_decay, betas=t.betas,
                                 grad_clip=t.grad_clip, warmup_steps=t.warmup_steps,
                                 lr_schedule=t.lr_schedule, min_lr_ratio=t.min_lr_ratio),

@@ -33,7 +33,13 @@ from workers.engines.protocols import (
     token_logprobs,
 )
 
-__all__ = ["HFRolloutEngine", "load_causal_lm", "quiet_transformers", "tied_groups"]
+__all__ = [
+    "HFRolloutEngine",
+    "load_causal_lm",
+    "load_pretrained",
+    "quiet_transformers",
+    "tied_groups",
+]
 
 
 def _transformers_version() -> tuple[int, int]:
@@ -61,14 +67,28 @@ def load_causal_lm(
     Eval mode turns dropout off for good: rollout, scoring and training must compute the same
     function for importance ratios to mean anything.
     """
-    from transformers import AutoModelForCausalLM
+    return load_pretrained("AutoModelForCausalLM", model_dir, device=device, dtype=dtype,
+                           attn_implementation=attn_implementation)
+
+
+def load_pretrained(
+    auto_class: str,
+    model_dir: str | os.PathLike[str],
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    attn_implementation: str | None = None,
+) -> Any:
+    """``transformers.<auto_class>.from_pretrained`` offline, on ``device`` in ``dtype``, in
+    eval mode (dropout off)."""
+    import transformers
 
     quiet_transformers()
     kwargs: dict[str, Any] = {"local_files_only": True}
     kwargs["dtype" if _transformers_version() >= (4, 56) else "torch_dtype"] = dtype
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
-    model: Any = AutoModelForCausalLM.from_pretrained(Path(model_dir), **kwargs)
+    model: Any = getattr(transformers, auto_class).from_pretrained(Path(model_dir), **kwargs)
     model.to(device)
     model.eval()
     return model

@@ -18,14 +18,14 @@ Imports torch and transformers lazily, inside the functions.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from flowrl.data import Dataset, arithmetic, jsonl, parquet
-from flowrl.worker_spec import EngineSpec, engine_spec
+from flowrl.worker_spec import Dtype, EngineSpec, JudgeSpec, RewardModelSpec, engine_spec
 
 if TYPE_CHECKING:
     import torch
@@ -42,6 +42,7 @@ __all__ = [
     "model_dir",
     "rollout_dtype",
     "sampling_from_config",
+    "torch_dtype",
 ]
 
 #: a spec, or its JSON form
@@ -77,11 +78,15 @@ def dataset_from_config(config: Config) -> Dataset:
 
 
 def rollout_dtype(config: Config, device: torch.device) -> torch.dtype:
-    """``rollout.dtype`` as a torch dtype; ``auto`` is bfloat16 where ``device`` supports it
+    """``rollout.dtype`` as a torch dtype (`torch_dtype`)."""
+    return torch_dtype(engine_spec(config).rollout.dtype, device)
+
+
+def torch_dtype(name: Dtype, device: torch.device) -> torch.dtype:
+    """A spec's dtype name as a torch dtype; ``auto`` is bfloat16 where ``device`` supports it
     (CUDA with bf16, NPU), else float32."""
     import torch
 
-    name = engine_spec(config).rollout.dtype
     if name == "auto":
         bf16 = device.type == "npu" or (device.type == "cuda" and torch.cuda.is_bf16_supported())
         return torch.bfloat16 if bf16 else torch.float32
@@ -120,7 +125,7 @@ def make_hf_role(role: str, config: Config, seed: int, *, process: str | None = 
         raise ValueError(f"no hf role {role!r}; have {list(HF_ROLES)}")
     spec = engine_spec(config)
     if role == "reward":
-        return _reward(spec)
+        return _reward(spec, seed)
     path = model_dir(spec)
     if role == "rollout":
         return _rollout(spec, path, seed)
@@ -151,14 +156,68 @@ def make_vllm_role(role: str, config: Config, seed: int, *, process: str | None 
                        sample_seed=spec.seed)
 
 
-def _reward(spec: EngineSpec) -> Role:
+def _reward(spec: EngineSpec, seed: int) -> Role:
     from workers.roles.reward_role import RewardRole
     from workers.roles.reward_runner import RewardRunner, resolve_reward_fn
 
     r = spec.reward
-    runner = RewardRunner(resolve_reward_fn(r.fn), batched=r.batched, timeout_s=r.timeout_s,
+    policy = model_dir(spec)  # checked before any model loads
+    fn: Callable[..., Any]
+    if r.model is not None:
+        fn, batched = _reward_model(r.model), True
+    elif r.judge is not None:
+        fn, batched = _judge(spec, r.judge, seed), True
+    else:
+        assert r.fn is not None  # RewardSpec: exactly one source
+        fn, batched = resolve_reward_fn(r.fn), r.batched
+    runner = RewardRunner(fn, batched=batched, timeout_s=r.timeout_s,
                           max_concurrency=r.concurrency)
-    return RewardRole(runner, load_tokenizer(model_dir(spec)), dataset_from_config(spec))
+    return RewardRole(runner, load_tokenizer(policy), dataset_from_config(spec))
+
+
+def _reward_model(rm: RewardModelSpec) -> Callable[..., Any]:
+    from workers.devices import pick_device
+    from workers.engines.reward_model import RewardModelEngine
+
+    path = Path(rm.path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"reward.model.path: {rm.path!r} is not a local model directory (no "
+                         "config.json); the launcher resolves 'tiny' before workers start")
+    device = pick_device()
+    return RewardModelEngine(path, max_length=rm.max_length, batch_size=rm.batch_size,
+                             device=device, dtype=torch_dtype(rm.dtype, device))
+
+
+def _judge(spec: EngineSpec, j: JudgeSpec, seed: int) -> Callable[..., Any]:
+    """A judge served here with the rollout engine code: a fixed model, so this role never
+    loads policy versions (the policy's own directory holds its initial weights)."""
+    from workers.engines.protocols import RolloutEngine
+    from workers.roles.judge import Judge
+
+    if j.path is not None:
+        path = Path(j.path)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"reward.judge.path: {j.path!r} is not a local model directory "
+                             "(no config.json)")
+    else:  # the policy as the run started (when resuming, not the checkpoint)
+        ref = spec.model.reference_path
+        path = Path(ref) if ref else model_dir(spec)
+    engine: RolloutEngine
+    if j.engine == "vllm":
+        from workers.engines.vllm_rollout import VLLMRolloutEngine
+
+        engine = VLLMRolloutEngine(path, dtype=j.dtype, seed=seed)
+    else:
+        from workers.devices import pick_device
+        from workers.engines.hf_rollout import HFRolloutEngine
+
+        device = pick_device()
+        engine = HFRolloutEngine(path, device=device, dtype=torch_dtype(j.dtype, device),
+                                 seed=seed)
+    return Judge(engine, load_tokenizer(path), template=j.template, parse=j.parse,
+                 min_score=j.min_score, max_score=j.max_score, default=j.default,
+                 max_new_tokens=j.max_new_tokens, max_prompt_tokens=j.max_prompt_tokens,
+                 stop=j.stop)
 
 
 def _rollout(spec: EngineSpec, path: Path, seed: int) -> Role:

@@ -2,12 +2,15 @@
 
 Per row: the response ids are decoded with the policy's tokenizer (special tokens skipped, so
 the EOS that ends a response is not part of the text), the example is looked up by the row's
-dataset position, and `workers.roles.reward_runner.RewardRunner` calls the user's function with
-``(prompt, response, answer=...)``.
+dataset position, and `workers.roles.reward_runner.RewardRunner` calls the reward function with
+``(prompt, response, answer=...)``: the user's, or a reward model or judge served in this
+process (`workers.roles.factory` builds them; both score a whole task per call).
 
 Guarantees: ``run`` returns one finite float per row whatever the reward function does; a
-sample whose call failed (raised, timed out, returned garbage) gets 0.0 and is counted in the
-metrics (``reward_failed`` and ``reward_failed_<kind>``); the first error of a task is logged.
+sample whose call failed (raised, timed out, returned garbage) gets 0.0, one whose grader output
+was unparsable (a judge's verdict without a score) its fallback reward, and either is counted in
+the metrics (``reward_failed`` and ``reward_failed_<kind>``); the first error of a task is
+logged.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ into one `RewardResult` each. Guarantees:
   for a float such as ``10**400``, a batch of the wrong length) gives its samples
   ``reward = 0.0, ok = False`` and the error text, and is counted by kind in
   `RewardRunner.statistics`.
+- A function may return `Unparsable` for a sample (a grader whose output it could not read,
+  such as a judge model's verdict without a score): the sample gets that value's fallback
+  reward, ``ok = False`` and kind ``unparsable``.
 - The event loop stays free: sync functions run in threads, async functions on the loop under a
   timeout scope. At most ``max_concurrency`` calls run at once.
 - Threads are bounded. Python cannot kill a thread, so a sync call that hangs past its timeout
@@ -52,12 +55,15 @@ __all__ = [
     "RewardRunner",
     "RewardSample",
     "RewardStats",
+    "Unparsable",
     "resolve_reward_fn",
 ]
 
-FailureKind = Literal["error", "timeout", "invalid", "stuck"]
+FailureKind = Literal["error", "timeout", "invalid", "stuck", "unparsable"]
 """Why a sample's reward failed: the function raised, ran past its timeout, returned something
-that is not a finite number (or a batch of the wrong length), or every thread was hung."""
+that is not a finite number (or a batch of the wrong length), every thread was hung, or it
+returned `Unparsable` (its grader's output held no score)."""
+_KINDS: tuple[FailureKind, ...] = ("error", "timeout", "invalid", "stuck", "unparsable")
 
 _MAX_ERROR_CHARS = 500
 
@@ -72,8 +78,18 @@ class RewardSample:
 
 
 @dataclass(frozen=True, slots=True)
+class Unparsable:
+    """What a function returns for a sample whose grader output it could not read: the sample
+    scores ``reward`` (a finite fallback) and is counted as failed, kind ``unparsable``."""
+
+    reward: float
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
 class RewardResult:
-    """A sample's reward; when ``ok`` is False the reward is 0.0 and ``error`` says why."""
+    """A sample's reward; when ``ok`` is False the reward is 0.0 (an `Unparsable` sample's:
+    its fallback) and ``error`` says why."""
 
     reward: float
     ok: bool
@@ -158,6 +174,14 @@ def _as_reward(value: Any) -> float:
     return x
 
 
+def _result(value: Any) -> RewardResult:
+    """A sample's result from the function's value for it, or `_Failure("invalid")`."""
+    if isinstance(value, Unparsable):
+        return RewardResult(_as_reward(value.reward), False, _text(value.error, str)[
+            :_MAX_ERROR_CHARS], "unparsable")
+    return RewardResult(_as_reward(value), True)
+
+
 def _as_batch(values: Any, samples: int) -> list[Any]:
     """A batched function's result as a list of `samples` values, or `_Failure("invalid")`."""
     if isinstance(values, str | bytes | Mapping) or not hasattr(values, "__len__"):
@@ -216,9 +240,8 @@ class RewardRunner:
 
     def statistics(self) -> RewardStats:
         c = self._counts
-        kinds: tuple[FailureKind, ...] = ("error", "timeout", "invalid", "stuck")
         return RewardStats(calls=c["calls"], samples=c["samples"], ok=c["ok"],
-                           failures={k: c[k] for k in kinds}, abandoned_threads=self._abandoned)
+                           failures={k: c[k] for k in _KINDS}, abandoned_threads=self._abandoned)
 
     async def wait_unabandoned(self) -> None:
         """Wait until every abandoned (timed-out) sync call has returned."""
@@ -228,8 +251,7 @@ class RewardRunner:
 
     async def _score_one(self, s: RewardSample) -> RewardResult:
         try:
-            value = await self._call((s.prompt, s.response), dict(s.meta))
-            return RewardResult(_as_reward(value), True)
+            return _result(await self._call((s.prompt, s.response), dict(s.meta)))
         except _Failure as f:
             return RewardResult(0.0, False, str(f), f.kind)
 
@@ -243,7 +265,7 @@ class RewardRunner:
         out = []
         for v in values:
             try:
-                out.append(RewardResult(_as_reward(v), True))
+                out.append(_result(v))
             except _Failure as f:
                 out.append(RewardResult(0.0, False, str(f), f.kind))
         return out
