@@ -47,7 +47,7 @@ class StabilityConfig(_Section):
     """Share of tokens whose ratio was clipped."""
     reward_drop: float | None = Field(default=0.5, gt=0.0, le=1.0)
     """Share of the run's reward gain (best moving mean less the first) it may lose."""
-    reward_min_gain: float = Field(default=0.1, ge=0.0)
+    reward_min_gain: float = Field(default=0.2, ge=0.0)
     """A reward drop is judged only once the run has gained this much."""
     actions: StabilityActions = Field(default_factory=StabilityActions)
     """What each signal does: warn, tighten_staleness, lower_lr or rollback."""
