@@ -8,7 +8,12 @@ import pytest
 
 from flowrl.recipe_file import load_recipe
 from flowrl.tiny_model import synthetic_corpus
-from workers.roles.builtin_rewards import numeric_partial_credit, numeric_partial_credit_batch
+from workers.roles.builtin_rewards import (
+    exact_match,
+    exact_match_batch,
+    numeric_partial_credit,
+    numeric_partial_credit_batch,
+)
 
 
 @pytest.mark.parametrize(
@@ -48,6 +53,9 @@ def test_batched_form_matches_per_sample() -> None:
     ]
     with pytest.raises(ValueError, match=r"shorter|longer"):
         numeric_partial_credit_batch([""], responses, metas)
+    assert exact_match_batch([""] * 4, responses, metas) == [1.0, 0.0, 0.0, 0.0]
+    assert exact_match_batch([""] * 4, responses, metas) == [
+        exact_match("", r, answer=m["answer"]) for r, m in zip(responses, metas, strict=True)]
 
 
 def test_arithmetic_corpus_is_single_digit_arithmetic() -> None:

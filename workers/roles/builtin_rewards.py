@@ -4,7 +4,8 @@ A recipe names one as ``"workers.roles.builtin_rewards:<name>"``: per-sample fun
 ``fn(prompt, response, *, answer, **meta) -> float``, batched ones (``RewardConfig(batched=True)``)
 ``fn(prompts, responses, metas) -> list[float]``. Pure standard library; deterministic.
 
-- `exact_match` (the recipe's default): 1.0 when the response starts with the answer, else 0.0.
+- `exact_match` (the recipe's default): 1.0 when the response starts with the answer, else 0.0;
+  `exact_match_batch` is its batched form.
 - `numeric_partial_credit`: the exact answer scores 1.0 (the same check as `exact_match`); a
   response that starts with another integer scores by its distance to the answer, at most 0.5,
   so every exact answer outranks every wrong one; anything else scores 0.0. The shaping gives a
@@ -29,6 +30,7 @@ from typing import Any
 
 __all__ = [
     "exact_match",
+    "exact_match_batch",
     "final_number",
     "gsm8k_gold",
     "gsm8k_numeric",
@@ -53,6 +55,13 @@ def exact_match(prompt: str, response: str, *, answer: Any, **_: Any) -> float:
         return 0.0
     rest = got[len(want):]
     return 0.0 if rest[:1].isalnum() else 1.0
+
+
+def exact_match_batch(
+    prompts: Sequence[str], responses: Sequence[str], metas: Sequence[Mapping[str, Any]]
+) -> list[float]:
+    """`exact_match` of each sample, for ``RewardConfig(batched=True)``."""
+    return [exact_match(p, r, **m) for p, r, m in zip(prompts, responses, metas, strict=True)]
 
 
 def numeric_partial_credit(
