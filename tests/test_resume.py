@@ -163,7 +163,7 @@ def test_sigkilled_launch_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     assert f"resuming from {out / 'step_2'} (step 2" in done.stdout
     lines = done.stdout.splitlines()
     assert [line.split()[1] for line in lines if line.startswith("step ")] == ["3", "4", "5", "6"]
-    summary = json.loads(lines[-1])
+    summary = json.loads(lines[-2])  # the last line says where the model is
     assert summary["version"] == 6
     assert summary["rows_trained_twice"] == 0
     # The killed run's shared memory and run directory were reclaimed by the new start; the new
