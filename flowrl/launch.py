@@ -1,8 +1,12 @@
-"""``python -m flowrl.launch RECIPE.py [--set K=V ...] [--steps N] [--output DIR] [--resume DIR]``
+"""``python -m flowrl.launch RECIPE.py [--set K=V ...] [--steps N] [--output DIR] [--resume DIR]
+[--overwrite]``
 
 Validates the recipe before anything starts (a wrong field fails naming the field and the
 file), builds the tiny model if the recipe asks for one, starts the controller with its node
-agent and workers, prints one progress line per optimizer step and a JSON summary at the end.
+agent and workers, prints one progress line per optimizer step, a JSON summary at the end and,
+last, where the final model was saved. Results go to the output directory
+(`flowrl.run_output`): the recipe's ``output``, ``--output``, the run resumed, or else a fresh
+``runs/<YYYYmmdd-HHMMSS>-<recipe file stem>-<run id>/`` under the current directory.
 Heavy imports (torch, transformers) happen only after the arguments and recipe are checked, so
 ``--help`` and recipe errors answer at once.
 """
@@ -15,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from flowrl.controller import Controller
+    from flowrl.recipe import Recipe
 
 EXIT_RECIPE = 2
 EXIT_RUN = 1
@@ -31,13 +36,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="override a recipe field, e.g. --set trainer.lr=1e-4 (repeatable)")
     p.add_argument("--steps", type=int,
                    help="optimizer steps of the run (overrides `steps`)")
-    p.add_argument("--output", help="directory for checkpoints (overrides `output`)")
+    p.add_argument("--output", metavar="DIR",
+                   help="directory for the run's results: final model, checkpoints, step log, "
+                        "summary (overrides `output`; default: a new runs/<time>-<recipe>-<run "
+                        "id>/ here)")
     p.add_argument("--monitor-port", type=int, metavar="PORT",
                    help="HTTP monitor port (overrides `monitor.port`; default: a free port)")
     p.add_argument("--no-monitor", action="store_true", help="run without the HTTP monitor")
     p.add_argument("--resume", metavar="DIR",
                    help="continue a run from the newest complete checkpoint in DIR (its "
                         "output directory); --steps stays the run's total")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh in an output directory that holds another run's results, "
+                        "removing them")
     return p.parse_args(argv)
 
 
@@ -68,9 +79,24 @@ def _announce_monitor(ctl: Controller) -> None:
           f"        watch: python -m flowrl.monitor {mon.url}", flush=True)
 
 
+def _outcome(summary: dict[str, Any], recipe: Recipe) -> tuple[str, int]:
+    """The launcher's last line (where the final model is) and its exit code."""
+    final, out = summary.get("final_model"), summary.get("output")
+    if final is not None:
+        return f"model saved to {final}", 0
+    if recipe.rollout.engine == "sim":
+        return f"results saved to {out} (a simulated run trains no model)", 0
+    if summary["version"] < recipe.steps:
+        return (f"no final model: the run stopped at step {summary['version']} of "
+                f"{recipe.steps}; results saved to {out}"), 0
+    return f"error: the final model was not saved to {out} (the log says why)", EXIT_RUN
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    from flowrl.recipe_file import RecipeError, load_recipe
+    from flowrl.recipe_file import RecipeError, apply_overrides, load_recipe
+    from flowrl.run_output import OutputInUse, ResumeMismatch, default_output, run_dir_of
+    from transport.endpoints import new_run_id
 
     overrides = list(args.overrides)
     if args.steps is not None:
@@ -80,9 +106,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.monitor_port is not None:
         overrides.append(f"monitor.port={args.monitor_port}")
     if args.resume is not None and args.output is None:
-        overrides.append(f"output={args.resume}")  # later checkpoints go on beside it
+        # later checkpoints go on beside it, in its run directory
+        overrides.append(f"output={run_dir_of(args.resume)}")
+    run_id = new_run_id()
     try:
         recipe = load_recipe(args.recipe, overrides)
+        if recipe.output is None:
+            recipe = apply_overrides(
+                recipe, [(("output",), str(default_output(args.recipe, run_id)))],
+                file=args.recipe)
     except RecipeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_RECIPE
@@ -110,7 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = asyncio.run(run_recipe(
             recipe, on_step=lambda e: print(_format_step(e), flush=True),
-            monitor=not args.no_monitor, on_start=_announce_monitor, resume=resume))
+            monitor=not args.no_monitor, on_start=_announce_monitor, resume=resume,
+            run_id=run_id, overwrite=args.overwrite))
+    except (OutputInUse, ResumeMismatch) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_RECIPE
     except KeyboardInterrupt:
         print("interrupted; workers stopped", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -121,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_RUN
     print(json.dumps(summary, default=str))
-    return 0
+    line, code = _outcome(summary, recipe)
+    print(line, file=sys.stderr if code else sys.stdout, flush=True)
+    return code
 
 
 if __name__ == "__main__":

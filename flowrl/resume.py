@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,7 +36,9 @@ __all__ = [
     "STATE_FILE",
     "RunState",
     "TrainedPositions",
+    "checkpoint_dirs",
     "latest_checkpoint",
+    "prune_checkpoints",
     "write_state",
 ]
 
@@ -154,15 +157,45 @@ def save_beside_checkpoint(output: str | os.PathLike[str], state: RunState) -> b
     return True
 
 
+def checkpoint_dirs(output: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """The ``step_N`` directories under ``output``, complete or not, as (N, path), newest
+    first."""
+    return sorted(((int(m.group(1)), p) for p in Path(output).iterdir()
+                   if (m := _STEP_DIR.fullmatch(p.name)) and p.is_dir()), reverse=True)
+
+
+def prune_checkpoints(output: str | os.PathLike[str], keep: int) -> list[Path]:
+    """Delete the ``step_N`` directories older than the newest ``keep`` complete checkpoints
+    under ``output``; returns what was deleted. The newest complete one (what `--resume` uses)
+    is always kept, and so is every ``step_N`` newer than the oldest kept one (one the
+    controller has not completed yet). A directory is renamed aside before it is deleted, so a
+    deletion cut short never leaves a half-deleted ``step_N``."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    root = Path(output)
+    steps = checkpoint_dirs(root)
+    complete = [n for n, p in steps if (p / STATE_FILE).is_file()]
+    if len(complete) <= keep:
+        return []
+    oldest_kept = complete[keep - 1]
+    gone = []
+    for n, path in steps:
+        if n < oldest_kept:
+            trash = root / f".{path.name}.removing"
+            shutil.rmtree(trash, ignore_errors=True)
+            path.rename(trash)
+            shutil.rmtree(trash)
+            gone.append(path)
+    return gone
+
+
 def latest_checkpoint(output: str | os.PathLike[str]) -> tuple[Path, RunState]:
     """The newest complete checkpoint under ``output`` (or ``output`` itself when it is one)."""
     root = Path(output)
     if (root / STATE_FILE).is_file():
         candidates = [root]
     elif root.is_dir():
-        found = [(int(m.group(1)), p) for p in root.iterdir()
-                 if (m := _STEP_DIR.fullmatch(p.name)) and (p / STATE_FILE).is_file()]
-        candidates = [p for _, p in sorted(found, reverse=True)]
+        candidates = [p for _, p in checkpoint_dirs(root) if (p / STATE_FILE).is_file()]
     else:
         raise FileNotFoundError(f"--resume: {root} does not exist")
     if not candidates:

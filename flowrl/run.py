@@ -18,15 +18,21 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from flowrl.controller import Controller
 from flowrl.node_hub import ClusterConfig
 from flowrl.pipeline import PipelineSpec
 from flowrl.recipe import CONTROLLER_NODE, TINY_MODEL, ClusterSettings, Recipe, TinyModelConfig
+from flowrl.recipe_file import apply_overrides
 from flowrl.resume import RunState, latest_checkpoint
+from flowrl.run_output import RunRecord, check_resume, claim, run_dir_of
 from flowrl.tiny_model import HeadKind
 from flowrl.worker_spec import ModelSpec, ResumeSpec
 from transport import shm
 from transport.errors import SharedMemoryTooSmall
+
+log = structlog.get_logger("flowrl.run")
 
 
 def cache_dir() -> Path:
@@ -110,6 +116,7 @@ def cluster_config(recipe: Recipe, *, host: str | None = None) -> ClusterConfig 
 @contextlib.asynccontextmanager
 async def placed_controller(
     recipe: Recipe, spec: PipelineSpec, *, monitor: bool = True, resume: RunState | None = None,
+    run_id: str | None = None,
 ) -> AsyncIterator[Controller]:
     """The recipe's controller, started with its workers placed as ``placement`` says; with
     Ray placement, the other nodes' agents run as Ray actors (`flowrl.ray_placement`), which
@@ -120,7 +127,8 @@ async def placed_controller(
             from flowrl.ray_placement import RayAgents  # Ray loads only when placed by it
 
             agents = await stack.enter_async_context(RayAgents(recipe.placement.ray))
-        ctl = Controller(spec, node=CONTROLLER_NODE, monitor=recipe.monitor if monitor else None,
+        ctl = Controller(spec, run_id=run_id, node=CONTROLLER_NODE,
+                         monitor=recipe.monitor if monitor else None,
                          resume=resume, cluster=cluster_config(
                              recipe, host=None if agents is None else agents.host))
         stack.push_async_callback(ctl.aclose)  # also when the start fails half-way
@@ -146,23 +154,51 @@ async def run_recipe(
     recipe: Recipe, *, on_step: Callable[[dict[str, Any]], None] | None = None,
     steps: int | None = None, monitor: bool = True,
     on_start: Callable[[Controller], None] | None = None, resume: Path | None = None,
+    run_id: str | None = None, overwrite: bool = False,
 ) -> dict[str, Any]:
-    """Train until version ``steps`` (default: the recipe's); SIGTERM stops cleanly.
+    """Train until version ``steps`` (default: the recipe's; given, it replaces the recipe's
+    ``steps`` as ``--steps`` does); SIGTERM stops cleanly.
+
+    With ``recipe.output``, the run keeps its results there (`flowrl.run_output`: the final
+    model in ``final/``, the recipe, the step log as steps commit, the summary) and the
+    summary returned gains ``output`` and ``final_model`` (its path, or None when the run
+    stopped before its last step). A directory holding another run's results is refused
+    (`flowrl.run_output.OutputInUse`) unless ``resume`` continues that run or ``overwrite``
+    replaces them. Without ``recipe.output`` nothing is written (only the launcher makes a
+    default directory).
 
     ``resume``: a run's output directory (or one checkpoint in it); the run continues from its
-    newest complete checkpoint (`flowrl.resume`) up to the same total number of steps.
+    newest complete checkpoint (`flowrl.resume`) up to the same total number of steps. A
+    recipe that changed what resumption cannot change is refused
+    (`flowrl.run_output.ResumeMismatch`); other changes are logged.
 
     ``monitor`` starts the recipe's HTTP monitor; ``on_start`` is called once the controller
-    and its workers are up (the launcher prints the monitor's URL there).
+    and its workers are up (the launcher prints the monitor's URL there). ``run_id`` names the
+    run (default: a fresh one).
     """
+    if steps is not None and steps != recipe.steps:
+        # The trainer's schedule ends, and its final model is written, at the recipe's steps.
+        recipe = apply_overrides(recipe, [(("steps",), steps)])
     found = latest_checkpoint(resume) if resume is not None else None
     state = None if found is None else found[1]
-    total = steps or recipe.steps
+    total = recipe.steps
     if found is not None and found[1].version >= total:
         raise ValueError(f"--resume: {found[0]} is at step {found[1].version} of {total}: "
                          "nothing left to train (raise --steps to train further)")
+    if resume is not None:
+        for change in check_resume(resume, recipe):
+            log.warning("resumed with a changed recipe field", change=change)
+    out = recipe.output
+    if out is not None:
+        claim(out, resume=resume, overwrite=overwrite)
     check_store_room(recipe)
     spec = await asyncio.to_thread(compile_recipe, recipe, resume=found)
+    record = None
+    if out is not None:
+        resumed_at = None  # the step log goes on only in the resumed run's own directory
+        if found is not None and run_dir_of(found[0]).resolve() == out.resolve():
+            resumed_at = found[1].version
+        record = RunRecord(out, recipe, resumed_at=resumed_at)
     me = asyncio.current_task()
     loop = asyncio.get_running_loop()
     handled = False
@@ -171,14 +207,21 @@ async def run_recipe(
         loop.add_signal_handler(signal.SIGTERM, me.cancel)
         handled = True
     try:
-        async with placed_controller(recipe, spec, monitor=monitor, resume=state) as ctl:
+        async with placed_controller(recipe, spec, monitor=monitor, resume=state,
+                                     run_id=run_id) as ctl:
             if on_start is not None:
                 on_start(ctl)
+            if record is not None:  # before the caller's: a line is kept before it is shown
+                ctl.on_step.append(record.step)
             if on_step is not None:
                 ctl.on_step.append(on_step)
             summary = await ctl.run(total - ctl.version)
+            if record is not None:
+                summary = record.finish(summary, ctl.step_log)
             return summary
     finally:
+        if record is not None:
+            record.close()
         if handled:
             loop.remove_signal_handler(signal.SIGTERM)
 

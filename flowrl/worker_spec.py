@@ -219,9 +219,11 @@ class EngineSpec(_Spec):
     #: ``trainer.ranks > 1`` only.
     data_parallel: DataParallelSpec | None = None
     resume: ResumeSpec | None = None
-    #: the run's last step (the learning-rate schedule's end, always checkpointed).
+    #: the run's last step: the learning-rate schedule's end, where the trainer writes the
+    #: final model (and a checkpoint, when checkpoints are on).
     steps: int
     seed: int
+    #: the run's output directory (`flowrl.run_output`): the final model and checkpoints.
     output: str | None
     checkpoint_every: int
 

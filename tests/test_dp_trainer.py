@@ -398,6 +398,11 @@ async def test_a_two_rank_run_stays_in_sync_and_a_lost_rank_restarts_the_group(
         reloaded = TorchTrainerEngine(tmp_path / "out" / "step_3", device="cpu")
         shapes = {n: p.shape for n, p in reloaded.model.named_parameters()}
         assert {k.rpartition("/")[0]: v.shape for k, v in moments.items()} == shapes
+        # Rank 0 wrote the final model too, once: the same whole weights.
+        assert log[-1]["train_final_saved"] == 1.0
+        final = TorchTrainerEngine(tmp_path / "out" / "final", device="cpu")
+        assert all(torch.equal(p, dict(reloaded.model.named_parameters())[n])
+                   for n, p in final.model.named_parameters())
 
         # A rank that dies mid-run takes the group down: every rank is started again (in a
         # fresh rendezvous), loads the current version, and the step is redone; nothing is

@@ -349,12 +349,12 @@ def _run_ids(stderr: str) -> set[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(90)
 def test_two_steps_through_the_launch_cli_leave_nothing_behind(
-    model_dir: Path, data_kind_file: tuple[str, Path],
+    model_dir: Path, data_kind_file: tuple[str, Path], tmp_path: Path,
 ) -> None:
     kind, data_file = data_kind_file
     steps = 2
     done = _launch(
-        "--steps", str(steps), "--no-monitor",
+        "--steps", str(steps), "--no-monitor", "--output", str(tmp_path / "run"),
         "--set", f"model.path={model_dir}", "--set", f"data.path={data_file}",
         "--set", f"data.kind={kind}",
         "--set", "rollout.max_new_tokens=8", "--set", "data.max_prompt_tokens=64",
@@ -364,7 +364,7 @@ def test_two_steps_through_the_launch_cli_leave_nothing_behind(
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert sum(line.startswith("step ") for line in lines) == steps, done.stdout
-    summary = json.loads(lines[-1])
+    summary = json.loads(lines[-2])  # the last line says where the model is
     assert summary["version"] == steps
     assert summary["samples"] == steps * 2 * 8
     assert summary["rows_trained_twice"] == 0

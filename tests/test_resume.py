@@ -117,6 +117,10 @@ def _run_ids(stderr: str) -> set[str]:
     return ids
 
 
+def _steps_logged(out: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def _children(pid: int) -> list[psutil.Process]:
     try:
         return psutil.Process(pid).children(recursive=True)
@@ -156,6 +160,11 @@ def test_sigkilled_launch_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     assert not alive, [p.pid for p in alive]
     assert len(killed) == 1
     assert (out / "step_2" / STATE_FILE).is_file()
+    # The step log kept every step committed before the kill (a line is flushed before the
+    # step's progress line is printed); no final model yet.
+    logged = _steps_logged(out)
+    assert logged[:3] == [1, 2, 3]
+    assert not (out / "final").exists()
 
     done = subprocess.run([*args, "--resume", str(out)], cwd=ROOT, env=env, text=True,
                           capture_output=True, timeout=180, check=False)
@@ -163,7 +172,7 @@ def test_sigkilled_launch_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     assert f"resuming from {out / 'step_2'} (step 2" in done.stdout
     lines = done.stdout.splitlines()
     assert [line.split()[1] for line in lines if line.startswith("step ")] == ["3", "4", "5", "6"]
-    summary = json.loads(lines[-1])
+    summary = json.loads(lines[-2])  # the last line says where the model is
     assert summary["version"] == 6
     assert summary["rows_trained_twice"] == 0
     # The killed run's shared memory and run directory were reclaimed by the new start; the new
@@ -172,6 +181,10 @@ def test_sigkilled_launch_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     assert len(resumed) == 1
     assert resumed != killed
     assert _leftovers_of(killed | resumed) == set()
+    assert lines[-1] == f"model saved to {out / 'final'}"
+    # One step log across the two controllers: the lines after the checkpoint were redone.
+    logged = _steps_logged(out)
+    assert logged == [1, 2, 3, 4, 5, 6]
     final = json.loads((out / "step_6" / STATE_FILE).read_text())
     # Every prompt group of the six steps trained exactly once, across the two controllers.
     assert final["trained_below"] == final["groups_trained"] == 6 * 4

@@ -559,6 +559,41 @@ async def test_a_failed_checkpoint_does_not_undo_the_step(model_dir: Path, tmp_p
     assert done.metrics["checkpoint_failed"] == 1.0
 
 
+async def test_the_last_step_writes_the_final_model_also_without_checkpoints(
+    model_dir: Path, tmp_path: Path,
+) -> None:
+    out = tmp_path / "run"
+    role = TrainerRole(TorchTrainerEngine(model_dir, lr=1e-3, device="cpu"),
+                       TrainSettings(output=out, checkpoint_every=0, steps=2), pad_token_id=PAD)
+    inputs = synthetic_groups([3], seed=6)
+    first = await role.run(task(3, [0, 0, 0], stage="train",
+                                params={"step": 0, "step_end": True}), inputs)
+    assert "final_saved" not in first.metrics
+    assert not out.exists()
+    last = await role.run(task(3, [0, 0, 0], stage="train",
+                               params={"step": 1, "step_end": True}), inputs)
+    assert last.version == 2
+    assert last.metrics["final_saved"] == 1.0
+    # A model, loadable as one, with its tokenizer; no optimizer state, no checkpoint.
+    assert sorted(p.name for p in out.iterdir()) == ["final"]
+    final = out / "final"
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (final / name).is_file(), name
+    assert not (final / "optimizer.safetensors").exists()
+    saved = load_causal_lm(final, device=torch.device("cpu"), dtype=torch.float32)
+    assert params_equal(saved, role.engine.model)
+
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("")
+    role = TrainerRole(TorchTrainerEngine(model_dir, lr=1e-3, device="cpu"),
+                       TrainSettings(output=blocked, steps=1), pad_token_id=PAD)
+    done = await role.run(task(3, [0, 0, 0], stage="train",
+                               params={"step": 0, "step_end": True}), inputs)
+    assert done.version == 1  # the step stands; the run says no final model was saved
+    assert done.metrics["final_save_failed"] == 1.0
+    assert "final_saved" not in done.metrics
+
+
 async def test_a_trainer_joining_a_run_continues_its_learning_rate_schedule(
     model_dir: Path,
 ) -> None:

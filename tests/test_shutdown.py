@@ -26,7 +26,7 @@ def test_a_signal_mid_run_stops_everything_cleanly(sig: int, tmp_path: Path) -> 
     env = {**os.environ, "FLOWRL_LOG_FORMAT": "json"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "flowrl.launch", str(ROOT / "recipes" / "sim_grpo.py"),
-         "--steps", "100000", "--no-monitor"],
+         "--steps", "100000", "--no-monitor", "--output", str(tmp_path / "run")],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None

@@ -91,9 +91,15 @@ class Recipe(_Section):
     seed: int = Field(default=0, ge=0)
     """Seed of sampling, data order and simulated costs."""
     output: Path | None = None
-    """Run directory for checkpoints and logs; None writes nothing."""
+    """Run directory: the final model (``final``), checkpoints, the step log, the summary and
+    the recipe (`flowrl.run_output`); None writes nothing (``python -m flowrl.launch`` then
+    makes one under ``runs/``)."""
     checkpoint_every: int = Field(default=0, ge=0)
     """Save a checkpoint every this many steps (and at the end); 0 never. Needs `output`."""
+    keep_last: int | None = Field(default=None, ge=1)
+    """Keep only the newest this many checkpoints: an older ``step_N`` is deleted once a newer
+    one is complete (the final model is not a checkpoint); None keeps all. Needs
+    `checkpoint_every`."""
     monitor: MonitorConfig = Field(default_factory=MonitorConfig)
     """The HTTP monitor."""
     sim: SimConfig = Field(default_factory=SimConfig)
@@ -114,6 +120,9 @@ class Recipe(_Section):
                         f"{self.algorithm.name!r}, not 'ppo'")
         if self.checkpoint_every and self.output is None:
             raise _rule("checkpoint_every", "needs output (a directory to write checkpoints to)")
+        if self.keep_last is not None and not self.checkpoint_every:
+            raise _rule("keep_last", "needs checkpoint_every > 0 (it says how many of the "
+                        "checkpoints to keep)")
         served = "model" if self.reward.model is not None else (
             "judge" if self.reward.judge is not None else None)
         if sim and served is not None:

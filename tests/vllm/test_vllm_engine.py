@@ -277,7 +277,8 @@ def test_a_run_with_rollout_on_vllm(tmp_path: Path) -> None:
     steps = 2
     done = subprocess.run(
         [sys.executable, "-m", "flowrl.launch", "recipes/tiny_cpu.py", "--steps", str(steps),
-         "--no-monitor", "--set", "rollout.engine=vllm", "--set", "model.tiny.pretrain_steps=0",
+         "--no-monitor", "--output", str(tmp_path / "run"), "--set", "rollout.engine=vllm",
+         "--set", "model.tiny.pretrain_steps=0",
          "--set", "trainer.groups_per_step=2", "--set", "trainer.micro_batch_groups=1",
          "--set", "algorithm.group_size=4"],
         cwd=ROOT, capture_output=True, text=True, timeout=280, check=False,
@@ -287,6 +288,6 @@ def test_a_run_with_rollout_on_vllm(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
     lines = done.stdout.splitlines()
     assert sum(line.startswith("step ") for line in lines) == steps, done.stdout
-    summary = json.loads(lines[-1])
+    summary = json.loads(lines[-2])  # the last line says where the model is
     assert summary["version"] == steps
     assert summary["samples"] == steps * 2 * 4

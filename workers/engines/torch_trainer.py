@@ -23,6 +23,7 @@ tensors and keeps this rank's shards.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 import shutil
@@ -38,7 +39,7 @@ from workers.distributed import full_tensor, shard_like, shard_model
 from workers.engines.hf_rollout import _ForwardNames, load_causal_lm, tied_groups
 from workers.engines.protocols import LossFn, SequenceBatch, TrainerState, token_logprobs
 
-__all__ = ["TorchTrainerEngine", "adamw", "clip_and_step"]
+__all__ = ["TorchTrainerEngine", "adamw", "clip_and_step", "portable_tokenizer_config"]
 
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -51,6 +52,34 @@ _TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+
+# transformers 5 saves a plain fast tokenizer as class ``TokenizersBackend``, a name transformers
+# 4 does not know ("Tokenizer class TokenizersBackend does not exist"); its transformers 4 name
+# is ``PreTrainedTokenizerFast`` (transformers 5 keeps that name as an alias). The two differ
+# in defaults, so these are written out: transformers 4's fast tokenizer would also return
+# ``token_type_ids`` (which ``generate`` refuses) and clean up spaces when decoding.
+_V5_ONLY_CLASS = "TokenizersBackend"
+_PORTABLE_DEFAULTS = {"tokenizer_class": "PreTrainedTokenizerFast",
+                      "model_input_names": ["input_ids", "attention_mask"],
+                      "clean_up_tokenization_spaces": False}
+
+
+def portable_tokenizer_config(directory: str | os.PathLike[str]) -> bool:
+    """Make ``directory/tokenizer_config.json`` load with every transformers version flowrl
+    supports (4.45 on): a class only transformers 5 knows is named by its transformers 4
+    name, with transformers 5's defaults stated. Returns whether the file was changed."""
+    file = Path(directory) / "tokenizer_config.json"
+    try:
+        config = json.loads(file.read_text())
+    except (FileNotFoundError, ValueError):  # none, or not one we can read: left as it is
+        return False
+    if not isinstance(config, dict) or config.get("tokenizer_class") != _V5_ONLY_CLASS:
+        return False
+    config = {**config, "tokenizer_class": _PORTABLE_DEFAULTS["tokenizer_class"]}
+    for key, value in _PORTABLE_DEFAULTS.items():
+        config.setdefault(key, value)
+    file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    return True
 
 
 class TorchTrainerEngine:
@@ -259,10 +288,12 @@ class TorchTrainerEngine:
         self.model.save_pretrained(out, state_dict=state)
         # Tokenizer files are copied byte for byte: re-saving through a tokenizer class can
         # rewrite them (class name, normalisation) and the policy must keep its tokenizer.
+        # The one exception names a transformers-5-only class portably (same tokenizer).
         for name in _TOKENIZER_FILES:
             src = self.model_dir / name
             if src.is_file() and src.resolve() != (out / name).resolve():
                 shutil.copyfile(src, out / name)
+        portable_tokenizer_config(out)
         return out
 
 

@@ -121,3 +121,13 @@ class DataParallelTrainerRole(TrainerRole):
         # other ranks waiting in a gather.
         state, weights = self._sharded.state_dict(), self._sharded.whole_state()
         return self._write_checkpoint(state, weights) if self.group.rank == 0 else None
+
+    def _final_due(self) -> bool:
+        # As checkpoints: rank 0 writes; sharded, every rank takes part in the gathers.
+        return (self.group.rank == 0 or self.group.sharded) and super()._final_due()
+
+    def save_final(self) -> Path | None:
+        if self._sharded is None:
+            return super().save_final()
+        weights = self._sharded.whole_state()  # every gather first, as in save_checkpoint
+        return self._write_final(weights) if self.group.rank == 0 else None

@@ -9,7 +9,9 @@ sequence, or masking) when it is on for the task, the KL term to ``ref_logprobs`
 ``kl_coef > 0``, and an entropy bonus (`flowrl.algorithms.sampled_entropy`) when
 ``entropy_coef > 0``. The task with ``params["step_end"]`` ends the step: the
 optimizer steps, the new weights are exported as version + 1 (`RoleOutput.weights`), and a
-checkpoint is written every ``checkpoint_every`` steps (and at the last step).
+checkpoint is written every ``checkpoint_every`` steps (and at the last step). At the run's
+last step (``steps``) the final model is written to ``{output}/final`` whenever there is an
+``output``, checkpoints on or off (`save_final`; the step's metrics say ``final_saved``).
 
 Gradient accumulation is exact. The step's loss is ``L = (1/D)·Σ_k S_k``, where ``S_k`` is
 micro-batch k's loss computed with ``num_tokens = num_seqs = 1`` — a plain sum over its tokens
@@ -118,7 +120,8 @@ class TrainSettings:
     max_new_tokens: int | None = None
     output: Path | None = None
     checkpoint_every: int = 0
-    #: the run's last step, always checkpointed when checkpoints are on.
+    #: the run's last step: the final model is written there (and a checkpoint, when they are
+    #: on).
     steps: int | None = None
 
     def __post_init__(self) -> None:
@@ -469,6 +472,13 @@ class TrainerRole:
             except OSError as e:  # the step is taken and published: a full disk must not undo it
                 log.error("checkpoint failed", version=self.version, error=repr(e))
                 metrics["checkpoint_failed"] = 1.0
+        if self._final_due():
+            try:
+                if self.save_final() is not None:
+                    metrics["final_saved"] = 1.0
+            except OSError as e:  # as above; the run says that no final model was saved
+                log.error("final model not saved", version=self.version, error=repr(e))
+                metrics["final_save_failed"] = 1.0
         return RoleOutput(fields={}, version=self.version, metrics=metrics, weights=weights)
 
     def _checkpoint_due(self) -> bool:
@@ -476,6 +486,34 @@ class TrainerRole:
         if s.output is None or s.checkpoint_every <= 0:
             return False
         return self.version % s.checkpoint_every == 0 or self.version == s.steps
+
+    def _final_due(self) -> bool:
+        s = self.settings
+        return s.output is not None and s.steps is not None and self.version == s.steps
+
+    def save_final(self) -> Path | None:
+        """Write the final model to ``{output}/final``: weights, config and tokenizer, what
+        ``from_pretrained`` loads (no optimizer state). Built aside and renamed, replacing an
+        earlier final model (a resumed run that trained further). Returns its path (None on a
+        data-parallel rank that only takes part in the gathers)."""
+        return self._write_final()
+
+    def _write_final(self, weights: Mapping[str, Tensor] | None = None) -> Path:
+        """`save_final`'s writes; ``weights`` as in `_write_checkpoint`."""
+        if self.settings.output is None:
+            raise RuntimeError("no output directory configured")
+        root = self.settings.output
+        root.mkdir(parents=True, exist_ok=True)
+        final, tmp, old = root / "final", root / ".final.partial", root / ".final.old"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.engine.save_pretrained(tmp, state_dict=weights)
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+        log.info("final model", version=self.version, path=str(final))
+        return final
 
     def save_checkpoint(self) -> Path | None:
         """Write ``{output}/step_{version}``: weights, config and tokenizer (``save_pretrained``)
