@@ -46,7 +46,7 @@ from flowrl import (
 )
 
 recipe = Recipe(
-    steps=300,
+    steps=400,
     max_staleness=1,
     model=ModelConfig(tiny=TinyModelConfig(corpus="arithmetic", pretrain_steps=200)),
     data=DataConfig(arithmetic=ArithmeticConfig(max_operand=5)),
