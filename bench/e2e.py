@@ -8,7 +8,7 @@ seeds (``*_by_seed`` lists the runs): one run's final reward moves by several pe
 to seed, more than the difference between the two modes.
 
     python bench/e2e.py [--quick] [--small-steps] [--seeds 0,1,2] [--steps N]
-                        [--set KEY=VALUE ...] [--vs-trl]
+                        [--set KEY=VALUE ...] [--vs-trl] [--trl-threads N]
 
 ``--small-steps`` runs the recipe at the scale of TRL's GRPO examples instead: groups of 4,
 16-token completions, 8 completions per optimizer step (2 groups), each step's completions
@@ -48,8 +48,9 @@ dispatch to the last optimizer step; process start-up and the model build are no
   1024, 8 layers: ~500 MB of float32 weights; hidden 512, ~128 MB, with ``--quick``), whose
   weights do not fit in the CPU cache, as a real model's do not.
 - With ``--vs-trl`` and ``trl`` importable: ``trl_samples_per_s`` (TRL's ``GRPOTrainer`` on the
-  CPU on the same job and number of samples, as `bench.trl_peer` sets it up; two torch
-  threads), ``ratio_vs_trl`` (``samples_per_s_async`` ÷ it) and ``trl_versions``; otherwise
+  CPU on the same job and number of samples, as `bench.trl_peer` sets it up, with
+  ``--trl-threads`` torch threads, default 1), ``ratio_vs_trl`` (``samples_per_s_async`` ÷
+  it), ``trl_threads`` and ``trl_versions``; otherwise
   ``trl_skipped`` says why. See bench/README.md for running it from a separate venv.
 
 ``--quick`` trains 12 steps per mode instead of the recipe's (same keys; the rewards are then
@@ -208,7 +209,8 @@ async def weight_sync(model_dir: Path, rounds: int) -> dict[str, float]:
 # ---- TRL side by side (optional) -------------------------------------------------------------
 
 
-def trl_side_by_side(recipe: Recipe, model_dir: Path, steps: int) -> dict[str, Any]:
+def trl_side_by_side(recipe: Recipe, model_dir: Path, steps: int, threads: int,
+                     ) -> dict[str, Any]:
     """TRL's GRPOTrainer on the same job (`bench.trl_peer`), or ``trl_skipped`` /
     ``trl_error``."""
     from bench import trl_peer
@@ -217,10 +219,11 @@ def trl_side_by_side(recipe: Recipe, model_dir: Path, steps: int) -> dict[str, A
     if why is not None:
         return {"trl_skipped": why}
     try:
-        run = trl_peer.run_trl(recipe, model_dir, steps)
+        run = trl_peer.run_trl(recipe, model_dir, steps, threads=threads)
     except Exception as e:  # a peer's API drift must not hide our own figures
         return {"trl_error": trl_peer.describe_error(e)}
-    return {"trl_samples_per_s": run.samples_per_s, "trl_versions": trl_peer.versions()}
+    return {"trl_samples_per_s": run.samples_per_s, "trl_threads": threads,
+            "trl_versions": trl_peer.versions()}
 
 
 # ---- main ----------------------------------------------------------------------------------------
@@ -296,7 +299,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             out[f"{key}_sync_by_seed"] = [round(r[key], 4) for r in sync]
             out[f"{key}_async_by_seed"] = [round(r[key], 4) for r in async_]
     if args.vs_trl:
-        trl = await asyncio.to_thread(trl_side_by_side, recipe, model_dir, recipe.steps)
+        trl = await asyncio.to_thread(trl_side_by_side, recipe, model_dir, recipe.steps,
+                                      args.trl_threads)
         out.update(trl)
         if "trl_samples_per_s" in trl:
             out["trl_samples_per_s"] = round(trl["trl_samples_per_s"], 1)
@@ -329,7 +333,11 @@ def main() -> None:
                    help="override a field of the recipe, as the launcher's --set")
     p.add_argument("--vs-trl", action="store_true",
                    help="also run TRL's GRPOTrainer on the same job, when trl is importable")
+    p.add_argument("--trl-threads", type=int, default=1, metavar="N",
+                   help="torch threads of TRL's run (default 1: bench/trl_peer.py says why)")
     args = p.parse_args()
+    if args.trl_threads < 1:
+        p.error("--trl-threads must be >= 1")
     configure(level="warning")
     run_and_print(main_async(args))
 

@@ -11,7 +11,8 @@ same load, and its policy is evaluated the same way.
 
     python bench/learning.py [--quick] [--seeds 0,1,2,3,4] [--modes quiet,loaded]
                              [--load-procs 2] [--steps N] [--set KEY=VALUE ...]
-                             [--eval-samples 32] [--vs-trl] [--log-dir DIR] [--verbose]
+                             [--eval-samples 32] [--vs-trl] [--trl-threads 1]
+                             [--log-dir DIR] [--verbose]
 
 Keys:
 
@@ -43,8 +44,9 @@ Keys:
 - With ``--vs-trl``: ``trl_runs`` (per run as ``runs``: rewards from TRL's log of every step,
   ``train_s`` the seconds of ``trainer.train()``, ``samples_per_s``, the accuracy keys and the
   load), ``trl`` (the summary keys over them), ``trl_versions`` (trl, transformers, torch,
-  accelerate, datasets); or ``trl_skipped`` (trl does not import) or ``trl_error`` (it failed;
-  no further TRL run is tried). bench/trl_peer.py says how the job is matched.
+  accelerate, datasets), ``trl_threads`` (``--trl-threads``, TRL's torch threads); or
+  ``trl_skipped`` (trl does not import) or ``trl_error`` (it failed; no further TRL run is
+  tried). bench/trl_peer.py says how the job is matched.
 
 The loaded runs start ``--load-procs`` processes that spin on a CPU each (a busy loop, as
 ``yes > /dev/null``) before the run and stop them after it.
@@ -194,14 +196,14 @@ def _summary(runs: list[dict[str, Any]], target: float) -> dict[str, Any]:
 
 
 async def trl_run(recipe: Recipe, model_dir: Path, samples: int, initial: dict[str, Any],
-                  ) -> dict[str, Any]:
+                  threads: int) -> dict[str, Any]:
     """TRL's GRPOTrainer on the recipe's job (`bench.trl_peer`), evaluated as a flowrl run."""
     from bench.trl_peer import run_trl
 
     with tempfile.TemporaryDirectory(prefix="flowrl-learning-trl-") as tmp:
         trained = Path(tmp) / "policy"
         run = await asyncio.to_thread(run_trl, recipe, model_dir, recipe.steps, log_every=1,
-                                      save_to=trained)
+                                      save_to=trained, threads=threads)
         train_s = round(run.wall_s, 1)
         acc = await evaluate(trained, recipe, samples, initial, train_s, tokenizer_dir=model_dir)
     return {**_rewards(run.rewards), "train_s": train_s,
@@ -264,6 +266,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
         trl["trl"] = _summary(trl["trl_runs"], args.target)
         trl["trl_versions"] = trl_peer.versions()
+        trl["trl_threads"] = args.trl_threads
     elif "trl_runs" in trl:
         del trl["trl_runs"]  # the first run failed: trl_error says why
     return {**out, **trl}
@@ -279,7 +282,8 @@ async def _trl_beside(trl: dict[str, Any], recipe: Recipe, model_dir: Path,
     with cpu_load(args.load_procs if mode == "loaded" else 0):
         before = load_average()
         try:
-            run = await trl_run(recipe, model_dir, args.eval_samples, initial)
+            run = await trl_run(recipe, model_dir, args.eval_samples, initial,
+                                args.trl_threads)
         except Exception as e:  # a peer's API drift must not hide our own figures
             return {**trl, "trl_error": describe_error(e)}
         after = load_average()
@@ -331,11 +335,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"sampled answers per prompt in the evaluation (default {DEFAULT_SAMPLES})")
     p.add_argument("--vs-trl", action="store_true",
                    help="after each run, TRL's GRPOTrainer on the same job (when importable)")
+    p.add_argument("--trl-threads", type=int, default=1, metavar="N",
+                   help="torch threads of TRL's runs (default 1: bench/trl_peer.py says why)")
     args = p.parse_args(argv)
     if args.load_procs < 0:
         p.error("--load-procs must be >= 0")
     if args.eval_samples < 1:
         p.error("--eval-samples must be >= 1")
+    if args.trl_threads < 1:
+        p.error("--trl-threads must be >= 1")
     if args.steps is not None and args.steps < WINDOW:
         p.error(f"--steps must be >= {WINDOW} (the reward windows)")
     if args.log_dir is not None:

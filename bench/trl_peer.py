@@ -2,11 +2,14 @@
 
 `run_trl` trains the recipe's model (the directory `flowrl.run.prepare_model` gives: the same
 build, loaded with transformers) on the recipe's task and reward with TRL, in this process on
-the CPU with two torch threads (the whole machine, as flowrl's two compute processes have):
+the CPU with ``threads`` torch threads (default `DEFAULT_THREADS`, one, as each of flowrl's
+compute processes has: on two cores that other work shares, two threads made TRL's steps 10-30
+times slower, each thread waiting for the other, descheduled one at every operation), with
 the same group size (``num_generations``), prompts per optimizer step, micro-batches per step
 (``gradient_accumulation_steps``: one ``generate`` call per step, then the step's micro-batches),
 response length, temperature and top-p, learning rate and its schedule (warm-up, constant or
-cosine down to ``lr · min_lr_ratio``), gradient clipping, weight decay, clip range and KL weight.
+cosine down to ``lr · min_lr_ratio``), gradient clipping, weight decay, clip range and KL weight,
+computing in float32 without gradient checkpointing (flowrl's trainer; not TRL's defaults).
 TRL's defaults give GRPO's advantages (group mean and std) and a loss averaged over all tokens
 of the step, as flowrl's GRPO with ``loss_agg="token_mean"``. What cannot match: TRL is
 synchronous, so a recipe's ``max_staleness`` has no counterpart, and it draws prompts in its own
@@ -29,6 +32,7 @@ from flowrl.recipe import Recipe
 
 #: the libraries a TRL figure depends on, reported beside it
 LIBRARIES = ("trl", "transformers", "torch", "accelerate", "datasets")
+DEFAULT_THREADS = 1
 
 
 def unavailable() -> str | None:
@@ -73,11 +77,23 @@ def _schedule(recipe: Recipe) -> dict[str, Any]:
 
 
 def run_trl(recipe: Recipe, model_dir: Path, steps: int, *, log_every: int | None = None,
-            save_to: Path | None = None) -> TrlRun:
+            save_to: Path | None = None, threads: int = DEFAULT_THREADS) -> TrlRun:
     """Train ``steps`` optimizer steps of the recipe's job with TRL; ``log_every``: steps per
     logged reward (default a quarter of the run); ``save_to``: where the trained model goes
-    (default nowhere; its tokenizer is ``model_dir``'s, which TRL does not change)."""
+    (default nowhere; its tokenizer is ``model_dir``'s, which TRL does not change);
+    ``threads``: torch threads meanwhile (this process's count is restored after)."""
     import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _train(recipe, model_dir, steps, log_every, save_to)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _train(recipe: Recipe, model_dir: Path, steps: int, log_every: int | None,
+           save_to: Path | None) -> TrlRun:
     from datasets import Dataset  # type: ignore[import-not-found]
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer  # type: ignore[import-not-found]
@@ -85,7 +101,6 @@ def run_trl(recipe: Recipe, model_dir: Path, steps: int, *, log_every: int | Non
     from workers.roles.factory import dataset_from_config
     from workers.roles.reward_runner import resolve_reward_fn
 
-    torch.set_num_threads(2)
     t, a = recipe.trainer, recipe.algorithm
     if t.groups_per_step % t.micro_batch_groups:
         raise ValueError(f"TRL needs micro-batches of equal size: groups_per_step "
@@ -118,6 +133,9 @@ def run_trl(recipe: Recipe, model_dir: Path, steps: int, *, log_every: int | Non
             num_generations=group, max_completion_length=recipe.rollout.max_new_tokens,
             temperature=recipe.rollout.temperature, top_p=recipe.rollout.top_p,
             beta=a.kl_coef, epsilon=a.clip_low, epsilon_high=a.clip_high_resolved,
+            # TRL's own defaults are bfloat16 autocast and gradient checkpointing (recomputing
+            # activations); flowrl's trainer computes in float32 and keeps them.
+            bf16=False, gradient_checkpointing=False,
             dataloader_num_workers=0, disable_tqdm=True,
         )
         # Its log lines are printed on stdout, where a benchmark prints its one JSON line.

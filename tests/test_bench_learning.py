@@ -43,7 +43,7 @@ def test_defaults_and_quick() -> None:
 
 @pytest.mark.parametrize("argv", [["--modes", "busy"], ["--seeds", "a"], ["--seeds", "-1"],
                                   ["--load-procs", "-1"], ["--steps", "5"],
-                                  ["--eval-samples", "0"]])
+                                  ["--eval-samples", "0"], ["--trl-threads", "0"]])
 def test_bad_arguments_are_refused(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as e:
         learning.parse(argv)
@@ -240,3 +240,4 @@ async def test_vs_trl_trains_with_trl(untrained: Path, monkeypatch: pytest.Monke
     assert {"reward_first", "reward_final", "accuracy_gain_per_min"} <= set(run)
     assert out["trl"]["runs_n"] == 1
     assert set(out["trl_versions"]) >= {"trl", "transformers", "torch"}
+    assert out["trl_threads"] == 1
