@@ -158,6 +158,8 @@ async def evaluate(model_dir: Path, recipe: Recipe, samples: int, initial: dict[
                                   tokenizer_dir=tokenizer_dir)
     out = {"greedy_exact": acc["greedy_exact"], "sampled_exact": acc["sampled_exact"]}
     if initial is not None:
+        if train_s <= 0:
+            raise ValueError(f"train_s must be > 0, got {train_s}")
         gain = acc["sampled_exact"] - initial["sampled_exact"]
         out["accuracy_gain_per_min"] = round(gain / (train_s / 60), 4)
     return out
@@ -204,9 +206,9 @@ async def trl_run(recipe: Recipe, model_dir: Path, samples: int, initial: dict[s
         trained = Path(tmp) / "policy"
         run = await asyncio.to_thread(run_trl, recipe, model_dir, recipe.steps, log_every=1,
                                       save_to=trained, threads=threads)
-        train_s = round(run.wall_s, 1)
-        acc = await evaluate(trained, recipe, samples, initial, train_s, tokenizer_dir=model_dir)
-    return {**_rewards(run.rewards), "train_s": train_s,
+        acc = await evaluate(trained, recipe, samples, initial, run.wall_s,
+                             tokenizer_dir=model_dir)
+    return {**_rewards(run.rewards), "train_s": round(run.wall_s, 1),
             "samples_per_s": round(run.samples_per_s, 1), **acc}
 
 

@@ -67,6 +67,22 @@ class TrlRun:
         return self.samples / self.wall_s
 
 
+def check_matchable(recipe: Recipe) -> None:
+    """ValueError naming what of ``recipe`` this setup of TRL would not reproduce."""
+    a, t = recipe.algorithm, recipe.trainer
+    differ = [f"algorithm.{k} = {v!r}" for k, v, same in (
+        ("name", a.name, "grpo"), ("loss_agg", a.loss_agg, "token_mean"),
+        ("entropy_coef", a.entropy_coef, 0.0), ("dynamic_sampling", a.dynamic_sampling, False),
+    ) if v != same]
+    if t.groups_per_step % t.micro_batch_groups:
+        differ.append(f"trainer.groups_per_step = {t.groups_per_step}, no multiple of "
+                      f"trainer.micro_batch_groups = {t.micro_batch_groups}")
+    if differ:
+        raise ValueError("TRL is set up for GRPO with loss_agg 'token_mean', no entropy bonus, "
+                         "no dynamic sampling and micro-batches of equal size; the recipe has "
+                         + "; ".join(differ))
+
+
 def _schedule(recipe: Recipe) -> dict[str, Any]:
     """The recipe's learning-rate schedule in transformers' terms."""
     t = recipe.trainer
@@ -82,6 +98,7 @@ def run_trl(recipe: Recipe, model_dir: Path, steps: int, *, log_every: int | Non
     logged reward (default a quarter of the run); ``save_to``: where the trained model goes
     (default nowhere; its tokenizer is ``model_dir``'s, which TRL does not change);
     ``threads``: torch threads meanwhile (this process's count is restored after)."""
+    check_matchable(recipe)
     import torch
 
     before = torch.get_num_threads()
@@ -102,10 +119,6 @@ def _train(recipe: Recipe, model_dir: Path, steps: int, log_every: int | None,
     from workers.roles.reward_runner import resolve_reward_fn
 
     t, a = recipe.trainer, recipe.algorithm
-    if t.groups_per_step % t.micro_batch_groups:
-        raise ValueError(f"TRL needs micro-batches of equal size: groups_per_step "
-                         f"{t.groups_per_step} is no multiple of micro_batch_groups "
-                         f"{t.micro_batch_groups}")
     data = dataset_from_config(recipe.engine_config())
     dataset = Dataset.from_list([{"prompt": e.prompt, "answer": e.answer} for e in data.examples])
     score = resolve_reward_fn(recipe.reward.ref)

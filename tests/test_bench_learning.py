@@ -163,6 +163,17 @@ def test_schedule_follows_the_recipe() -> None:
     assert trl_peer._schedule(flat) == {"lr_scheduler_type": "constant_with_warmup"}
 
 
+def test_trl_refuses_a_job_it_would_not_reproduce() -> None:
+    from flowrl.recipe_file import load_recipe
+
+    trl_peer.check_matchable(load_recipe(RECIPE))
+    with pytest.raises(ValueError, match=r"algorithm.name = 'dr_grpo'.*entropy_coef = 0.1"):
+        trl_peer.check_matchable(load_recipe(
+            RECIPE, ["algorithm.name=dr_grpo", "algorithm.entropy_coef=0.1"]))
+    with pytest.raises(ValueError, match=r"no multiple of trainer\.micro_batch_groups = 3"):
+        trl_peer.check_matchable(load_recipe(RECIPE, ["trainer.micro_batch_groups=3"]))
+
+
 async def _untrained_as_final(recipe: Any, step_log: Path | None = None) -> dict[str, Any]:
     """Stands in for `learning.train`: a real run's processes take ~40 s to start on busy cores,
     beyond this test's budget (tests/test_launch.py trains for real). It leaves the untrained
@@ -235,8 +246,9 @@ async def test_vs_trl_trains_with_trl(untrained: Path, monkeypatch: pytest.Monke
     (run,) = out["trl_runs"]
     assert 0 <= run["greedy_exact"] <= 36
     assert 0.0 <= run["sampled_exact"] <= 1.0
-    assert run["train_s"] > 0
-    assert run["samples_per_s"] == pytest.approx(10 * 8 / run["train_s"], rel=0.05)
+    # 10 steps of 8 samples; train_s is rounded to 0.1 s, samples_per_s taken before that.
+    assert run["train_s"] >= 0.1
+    assert 80 / (run["train_s"] + 0.06) <= run["samples_per_s"] <= 80 / (run["train_s"] - 0.06)
     assert {"reward_first", "reward_final", "accuracy_gain_per_min"} <= set(run)
     assert out["trl"]["runs_n"] == 1
     assert set(out["trl_versions"]) >= {"trl", "transformers", "torch"}
