@@ -8,7 +8,7 @@ seeds (``*_by_seed`` lists the runs): one run's final reward moves by several pe
 to seed, more than the difference between the two modes.
 
     python bench/e2e.py [--quick] [--small-steps] [--seeds 0,1,2] [--steps N]
-                        [--set KEY=VALUE ...] [--vs-trl]
+                        [--set KEY=VALUE ...] [--vs-trl] [--trl-threads N]
 
 ``--small-steps`` runs the recipe at the scale of TRL's GRPO examples instead: groups of 4,
 16-token completions, 8 completions per optimizer step (2 groups), each step's completions
@@ -48,9 +48,10 @@ dispatch to the last optimizer step; process start-up and the model build are no
   1024, 8 layers: ~500 MB of float32 weights; hidden 512, ~128 MB, with ``--quick``), whose
   weights do not fit in the CPU cache, as a real model's do not.
 - With ``--vs-trl`` and ``trl`` importable: ``trl_samples_per_s`` (TRL's ``GRPOTrainer`` on the
-  CPU, same model, task, reward, group size, prompts per step, completion length, learning rate
-  and number of samples; two torch threads) and ``ratio_vs_trl`` (``samples_per_s_async`` ÷ it);
-  otherwise ``trl_skipped`` says why. See bench/README.md for running it from a separate venv.
+  CPU on the same job and number of samples, as `bench.trl_peer` sets it up, with
+  ``--trl-threads`` torch threads, default 1), ``ratio_vs_trl`` (``samples_per_s_async`` ÷
+  it), ``trl_threads`` and ``trl_versions``; otherwise
+  ``trl_skipped`` says why. See bench/README.md for running it from a separate venv.
 
 ``--quick`` trains 12 steps per mode instead of the recipe's (same keys; the rewards are then
 far from converged and say nothing about learning).
@@ -60,7 +61,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import statistics
 import sys
 import tempfile
@@ -209,61 +209,21 @@ async def weight_sync(model_dir: Path, rounds: int) -> dict[str, float]:
 # ---- TRL side by side (optional) -------------------------------------------------------------
 
 
-def trl_side_by_side(recipe: Recipe, model_dir: Path, steps: int) -> dict[str, Any]:
-    """TRL's GRPOTrainer on the same job, or ``trl_skipped`` / ``trl_error``."""
+def trl_side_by_side(recipe: Recipe, model_dir: Path, steps: int, threads: int,
+                     ) -> dict[str, Any]:
+    """TRL's GRPOTrainer on the same job (`bench.trl_peer`), or ``trl_skipped`` /
+    ``trl_error``."""
+    from bench import trl_peer
+
+    why = trl_peer.unavailable()
+    if why is not None:
+        return {"trl_skipped": why}
     try:
-        import trl  # type: ignore[import-not-found]  # noqa: F401
-    except ImportError as e:
-        return {"trl_skipped": f"trl not importable ({e}); see bench/README.md"}
-    try:
-        return {"trl_samples_per_s": _run_trl(recipe, model_dir, steps)}
+        run = trl_peer.run_trl(recipe, model_dir, steps, threads=threads)
     except Exception as e:  # a peer's API drift must not hide our own figures
-        return {"trl_error": f"{type(e).__name__}: {e}"[:300]}
-
-
-def _run_trl(recipe: Recipe, model_dir: Path, steps: int) -> float:
-    import torch
-    from datasets import Dataset  # type: ignore[import-not-found]
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer  # type: ignore[import-not-found]
-
-    from flowrl.data import arithmetic
-    from workers.roles.builtin_rewards import numeric_partial_credit
-
-    torch.set_num_threads(2)  # the whole machine, as our two compute processes have
-    a = recipe.data.arithmetic
-    data = arithmetic(a.count, max_operand=a.max_operand, seed=a.seed)
-    rows = [data.at(i) for i in range(len(data))]
-    dataset = Dataset.from_list([{"prompt": e.prompt, "answer": e.answer} for e in rows])
-
-    def reward(prompts: list[str], completions: list[str], answer: list[str],
-               **_: Any) -> list[float]:
-        return [numeric_partial_credit(p, c, answer=x)
-                for p, c, x in zip(prompts, completions, answer, strict=True)]
-
-    group = recipe.algorithm.group_size
-    per_step = group * recipe.trainer.groups_per_step
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
-    with tempfile.TemporaryDirectory(prefix="flowrl-trl-bench-") as out:
-        config = GRPOConfig(
-            output_dir=out, use_cpu=True, report_to="none", save_strategy="no",
-            logging_steps=max(1, steps // 4), max_steps=steps, seed=recipe.seed,
-            learning_rate=recipe.trainer.lr, lr_scheduler_type="constant",
-            max_grad_norm=recipe.trainer.grad_clip or 0.0, weight_decay=0.0,
-            per_device_train_batch_size=per_step, gradient_accumulation_steps=1,
-            num_generations=group, max_completion_length=recipe.rollout.max_new_tokens,
-            temperature=recipe.rollout.temperature, beta=recipe.algorithm.kl_coef,
-            dataloader_num_workers=0, disable_tqdm=True,
-        )
-        # Its log lines are printed on stdout, where this script prints its one JSON line.
-        with contextlib.redirect_stdout(sys.stderr):
-            trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config,
-                                  train_dataset=dataset, processing_class=tokenizer)
-            t0 = time.perf_counter()
-            trainer.train()
-            wall = time.perf_counter() - t0
-    return steps * per_step / wall
+        return {"trl_error": trl_peer.describe_error(e)}
+    return {"trl_samples_per_s": run.samples_per_s, "trl_threads": threads,
+            "trl_versions": trl_peer.versions()}
 
 
 # ---- main ----------------------------------------------------------------------------------------
@@ -339,7 +299,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             out[f"{key}_sync_by_seed"] = [round(r[key], 4) for r in sync]
             out[f"{key}_async_by_seed"] = [round(r[key], 4) for r in async_]
     if args.vs_trl:
-        trl = await asyncio.to_thread(trl_side_by_side, recipe, model_dir, recipe.steps)
+        trl = await asyncio.to_thread(trl_side_by_side, recipe, model_dir, recipe.steps,
+                                      args.trl_threads)
         out.update(trl)
         if "trl_samples_per_s" in trl:
             out["trl_samples_per_s"] = round(trl["trl_samples_per_s"], 1)
@@ -372,7 +333,11 @@ def main() -> None:
                    help="override a field of the recipe, as the launcher's --set")
     p.add_argument("--vs-trl", action="store_true",
                    help="also run TRL's GRPOTrainer on the same job, when trl is importable")
+    p.add_argument("--trl-threads", type=int, default=1, metavar="N",
+                   help="torch threads of TRL's run (default 1: bench/trl_peer.py says why)")
     args = p.parse_args()
+    if args.trl_threads < 1:
+        p.error("--trl-threads must be >= 1")
     configure(level="warning")
     run_and_print(main_async(args))
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Coroutine
+import platform
+from collections.abc import Coroutine, Iterable
+from importlib import metadata
 from typing import Any
 
 
@@ -18,3 +20,15 @@ def run_and_print(main: Coroutine[Any, Any, dict[str, Any]]) -> None:
     else:
         result = uvloop.run(main)
     print(json.dumps(result))
+
+
+def library_versions(names: Iterable[str]) -> dict[str, str]:
+    """Python's version and each installed distribution's (``absent`` when not installed), for
+    the figures a benchmark prints."""
+    out = {"python": platform.python_version()}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "absent"
+    return out
