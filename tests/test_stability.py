@@ -92,8 +92,14 @@ def test_a_mismatch_tightens_staleness_after_its_window_and_then_cools_down() ->
 def test_entropy_collapse_is_judged_against_its_own_start() -> None:
     guard = StabilityGuard(StabilityConfig())
     lines = [healthy(s) for s in range(1, 41)]
-    lines += [{**healthy(s), "train_entropy": 0.01} for s in range(41, 61)]
-    assert feed(guard, lines)[0] == (45, "entropy", "warn")
+    lines += [{**healthy(s), "train_entropy": 0.01, "reward_mean": 0.45}
+              for s in range(41, 61)]
+    acted = feed(guard, lines)
+    assert acted[0][1:] == ("entropy", "warn")
+    # A solved task's policy is deterministic: no warning while the reward holds its best.
+    solved = [healthy(s) for s in range(1, 61)]
+    solved += [{**healthy(s), "train_entropy": 0.01} for s in range(61, 121)]
+    assert feed(StabilityGuard(StabilityConfig()), solved) == []
 
 
 def test_flat_groups_warn_while_stuck_not_once_solved() -> None:

@@ -6,7 +6,7 @@ Signals (each judged only when the step reports it; a threshold of None turns it
 - ``mismatch_kl``: KL between the policy that generated the samples and the trainer's (the
   engine's numerics, or samples too stale for the learning rate): above ``mismatch_kl_max``;
 - ``entropy``: the policy's entropy fell below ``entropy_min_ratio`` of its mean over the
-  first judged steps (it stopped exploring);
+  warm-up steps (it stopped exploring) while the reward is below its best (not solved);
 - ``flat_groups``: the share of groups whose responses all scored alike (no learning signal)
   is above ``flat_groups_max`` while the reward is below its best (stuck, not solved);
 - ``clip_frac``: the share of clipped tokens is above ``clip_frac_max`` (updates too large);
@@ -219,13 +219,15 @@ class StabilityGuard:
             return (value, s.mismatch_kl_max) if value > s.mismatch_kl_max else None
         if sig == "clip_frac" and s.clip_frac_max is not None:
             return (value, s.clip_frac_max) if value > s.clip_frac_max else None
+        # A policy that solved its task is deterministic and scores alike: both signals count
+        # only while the reward is below its best (or has not risen).
+        stuck = (mean_reward is None or self._best_reward is None
+                 or mean_reward < self._best_reward - self._tolerance()
+                 or self._best_reward - (self._first_reward or 0.0) < s.reward_min_gain)
         if sig == "entropy" and s.entropy_min_ratio is not None and self._entropy_start:
             floor = s.entropy_min_ratio * statistics.fmean(self._entropy_start)
-            return (value, floor) if value < floor else None
+            return (value, floor) if value < floor and stuck else None
         if sig == "flat_groups" and s.flat_groups_max is not None:
-            stuck = (mean_reward is None or self._best_reward is None
-                     or mean_reward < self._best_reward - self._tolerance()
-                     or self._best_reward - (self._first_reward or 0.0) < s.reward_min_gain)
             return (value, s.flat_groups_max) if value > s.flat_groups_max and stuck else None
         return None
 
