@@ -22,6 +22,7 @@ from flowrl.controller import Controller
 from flowrl.node_hub import ClusterConfig
 from flowrl.pipeline import PipelineSpec
 from flowrl.recipe import CONTROLLER_NODE, TINY_MODEL, ClusterSettings, Recipe, TinyModelConfig
+from flowrl.recipe.inputs import check_inputs
 from flowrl.resume import RunState, latest_checkpoint
 from flowrl.tiny_model import HeadKind
 from flowrl.worker_spec import ModelSpec, ResumeSpec
@@ -154,6 +155,10 @@ async def run_recipe(
 
     ``monitor`` starts the recipe's HTTP monitor; ``on_start`` is called once the controller
     and its workers are up (the launcher prints the monitor's URL there).
+
+    Before any process starts, what the workers will load is checked
+    (`flowrl.recipe.inputs.check_inputs`: reward function, data file, model directories);
+    an input they could not use raises `flowrl.recipe.inputs.InputError` naming its field.
     """
     found = latest_checkpoint(resume) if resume is not None else None
     state = None if found is None else found[1]
@@ -162,6 +167,7 @@ async def run_recipe(
         raise ValueError(f"--resume: {found[0]} is at step {found[1].version} of {total}: "
                          "nothing left to train (raise --steps to train further)")
     check_store_room(recipe)
+    await asyncio.to_thread(check_inputs, recipe)
     spec = await asyncio.to_thread(compile_recipe, recipe, resume=found)
     me = asyncio.current_task()
     loop = asyncio.get_running_loop()
