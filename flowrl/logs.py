@@ -125,7 +125,7 @@ class ChildLines:
         `relay`'s answer), or None when no error record was emitted."""
         text = line.rstrip("\n")
         if self._head:
-            if text.startswith("{"):  # a record: the traceback has ended
+            if _is_record(text):  # the traceback has ended
                 return _later(self.flush(), relay(self.child, text))
             if _TRACEBACK_START.match(text) and not self._after_chaining():
                 flushed = self.flush()
@@ -186,6 +186,16 @@ def traceback_exception(lines: list[str]) -> str:
             found = text.strip()
         prev_indented = indented or bool(_TRACEBACK_START.match(text))
     return found or (lines[-1].strip() if lines else "")
+
+
+def _is_record(text: str) -> bool:
+    """Whether a line is a log record (a JSON object), not a line of a traceback."""
+    if not text.startswith("{"):
+        return False
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 def _later(first: str | None, second: str | None) -> str | None:

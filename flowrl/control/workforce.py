@@ -90,6 +90,8 @@ class _RemoteExit:
     expected_exit: bool = False
     #: it had registered workers (`on_remote_exit` has reported them gone)
     registered: bool = False
+    #: the last error it logged or printed, as its agent saw it
+    last_error: str = ""
 
 
 def rank_rendezvous(spec: PipelineSpec, hub: NodeHub | None, ranked: bool,
@@ -195,10 +197,11 @@ class Workforce:
         try:
             async with asyncio.timeout(timeout_s):
                 while len(self.registry) < expected:
-                    registered.clear()
-                    await registered.wait()
+                    # Checked first too: a process may fail to start before this wait begins.
                     if (error := failed()) is not None:
                         raise error
+                    registered.clear()
+                    await registered.wait()
         except TimeoutError:
             have = collections.Counter(w.role for w in self.registry.all())
             missing = {p.role: p.count - have[p.role] for p in self.spec.pools
@@ -257,23 +260,27 @@ class Workforce:
         if first and not self._stopping():
             self._fail_run(f"worker process {name} failed to start: {error}")
 
-    def on_remote_exit(self, node: str, name: str, pid: int, code: int, expected: bool) -> None:
-        """A worker process on another node exited: as `on_child_exit` for a child here."""
+    def on_remote_exit(self, node: str, name: str, pid: int, code: int, expected: bool,
+                       error: str = "") -> None:
+        """A worker process on another node exited (``error``: the last error it logged or
+        printed there): as `on_child_exit` for a child here."""
         gone = [info for info in self.registry.all() if info.node == node and info.pid == pid]
         for info in gone:
-            self._worker_gone(info.worker_id, f"process {pid} on {node} exited with {code}")
+            self._worker_gone(info.worker_id, f"process {pid} on {node} exited with {code}"
+                                              f"{': ' + error if error else ''}")
         # pid -1 matches no worker here (pids of different nodes may coincide).
         self.on_child_exit(cast(Child, _RemoteExit(name, expected_exit=expected,
-                                                   registered=bool(gone))), code)
+                                                   registered=bool(gone), last_error=error)),
+                           code)
 
     def on_child_exit(self, child: Child, code: int) -> None:
         if child.name.startswith("node:") and not self._stopping():
-            last = getattr(child, "last_error", "")  # a remote exit has none
+            last = child.last_error
             self._fail_run(f"node agent {child.name} exited with code {code}"
                            f"{': ' + last if last else ''}")
             return
         # What it reported, else the last error it logged or the traceback it printed.
-        last = self.last_error.pop(child.name, "") or getattr(child, "last_error", "")
+        last = self.last_error.pop(child.name, "") or child.last_error
         exited = f"exited with code {code}{': ' + last if last else ''}"
         registered = self.registry.by_pid(child.pid)
         for info in registered:
