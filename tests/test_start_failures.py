@@ -26,7 +26,12 @@ from flowrl.recipe import (
 from flowrl.tiny_model import build_tiny_model
 
 REWARDS = '''
-import os, traceback
+import os, pathlib, traceback
+
+# Once a call has crashed the process, the module no longer loads (in the restarted one).
+BROKEN = pathlib.Path(__file__).with_name("broken")
+if BROKEN.exists():
+    raise ImportError("the grader lost its license")
 
 def score(prompt, response, answer):
     return 1.0
@@ -36,6 +41,10 @@ def crash(prompt, response, answer):
         raise RuntimeError("grader state corrupted")
     except RuntimeError:
         traceback.print_exc()
+    os._exit(3)
+
+def crash_once_then_fail_to_load(prompt, response, answer):
+    BROKEN.touch()
     os._exit(3)
 '''
 
@@ -100,3 +109,22 @@ async def test_a_process_that_dies_is_named_with_the_traceback_it_printed(
     assert str(failed.value) == (
         "worker process reward.0 died 1 times (last exit code 3: RuntimeError: grader state "
         "corrupted); max_restarts is 0")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_a_process_that_came_up_before_is_restarted_when_it_cannot_start_again(
+        tmp_path: Path) -> None:
+    # It started once, so its failing to start again may not be for good: it is restarted
+    # within max_restarts like any death, and the run then stops quoting its start error.
+    rewards = tmp_path / "rewards.py"
+    recipe = _recipe(tmp_path, reward=RewardConfig(fn=f"{rewards}:crash_once_then_fail_to_load"),
+                     placement=PlacementConfig(max_restarts=2))
+    async with Controller(recipe.to_pipeline(), start_timeout_s=60) as ctl:
+        with pytest.raises(RunError) as failed:
+            await ctl.run(steps=2, timeout_s=90)
+    assert str(failed.value) == (
+        f"worker process reward.0 died 3 times (last exit code 1: RewardFnError: reward "
+        f"function '{rewards}:crash_once_then_fail_to_load': cannot load '{rewards}': "
+        f"ImportError: the grader lost its license); max_restarts is 2")
+    assert ctl.restarts == 2
