@@ -104,8 +104,10 @@ def controller_templates() -> tuple[dict[str, Any], set[str]]:
         "served": {"worker_id": ghost, "version": 1},
         "bye": {"worker_id": ghost},
         "node_up": {"node": "node0", "store": "ipc:///nonexistent/fuzz"},
+        "start_failed": {"process": "rollout.0", "token": "0" * 32, "error": "fuzz"},
     }
-    harmless = {"heartbeat", "get_task", "task_done", "task_failed", "served", "bye"}
+    harmless = {"heartbeat", "get_task", "task_done", "task_failed", "served", "bye",
+                "start_failed"}
     return templates, harmless
 
 

@@ -233,7 +233,7 @@ def worker_argv(run_id: str, hostile: HostileController, store_ep: str) -> list[
     return worker_command(WorkerSpec(
         process=ProcessSpec(name="rollout.0", role="rollout", count=1, capacity=4, threads=1,
                             seed=0, heartbeat_s=0.05, weight_sync_timeout_s=60.0,
-                            engine="sim", sim=FAST),
+                            engine="sim", sim=FAST, start_token="0123456789abcdef"),
         endpoints=Endpoints(run_id=run_id, node="node0", controller=hostile.rpc_ep,
                             broadcast=hostile.pub_ep, store=store_ep)))
 

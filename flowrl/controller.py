@@ -32,6 +32,7 @@ from flowrl.control.reports import TaskReport, check_report
 from flowrl.control.run_view import RunCounters, status_snapshot
 from flowrl.control.scheduler import Scheduler, find_source_stage
 from flowrl.control.stability import StabilityGuard
+from flowrl.control.step_metrics import FailureBudget, TooManyFailures
 from flowrl.control.store_feed import StoreFeed
 from flowrl.control.versions import Versions
 from flowrl.control.weights import WeightVersions
@@ -144,7 +145,8 @@ class Controller:
         self.versions = Versions(
             self.ledger, self.weights, self.registry, rollout_role=self.scheduler.source.role,
             events=self.events, counters=self._counters, free=self.store_feed.free,
-            output=spec.output, guard=self.guard, set_max_staleness=self.set_max_staleness)
+            output=spec.output, guard=self.guard, set_max_staleness=self.set_max_staleness,
+            failure_budget=FailureBudget(spec.max_failure_share, spec.max_failure_steps))
         #: called with each step's line (the launcher prints them, the monitor streams them)
         self.on_step = self.versions.on_step
         self.step_log = self.versions.step_log
@@ -482,7 +484,7 @@ class Controller:
             retired = self.index.complete(task.id, report.fields, version=report.version,
                                           lengths=report.lengths or None)
             self.store_feed.free(retired)
-            self.versions.stage_metrics.fold(report.metrics)
+            self.versions.stage_metrics.fold(task, report)
         self._wake()
 
     def task_failed(self, a: Assignment, error: str) -> None:
@@ -524,6 +526,9 @@ class Controller:
         self.events.emit("error", **record)
         self._log().error("weight sync failed", **record)
         self.workforce.last_error[info.process] = error
+
+    def start_failed(self, process: str, token: str, error: str) -> None:
+        self.workforce.start_failed(process, token, error)
 
     def node_up(self, store: str, peer_store: str | None) -> bool:
         if self._node_up.is_set():  # the agent reports once: a replay must not move the store
@@ -592,7 +597,7 @@ class Controller:
         """All micro-batches of a step are trained: commit them and publish the new version."""
         try:
             self.versions.commit(tasks, report)
-        except LostTrainerState as exc:
+        except (LostTrainerState, TooManyFailures) as exc:
             self._fail_run(RunError(str(exc)))
             return
         if self.version >= self._steps_target:

@@ -10,9 +10,11 @@ is not valid UTF-8 JSON, a value that is not an object, a missing prompt or answ
 that is not a non-blank string, an answer that is neither a string nor a number (a Parquet row's
 null counts as missing), or a prompt or answer that is not text (a lone surrogate, escaped as
 ``\\ud800`` in the JSON, is valid JSON but encodes to nothing a tokenizer or the wire accepts).
-A file with no usable row raises ValueError; so does a Parquet file that is not one, or one
-without the prompt or answer column, naming the file. Parquet needs
-``pyarrow`` (the ``parquet`` extra), imported only when such a file is read.
+A file with no usable row raises ValueError naming the file, the keys a row needs and what its
+first rows hold; so does a Parquet file that is not one, or one without the prompt or answer
+column, naming the columns it has. `first_example` reads no further than the first usable row
+(the launcher's check before workers start). Parquet needs ``pyarrow`` (the ``parquet`` extra),
+imported only when such a file is read.
 
 A prompt template (``"Question: {prompt}\nAnswer:"``) wraps each prompt; ``{prompt}`` is replaced
 literally, so other braces in the template (``\\boxed{}``) need no escaping.
@@ -20,12 +22,14 @@ literally, so other braces in the template (``\\boxed{}``) need no escaping.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +86,7 @@ def jsonl(path: str | Path, *, prompt_key: str = "prompt", answer_key: str = "an
     """The rows of a JSON-lines file; malformed rows are skipped and counted (module doc)."""
     check_template(template)
     with open(path, "rb") as f:
-        return _dataset(_json_lines(f), prompt_key, answer_key, template, seed)
+        return _dataset(path, _json_lines(f), prompt_key, answer_key, template, seed)
 
 
 def parquet(path: str | Path, *, prompt_key: str = "prompt", answer_key: str = "answer",
@@ -90,6 +94,34 @@ def parquet(path: str | Path, *, prompt_key: str = "prompt", answer_key: str = "
     """The rows of a Parquet file (its prompt and answer columns only); malformed rows are
     skipped and counted (module doc)."""
     check_template(template)
+    return _dataset(path, _parquet_rows(path, prompt_key, answer_key), prompt_key, answer_key,
+                    template, seed)
+
+
+def first_example(path: str | Path, *, kind: str, prompt_key: str = "prompt",
+                  answer_key: str = "answer", template: str = PROMPT_PLACEHOLDER) -> Example:
+    """The first usable example of a ``jsonl`` or ``parquet`` file, reading no further; the
+    errors of `jsonl` and `parquet` when there is none."""
+    check_template(template)
+    shown: list[str] = []
+    with contextlib.ExitStack() as stack:
+        if kind == "jsonl":
+            rows: Iterable[object] = _json_lines(stack.enter_context(open(path, "rb")))
+        elif kind == "parquet":
+            rows = _parquet_rows(path, prompt_key, answer_key)
+        else:
+            raise ValueError(f"no file kind {kind!r}; have 'jsonl' and 'parquet'")
+        for row in rows:
+            example = _example(row, prompt_key, answer_key, template)
+            if example is not None:
+                return example
+            if len(shown) < SHOWN_ROWS:
+                shown.append(_show_row(row, prompt_key, answer_key))
+    raise _no_usable_row(path, prompt_key, answer_key, shown)
+
+
+def _parquet_rows(path: str | Path, prompt_key: str, answer_key: str) -> Iterator[object]:
+    """The rows of a Parquet file's prompt and answer columns, a batch at a time."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -97,15 +129,21 @@ def parquet(path: str | Path, *, prompt_key: str = "prompt", answer_key: str = "
             f"reading {path} (data.kind 'parquet') needs pyarrow: pip install 'flowrl[parquet]'"
         ) from None
     try:
-        table = pq.read_table(path, columns=[prompt_key, answer_key])
+        file = pq.ParquetFile(path)
+        columns = file.schema_arrow.names
     except (OSError, ValueError, KeyError) as e:  # pyarrow's errors subclass these
-        raise ValueError(f"{path}: not a Parquet file with columns {prompt_key!r} and "
-                         f"{answer_key!r} ({e})") from None
-    rows = (row for batch in table.to_batches() for row in batch.to_pylist())
-    return _dataset(rows, prompt_key, answer_key, template, seed)
+        raise ValueError(f"{path}: not a Parquet file ({e})") from None
+    missing = [k for k in (prompt_key, answer_key) if k not in columns]
+    if missing:
+        raise ValueError(f"{path}: no column {' or '.join(map(repr, missing))} (the prompt and "
+                         f"answer keys); its columns are {_listed(columns)}")
+    for batch in file.iter_batches(columns=[prompt_key, answer_key]):
+        yield from batch.to_pylist()
 
 
 _MALFORMED = object()  # a row that could not even be parsed
+#: rows an error about a file without a usable row describes
+SHOWN_ROWS = 3
 
 
 def _json_lines(f: Iterable[bytes]) -> Iterator[object]:
@@ -118,17 +156,59 @@ def _json_lines(f: Iterable[bytes]) -> Iterator[object]:
             yield _MALFORMED
 
 
-def _dataset(rows: Iterable[object], prompt_key: str, answer_key: str, template: str,
-             seed: int) -> Dataset:
+def _dataset(path: str | Path, rows: Iterable[object], prompt_key: str, answer_key: str,
+             template: str, seed: int) -> Dataset:
     examples: list[Example] = []
+    shown: list[str] = []
     skipped = 0
     for row in rows:
         example = _example(row, prompt_key, answer_key, template)
         if example is None:
             skipped += 1
+            if len(shown) < SHOWN_ROWS:
+                shown.append(_show_row(row, prompt_key, answer_key))
         else:
             examples.append(example)
+    if not examples:
+        raise _no_usable_row(path, prompt_key, answer_key, shown)
     return Dataset(examples, seed=seed, skipped=skipped)
+
+
+def _no_usable_row(path: str | Path, prompt_key: str, answer_key: str,
+                   shown: list[str]) -> ValueError:
+    found = "; ".join(shown) if shown else "the file has no rows"
+    return ValueError(
+        f"{path}: no usable example: a row needs {prompt_key!r} (non-blank text) and "
+        f"{answer_key!r} (text or a number); its first rows: {found}")
+
+
+def _show_row(row: object, prompt_key: str, answer_key: str) -> str:
+    """What a row that is no example holds, in a few words (its keys and the kinds of its
+    values, never the values)."""
+    if row is _MALFORMED:
+        return "a line that is not JSON (or not UTF-8)"
+    if not isinstance(row, dict):
+        return f"a JSON {type(row).__name__}, not an object"
+    if prompt_key not in row or answer_key not in row:
+        return f"keys {_listed(list(row))}"
+    return (f"{prompt_key!r} is {_kind_of(row[prompt_key])}, {answer_key!r} is "
+            f"{_kind_of(row[answer_key])}")
+
+
+def _kind_of(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true/false"
+    if isinstance(value, str):
+        return ("blank text" if not value.strip() else
+                "text" if _is_text(value) else "text with unpaired surrogates")
+    return "a number" if isinstance(value, int | float) else f"a {type(value).__name__}"
+
+
+def _listed(keys: list[Any], most: int = 12) -> str:
+    shown = ", ".join(repr(k)[:40] for k in keys[:most])
+    return f"[{shown}{', ...' if len(keys) > most else ''}]"
 
 
 def _example(row: object, prompt_key: str, answer_key: str, template: str) -> Example | None:

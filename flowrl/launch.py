@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 
     configure()
 
+    from flowrl.recipe.inputs import InputError
     from flowrl.run import run_recipe
 
     try:
@@ -153,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     except asyncio.CancelledError:  # SIGTERM: run_recipe cancelled itself and shut down
         print("terminated; workers stopped", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except InputError as exc:  # found before any process started, like a recipe error
+        print(f"error: {args.recipe}: {exc}", file=sys.stderr)
+        return EXIT_RECIPE
     except Exception as exc:  # the run's own error, already logged with its context
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_RUN

@@ -18,13 +18,20 @@ Requests (worker -> controller, over the controller's ROUTER socket):
   ``done``, a `DoneMsg`, reports the worker's previous task with its next poll (one round trip
   per task instead of two); it is handled before the poll waits, exactly like ``task_done``, and
   a report that cannot be taken fails its task instead of the poll. Reports are idempotent: a
-  worker whose poll failed sends the same report again, and a repeat is ignored.
+  worker whose poll failed sends the same report again, and a repeat is ignored. A report may
+  name rows whose values are fallbacks (``failed``, a `FailedRows` per kind: a reward function
+  that raised, timed out or returned garbage on them).
 - ``task_done``  ``{worker_id, task_id, fields, lengths, version, metrics}`` -> ``{ok}``
 - ``task_failed`` ``{worker_id, task_id, error}`` -> ``{ok}``
 - ``served``     ``{worker_id, version}`` -> ``{ok}``: the worker now serves that policy version.
 - ``sync_failed`` ``{worker_id, version, error}`` -> ``{ok}``: the worker could not load that
   version within its deadline; it exits next (and is restarted, joining at the current version).
 - ``bye``        ``{worker_id}`` -> ``{ok}``: clean exit.
+- ``start_failed`` ``{process, token, error}`` -> ``{ok}``: worker process ``process`` could not
+  start (its model, dataset or reward function failed to load) and exits next; sent before it
+  registers, so it carries the process's start token (`flowrl.worker_spec.ProcessSpec`), not a
+  worker's. A process that never came up stops the run with ``error``; a restarted one is
+  restarted again within ``max_restarts``.
 
 Broadcasts (controller -> everyone, PUB/SUB topics):
 
@@ -45,6 +52,7 @@ OP_TASK_FAILED: Final = "task_failed"
 OP_SERVED: Final = "served"
 OP_BYE: Final = "bye"
 OP_SYNC_FAILED: Final = "sync_failed"
+OP_START_FAILED: Final = "start_failed"
 
 LONG_POLLS: Final = frozenset({OP_GET_TASK})
 """Requests that wait for work: served on a budget of their own (`RpcServer`'s ``long_polls``),
@@ -77,6 +85,15 @@ class TaskMsg(TypedDict):
     params: dict[str, Any]
 
 
+class FailedRows(TypedDict):
+    """Rows of a task whose values are fallbacks, for one kind of failure."""
+
+    #: offsets into the task's ``rows``
+    rows: list[int]
+    #: what went wrong on one of them
+    error: str
+
+
 class DoneMsg(TypedDict):
     worker_id: str
     task_id: int
@@ -89,3 +106,5 @@ class DoneMsg(TypedDict):
     metrics: dict[str, float]
     #: set by the task that ends a train step: parameter name -> store handle of version+1.
     weights: NotRequired[dict[str, Any]]
+    #: failure kind -> the rows whose values are fallbacks (a reward function failed on them).
+    failed: NotRequired[dict[str, FailedRows]]

@@ -182,9 +182,11 @@ class _Agent:
 
     def _on_exit(self, child: Any, code: int) -> None:
         # Killed on the controller's order or not, the controller forgets the process's workers.
+        # Its last error (logged, or the traceback it printed) says why, on the controller too.
         self.reports.put_nowait((OP_EXIT, {"node": self.node, "name": child.name,
                                            "pid": child.pid, "code": code,
-                                           "expected": bool(child.expected_exit)}))
+                                           "expected": bool(child.expected_exit),
+                                           "error": child.last_error}))
 
     async def run(self) -> None:
         _stop_on_signals(self.stop)

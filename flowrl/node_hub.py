@@ -176,7 +176,8 @@ class NodeHub:
 
     def __init__(
         self, run_id: str, nodes: set[str], config: ClusterConfig, *, capacity: int,
-        on_lost: Callable[[str], None], on_exit: Callable[[str, str, int, int, bool], None],
+        on_lost: Callable[[str], None],
+        on_exit: Callable[[str, str, int, int, bool, str], None],
     ) -> None:
         self.run_id = run_id
         self.config = config
@@ -330,7 +331,8 @@ class NodeHub:
         remote = self._node(payload)
         remote.last_seen = time.monotonic()
         self._on_exit(remote.name, str(payload["name"]), int(payload["pid"]),
-                      int(payload["code"]), bool(payload.get("expected", False)))
+                      int(payload["code"]), bool(payload.get("expected", False)),
+                      str(payload.get("error") or "")[:500])
         return {"ok": True}
 
     async def _stopped(self, payload: Any, peer: bytes) -> dict[str, Any]:

@@ -54,6 +54,11 @@ class PipelineSpec:
     prefetch: int = 1
     #: a micro-batch whose task fails this many times stops the run with the last error.
     max_task_failures: int = 3
+    #: a stage (the reward function) that fails on more than this share of a step's samples
+    #: for ``max_failure_steps`` steps in a row stops the run with its error
+    #: (`flowrl.control.step_metrics.FailureBudget`); 1.0 never stops it.
+    max_failure_share: float = 0.5
+    max_failure_steps: int = 3
     #: a worker process that dies is restarted after ``restart_backoff_s * 2**(n-1)`` seconds
     #: (at most 30 s), at most this many times; one more death stops the run with the exit code.
     max_restarts: int = 3

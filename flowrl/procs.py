@@ -2,8 +2,10 @@
 
 Every child is owned: one watcher task per child awaits its exit and reports it through
 ``on_exit`` (a dead worker's rows are requeued at once, without waiting for missed heartbeats).
-Children's output lines reach the controller's log prefixed with the child's name. Stopping is
-polite first (the caller broadcasts ``stop``), then SIGTERM, then SIGKILL, each with a deadline.
+Children's output lines reach the controller's log prefixed with the child's name; a traceback a
+child prints reaches it as one ``error`` record (`flowrl.logs.ChildLines`), and the last error a
+child logged is kept (`Child.last_error`) for the reason it exited. Stopping is polite first
+(the caller broadcasts ``stop``), then SIGTERM, then SIGKILL, each with a deadline.
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ from dataclasses import dataclass
 import structlog
 
 from flowrl.lifecycle import PARENT_ENV
-from flowrl.logs import FORMAT_ENV, relay
+from flowrl.logs import FORMAT_ENV, ChildLines
 
 log = structlog.get_logger("flowrl.procs")
+
+#: a traceback a child printed is emitted once its output pauses this long (or a record follows)
+TRACEBACK_PAUSE_S = 0.2
 
 
 @dataclass
@@ -67,11 +72,27 @@ class Supervisor:
 
     async def _watch(self, name: str, proc: asyncio.subprocess.Process) -> None:
         assert proc.stdout is not None
-        while line := await proc.stdout.readline():
-            error = relay(name, line.decode(errors="replace"))
+        lines = ChildLines(name)
+
+        def note(error: str | None) -> None:
             running = self._children.get(proc.pid)
             if error is not None and running is not None:
                 running.last_error = error[:500]
+
+        while True:
+            if lines.pending:  # a traceback is being gathered: a pause ends it
+                try:
+                    async with asyncio.timeout(TRACEBACK_PAUSE_S):
+                        line = await proc.stdout.readline()
+                except TimeoutError:  # the unread part of a line stays in the stream's buffer
+                    note(lines.flush())
+                    continue
+            else:
+                line = await proc.stdout.readline()
+            if not line:
+                break
+            note(lines.feed(line.decode(errors="replace")))
+        note(lines.flush())
         code = await proc.wait()
         child = self._children.pop(proc.pid, None)
         if child is not None:

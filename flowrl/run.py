@@ -24,6 +24,7 @@ from flowrl.controller import Controller
 from flowrl.node_hub import ClusterConfig
 from flowrl.pipeline import PipelineSpec
 from flowrl.recipe import CONTROLLER_NODE, TINY_MODEL, ClusterSettings, Recipe, TinyModelConfig
+from flowrl.recipe.inputs import check_inputs
 from flowrl.recipe_file import apply_overrides
 from flowrl.resume import RunState, latest_checkpoint
 from flowrl.run_output import RunRecord, check_resume, claim, run_dir_of
@@ -175,6 +176,10 @@ async def run_recipe(
     ``monitor`` starts the recipe's HTTP monitor; ``on_start`` is called once the controller
     and its workers are up (the launcher prints the monitor's URL there). ``run_id`` names the
     run (default: a fresh one).
+
+    Before any process starts, what the workers will load is checked
+    (`flowrl.recipe.inputs.check_inputs`: reward function, data file, model directories);
+    an input they could not use raises `flowrl.recipe.inputs.InputError` naming its field.
     """
     if steps is not None and steps != recipe.steps:
         # The trainer's schedule ends, and its final model is written, at the recipe's steps.
@@ -192,6 +197,7 @@ async def run_recipe(
     if out is not None:
         claim(out, resume=resume, overwrite=overwrite)
     check_store_room(recipe)
+    await asyncio.to_thread(check_inputs, recipe)
     spec = await asyncio.to_thread(compile_recipe, recipe, resume=found)
     record = None
     if out is not None:

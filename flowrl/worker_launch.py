@@ -51,9 +51,11 @@ def read_spec(path: Path) -> WorkerSpec:
 
 
 def process_spec(pipeline: PipelineSpec, *, role: str, proc_no: int, count: int,
-                 capacity: int, threads: int, engine_config: dict[str, Any]) -> ProcessSpec:
+                 capacity: int, threads: int, engine_config: dict[str, Any],
+                 start_token: str) -> ProcessSpec:
     """Worker process ``proc_no`` of ``role``'s pool, configured with ``engine_config`` (the
-    pipeline's, or `engine_config_of_group`'s for data-parallel trainer ranks)."""
+    pipeline's, or `engine_config_of_group`'s for data-parallel trainer ranks); it reports a
+    failed start with ``start_token``."""
     sim = pipeline.engine == "sim"
     # Validated as it arrives from elsewhere: the pipeline's engine name is free text.
     return ProcessSpec.model_validate({
@@ -61,7 +63,8 @@ def process_spec(pipeline: PipelineSpec, *, role: str, proc_no: int, count: int,
         "threads": threads, "seed": pipeline.seed * 1000 + proc_no,
         "heartbeat_s": pipeline.heartbeat_s,
         "weight_sync_timeout_s": pipeline.weight_sync_timeout_s, "engine": pipeline.engine,
-        "sim": engine_config if sim else None, "config": None if sim else engine_config})
+        "sim": engine_config if sim else None, "config": None if sim else engine_config,
+        "start_token": start_token})
 
 
 def engine_config_of_group(config: dict[str, Any], *, generation: int,

@@ -261,6 +261,9 @@ class ProcessSpec(_Spec):
     config: EngineSpec | None = None
     #: ``engine="sim"``: the cost model (``workers.sim.SimCost`` fields).
     sim: dict[str, _SimValue] | None = None
+    #: the secret a process that cannot start reports its error with (``start_failed``,
+    #: before it has a worker's token); fresh for every start.
+    start_token: str = Field(min_length=16, max_length=128, repr=False)
 
     @model_validator(mode="after")
     def _engine_settings(self) -> ProcessSpec:

@@ -11,6 +11,7 @@ from flowrl.backpressure import StoreBackpressure
 from flowrl.control.admission import Admission
 from flowrl.control.ledger import LostTrainerState, StepLedger
 from flowrl.control.reports import MalformedReport, check_report, parse_report
+from flowrl.control.step_metrics import FailureBudget, StageMetrics, TooManyFailures
 from flowrl.control.weights import WeightVersions
 from flowrl.graph import StageGraph, StageSpec
 from flowrl.index import Index, Task
@@ -60,6 +61,9 @@ def test_a_well_formed_report_passes() -> None:
     ({"lengths": [1, 2, 3]}, "3 lengths for 2 rows"),
     ({"fields": {"reward": [[1, 2], 0.5], "score": [1, 2]}}, "a store handle or a number"),
     ({"fields": {"reward": ["x", 0.5], "score": [1, 2]}}, "a store handle or a number"),
+    ({"failed": {"error": {"rows": [2], "error": "boom"}}}, "each of the task's 2 rows"),
+    ({"failed": {"error": {"rows": [0], "error": "a"}, "timeout": {"rows": [0], "error": "b"}}},
+     "at most once"),
 ])
 def test_a_malformed_report_is_refused_naming_what_is_wrong(changes: dict[str, Any],
                                                             says: str) -> None:
@@ -74,11 +78,22 @@ def test_a_malformed_report_is_refused_naming_what_is_wrong(changes: dict[str, A
     ({"lengths": [-1, 2]}, "'lengths' must be a list of non-negative"),
     ({"version": "1"}, "'version' must be"),
     ({"task_id": "7"}, "'task_id' must be an integer"),
+    ({"failed": [0]}, "'failed' must map"),
+    ({"failed": {"no kind": {"rows": [0], "error": ""}}}, "a kind must be a short identifier"),
+    ({"failed": {"error": {"rows": [], "error": ""}}}, "expected {rows: [offsets], error"),
+    ({"failed": {"error": {"rows": [0], "error": None}}}, "expected {rows: [offsets], error"),
 ])
 def test_a_report_of_the_wrong_shape_is_refused(changes: dict[str, Any], says: str) -> None:
     with pytest.raises(MalformedReport) as info:
         parse_report(report(**changes))
     assert says in str(info.value)
+
+
+def test_a_report_names_the_rows_whose_values_are_fallbacks() -> None:
+    parsed = parse_report(report(failed={"error": {"rows": [1], "error": "x" * 3000},
+                                         "timeout": {"rows": [0], "error": "slow"}}))
+    check_report(parsed, task(), REWARD, train=False)
+    assert parsed.failed == {"error": ((1,), "x" * 2000), "timeout": ((0,), "slow")}
 
 
 def test_a_train_report_produces_no_field() -> None:
@@ -158,3 +173,53 @@ def test_weight_versions_are_kept_while_any_rollout_worker_may_serve_them() -> N
     assert [Handle.from_wire(h).offset for h in freed] == [16]
     assert weights.get(1) is None
     assert weights.get(2) is not None
+
+
+# ---- failed samples: counted for the step that trains them; the failure budget -------------
+
+
+def rows_task(stage: str, rows: tuple[int, ...], task_id: int = 1) -> Task:
+    return Task(id=task_id, stage=stage, rows=rows, groups=(0,), worker="w", handles={},
+                lengths=(1,) * len(rows), versions=(None,) * len(rows), tokens=len(rows))
+
+
+def test_failed_samples_count_for_the_step_that_trains_them() -> None:
+    metrics = StageMetrics()
+    # One reward task scores rows of two steps (0-3: step 1; 4-5: step 2); its failures are
+    # on rows 1 and 4 (error) and 5 (a judge's fallback).
+    metrics.fold(rows_task("reward", (0, 1, 2, 3, 4, 5)), parse_report(report(failed={
+        "error": {"rows": [1, 4], "error": "ValueError: x"},
+        "unparsable": {"rows": [5], "error": "no score"}}, metrics={"critic_loss": 0.5})))
+    metrics.fold(rows_task("reward", (6, 7, 8)), parse_report(report(failed={
+        "timeout": {"rows": [0], "error": "slow"}})))
+    figures, failures = metrics.take([rows_task("train", (0, 1)), rows_task("train", (2, 3))],
+                                     alive=lambda row: True)
+    assert figures == {"critic_loss": 0.5, "reward_failed": 1.0, "reward_failed_error": 1.0}
+    assert failures["reward"].errors == {"error": "ValueError: x"}
+    # Row 6 was dropped (too stale): it never trains, and is forgotten.
+    figures, failures = metrics.take([rows_task("train", (4, 5))], alive=lambda row: row != 6)
+    assert figures == {"reward_failed": 2.0, "reward_failed_error": 1.0,
+                       "reward_failed_unparsable": 1.0}
+    assert metrics.take([rows_task("train", (6, 7, 8))], alive=lambda row: True) == ({}, {})
+
+
+def test_the_failure_budget_ends_the_run_after_steps_in_a_row_over_the_share() -> None:
+    metrics = StageMetrics()
+    budget = FailureBudget(max_share=0.5, max_steps=2)
+
+    def step(n: int, failed: list[int], kind: str = "error") -> None:
+        rows = tuple(range(n * 4, n * 4 + 4))
+        if failed:
+            metrics.fold(rows_task("reward", rows), parse_report(report(failed={
+                kind: {"rows": failed, "error": f"{kind} at step {n}"}})))
+        _, failures = metrics.take([rows_task("train", rows)], alive=lambda row: True)
+        budget.observe(n, 4, failures)
+
+    step(1, [0, 1, 2])  # 3 of 4: over the share
+    step(2, [0, 1])  # 2 of 4: not over it, so the count starts again
+    step(3, [0, 1, 2, 3], kind="unparsable")  # a judge's fallbacks are never held against it
+    step(4, [0, 1, 2])
+    with pytest.raises(TooManyFailures) as info:
+        step(5, [0, 1, 2, 3])
+    assert str(info.value).startswith("reward failed on 4 of 4 samples of step 5 (error 4)")
+    assert str(info.value).endswith("; error: error at step 5")

@@ -96,3 +96,63 @@ def test_help_answers_at_once() -> None:
     # Well under a second on an idle machine; the bound allows for a busy one. It fails if
     # --help pulls in torch or transformers (seconds on their own).
     assert elapsed < 3.0, f"--help took {elapsed:.2f}s"
+
+
+# ---- inputs the workers could not use fail before anything starts ----------------------------
+
+SMALL_RECIPE = '''
+from flowrl import Recipe, TrainerConfig
+
+recipe = Recipe(steps=2, trainer=TrainerConfig(groups_per_step=2))
+'''
+
+REWARDS = '''
+def score(prompt, response, answer):
+    return float(response.strip() == answer)
+
+def two_args(prompt, response):
+    return 0.0
+'''
+
+
+def _inputs(tmp_path: Path, case: str) -> tuple[list[str], list[str]]:
+    """``--set`` arguments that give the run an input its workers could not use, and what the
+    error must say about it."""
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(REWARDS)
+    if case == "reward":
+        return ([f"reward.fn={rewards}:scorer"],
+                ["reward.fn", str(rewards), "has no 'scorer'"])
+    if case == "reward_args":
+        return ([f"reward.fn={rewards}:two_args"],
+                ["reward.fn", "two_args", "fn(prompt, response, answer=...)"])
+    if case == "data":
+        rows = tmp_path / "gsm8k.jsonl"
+        rows.write_text("".join(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n"
+                                for _ in range(3)))
+        return (["data.kind=jsonl", f"data.path={rows}"],
+                ["data.path", str(rows), "'prompt'", "keys ['question', 'answer']"])
+    model = tmp_path / "model"  # a config, but no tokenizer files
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    return [f"model.path={model}"], ["model.path", str(model), "tokenizer"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", ["reward", "reward_args", "data", "model"])
+def test_an_input_the_workers_could_not_use_fails_before_anything_starts(
+        tmp_path: Path, case: str) -> None:
+    recipe = tmp_path / "recipe.py"
+    recipe.write_text(SMALL_RECIPE)
+    overrides, expected = _inputs(tmp_path, case)
+    done = _launch(str(recipe), "--no-monitor",
+                   *(a for o in overrides for a in ("--set", o)), timeout=50.0,
+                   env={"XDG_CACHE_HOME": str(tmp_path / "cache"), "FLOWRL_LOG_FORMAT": "json"})
+    assert done.returncode == 2, done.stderr[-3000:]
+    error = done.stderr.strip().splitlines()[-1]
+    assert error.startswith(f"error: {recipe}: ")
+    for text in expected:
+        assert text in error, error
+    assert done.stdout == ""
+    assert _run_ids(done.stderr) == set()  # no controller started
+    assert not (tmp_path / "cache").exists()  # not even the tiny model was built

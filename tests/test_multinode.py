@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -172,6 +173,36 @@ async def test_a_worker_on_another_node_keeps_the_weight_sync_deadline(tmp_path:
     assert "did not load policy version 1 within 0.5s" in str(info.value), tail(log)
     assert errors
     assert errors[0]["name"] == "rollout.0.0"
+
+
+@pytest.mark.timeout(60)
+async def test_a_worker_on_another_node_that_cannot_start_stops_the_run_with_its_error(
+        tmp_path: Path) -> None:
+    # Every worker runs on node a with a cost model it refuses: the first to say why (over
+    # tcp+curve, before it registers) stops the run at once, with no restart.
+    keys = CurveKeys.generate()
+    broken = dataclasses.replace(
+        split_spec(), pools=tuple(dataclasses.replace(p, nodes=("a",))
+                                  for p in split_spec().pools),
+        engine_config={**FAST, "bogus_cost": 1.0})
+    ctl = Controller(broken, cluster=ClusterConfig(keys=keys), start_timeout_s=50)
+    assert ctl.nodes is not None
+    log = tmp_path / "a.log"
+    procs: list[asyncio.subprocess.Process] = []
+    async with agents_reaped(procs):
+        try:
+            starting = asyncio.ensure_future(ctl.start())
+            procs.append(await start_agent(await ctl.nodes.wait_listening(), "a", log,
+                                           env=keys.to_env()))
+            with pytest.raises(RunError) as info:
+                await starting
+        finally:
+            await ctl.aclose()
+        await wait_exit(procs[0], log)
+    assert re.fullmatch(r"worker process (rollout|reward|train)\.0 failed to start: "
+                        r"ValueError: unknown simulation cost field\(s\): \['bogus_cost'\]",
+                        str(info.value)), (str(info.value), tail(log))
+    assert ctl.restarts == 0
 
 
 @pytest.mark.timeout(60)

@@ -75,6 +75,9 @@ def test_minimal_recipe_compiles_to_the_grpo_pipeline() -> None:
     assert spec.engine == "hf"
     assert (spec.group_size, spec.groups_per_step, spec.max_staleness) == (4, 8, 0)
     assert spec.store_capacity_bytes == 1024 << 20
+    assert (spec.max_failure_share, spec.max_failure_steps) == (0.5, 3)
+    assert Recipe(steps=3, reward={"max_failure_share": 1.0, "max_failure_steps": 7}
+                  ).to_pipeline().max_failure_steps == 7
     train = spec.graph().stage("train")
     assert train.consumes_version_bound
     assert train.group_level
@@ -278,6 +281,8 @@ def test_fields_are_documented() -> None:
         ("reward={'judge': {'template': 'Score:'}}", "reward.judge.template"),
         ("reward={'judge': {'stop': ['']}}", "reward.judge.stop"),
         ("reward={'judge': {'default': float('nan')}}", "reward.judge.default"),
+        ("reward={'max_failure_share': 1.5}", "reward.max_failure_share"),
+        ("reward={'max_failure_steps': 0}", "reward.max_failure_steps"),
     ],
 )
 def test_rules_name_their_field(tmp_path: Path, kwargs: str, field: str) -> None:
@@ -509,7 +514,7 @@ def test_numbers_given_to_text_fields_become_text(tmp_path: Path) -> None:
 
 
 def test_import_is_light() -> None:
-    code = ("import sys, flowrl.recipe_file, workers.roles.reward_runner; "
+    code = ("import sys, flowrl.recipe_file, flowrl.recipe.inputs, workers.roles.reward_runner; "
             "heavy = [m for m in ('torch', 'transformers', 'numpy', 'zmq') if m in sys.modules]; "
             "assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=60)

@@ -443,7 +443,7 @@ def test_resolve_file_reference(tmp_path: Path) -> None:
         ("mod:1bad", "is not 'module:function'"),
         ("flowrl_no_such_module:f", "cannot load 'flowrl_no_such_module'"),
         ("workers.roles.reward_runner:nope", "has no 'nope'"),
-        ("workers.roles.reward_runner:_MAX_ERROR_CHARS", "is a int, not callable"),
+        ("flowrl.reward_fn:MAX_ERROR_CHARS", "is a int, not callable"),
         ("/no/such/file.py:f", "no such file"),
     ],
 )

@@ -219,6 +219,10 @@ async def test_no_other_process_can_act_as_a_worker() -> None:
                                   "token": b"\0" * 16}),
                 (m.OP_GET_TASK, {"worker_id": victim, "wait_s": 0.0, "token": "guess"}),
                 (m.OP_TASK_FAILED, {"worker_id": victim, "task_id": 1, "error": "x"}),
+                # A process not yet registered vouches with its spec's start token.
+                (m.OP_START_FAILED, {"process": "rollout.0", "token": "0" * 32,
+                                     "error": "x"}),
+                (m.OP_START_FAILED, {"process": "train.0", "token": "", "error": "x"}),
             ]:
                 with pytest.raises(RemoteError) as excinfo:
                     await intruder.call(op, payload)

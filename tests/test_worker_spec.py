@@ -46,7 +46,7 @@ def sim_spec(run_id: str, **process: Any) -> WorkerSpec:
         process=ProcessSpec(**{
             "name": "rollout.0", "role": "rollout", "count": 2, "capacity": 1, "threads": 1,
             "seed": 3, "heartbeat_s": 0.5, "weight_sync_timeout_s": 7.5, "engine": "sim",
-            "sim": SIM, **process}),
+            "sim": SIM, "start_token": "0123456789abcdef", **process}),
         endpoints=Endpoints(run_id=run_id, node="node0", controller="ipc:///x/ctl.sock",
                             broadcast="ipc:///x/pub.sock", store="ipc:///x/store.sock",
                             peers={"b": "tcp://127.0.0.1:5000"}))
@@ -156,6 +156,7 @@ async def test_every_field_of_the_spec_is_read_by_the_worker_side(
         await worker_main.store_client(spec).aclose()
         assert len(worker_main.worker_configs(spec)) == 2
         assert len(worker_main.make_roles(spec)) == 2
+        assert worker_main.start_failure(spec, ValueError("x"))["error"] == "ValueError: x"
         # ... and what the real engines' factory reads, every role of each variant.
         for config, roles in ((ppo, ("rollout", "reward", "reference", "critic", "train")),
                               (resumed, ("rollout", "reference", "critic")),

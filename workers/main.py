@@ -5,7 +5,8 @@
 spec's ``count`` workers of one role (real engines use one; simulated workers are cheap and
 many share a process). It exits when the controller broadcasts ``stop``, on SIGTERM/SIGINT, or
 when its parent dies (Linux parent-death signal), so a killed controller never leaves orphans
-behind.
+behind. A process whose roles cannot be built (a model, dataset or reward function that fails to
+load) tells the controller why (``start_failed``) before it exits with the traceback.
 """
 
 from __future__ import annotations
@@ -19,15 +20,19 @@ if __name__ == "__main__":
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 from pathlib import Path
 
 import structlog
 
+from flowrl import messages as m
 from flowrl.logs import bind, configure
 from flowrl.worker_launch import read_spec
 from flowrl.worker_spec import EngineSpec, ProcessSpec, WorkerSpec
+from transport.errors import TransportError
+from transport.rpc import RpcClient
 from transport.store_client import StoreClient
 from workers.runtime import Role, WeightSyncError, Worker, WorkerConfig
 
@@ -97,11 +102,37 @@ def make_roles(spec: WorkerSpec) -> list[Role]:
     return [make_role(p, spec.endpoints.run_id, p.seed * 100 + i) for i in range(p.count)]
 
 
+def start_failure(spec: WorkerSpec, exc: BaseException) -> dict[str, str]:
+    """The ``start_failed`` report of a process whose roles could not be built."""
+    return {"process": spec.process.name, "token": spec.process.start_token,
+            "error": f"{type(exc).__name__}: {exc}"[:2000]}
+
+
+async def report_start_failure(spec: WorkerSpec, exc: BaseException) -> None:
+    """Tell the controller why this process cannot start (it has not registered yet); a
+    controller that cannot be reached learns it from the exit."""
+    from transport.curve import CurveKeys, for_endpoint
+
+    at = spec.endpoints
+    rpc = RpcClient(at.controller, timeout=10.0,
+                    curve=for_endpoint(CurveKeys.from_env(), at.controller))
+    try:
+        with contextlib.suppress(TransportError):
+            await rpc.call(m.OP_START_FAILED, start_failure(spec, exc))
+    finally:
+        await rpc.aclose()
+
+
 async def serve(spec: WorkerSpec) -> None:
     store = store_client(spec)
     try:
+        try:
+            roles = make_roles(spec)
+        except Exception as exc:
+            await report_start_failure(spec, exc)
+            raise
         workers = [Worker(config, role, store) for config, role in
-                   zip(worker_configs(spec), make_roles(spec), strict=True)]
+                   zip(worker_configs(spec), roles, strict=True)]
 
         def stop_all() -> None:
             for w in workers:

@@ -72,6 +72,8 @@ class RoleOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     #: set when this task ends a train step: the new weights, published as version + 1.
     weights: dict[str, torch.Tensor] | None = None
+    #: failure kind -> the rows (offsets into the task's rows) whose values are fallbacks.
+    failed: dict[str, m.FailedRows] = field(default_factory=dict)
 
 
 class Role(Protocol):
@@ -327,6 +329,8 @@ class Worker:
         }
         if out.weights is not None:
             done["weights"] = await publish_weights(self.store, out.weights)
+        if out.failed:
+            done["failed"] = out.failed
         return done
 
     async def _heartbeats(self) -> None:

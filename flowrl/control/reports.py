@@ -11,7 +11,7 @@ Pure: no sockets, no clock.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from flowrl.graph import StageSpec
@@ -23,8 +23,10 @@ __all__ = ["MalformedReport", "TaskReport", "check_report", "parse_report"]
 
 #: what a report may carry besides its fields (`flowrl.messages.DoneMsg`)
 _KEYS = frozenset({"worker_id", "token", "task_id", "fields", "lengths", "version", "metrics",
-                   "weights"})
+                   "weights", "failed"})
 _MAX_INT = 2**62
+#: the longest failure kind and error text a report may carry (a longer error is cut)
+_MAX_KIND, _MAX_ERROR = 64, 2000
 
 
 class MalformedReport(ValueError):
@@ -42,6 +44,8 @@ class TaskReport:
     metrics: dict[str, Any]
     #: the report as received (a train step end's report is committed as it is)
     raw: dict[str, Any]
+    #: failure kind -> (offsets into the task's rows whose values are fallbacks, an error)
+    failed: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
 
 
 def parse_report(p: Any) -> TaskReport:
@@ -70,7 +74,27 @@ def parse_report(p: Any) -> TaskReport:
     metrics = p.get("metrics") or {}
     if not isinstance(metrics, dict):
         raise MalformedReport("'metrics' must be a map")
-    return TaskReport(worker_id, task_id, fields, lengths, version, metrics, p)
+    return TaskReport(worker_id, task_id, fields, lengths, version, metrics, p,
+                      _parse_failed(p.get("failed") or {}))
+
+
+def _parse_failed(failed: Any) -> dict[str, tuple[tuple[int, ...], str]]:
+    """``failed`` (`flowrl.messages.FailedRows` by kind) in its checked shape."""
+    if not isinstance(failed, dict):
+        raise MalformedReport("'failed' must map failure kinds to rows")
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for kind, entry in failed.items():
+        if not (type(kind) is str and 0 < len(kind) <= _MAX_KIND and kind.isidentifier()):
+            raise MalformedReport(f"'failed': a kind must be a short identifier, got "
+                                  f"{kind!r:.80}")
+        rows = entry.get("rows") if isinstance(entry, dict) else None
+        error = entry.get("error") if isinstance(entry, dict) else None
+        if not (type(rows) is list and rows and all(type(i) is int for i in rows)
+                and type(error) is str):
+            raise MalformedReport(f"'failed' {kind!r}: expected {{rows: [offsets], error: "
+                                  "text}")
+        out[kind] = (tuple(rows), error[:_MAX_ERROR])
+    return out
 
 
 def check_report(report: TaskReport, task: Task, stage: StageSpec, *, train: bool) -> None:
@@ -93,6 +117,10 @@ def check_report(report: TaskReport, task: Task, stage: StageSpec, *, train: boo
             _check_value(name, value)
     if report.lengths and len(report.lengths) != n:
         raise MalformedReport(f"{len(report.lengths)} lengths for {n} rows")
+    offsets = [i for rows, _ in report.failed.values() for i in rows]
+    if any(not 0 <= i < n for i in offsets) or len(set(offsets)) != len(offsets):
+        raise MalformedReport(f"'failed' must name each of the task's {n} rows at most once, "
+                              "by its offset")
 
 
 def _check_value(name: str, value: Any) -> None:

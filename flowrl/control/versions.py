@@ -6,7 +6,9 @@ are released, the step's line is added to the step log (and given to every ``on_
 callback: the launcher prints it, the monitor streams it), and the run state is written beside
 the trainer's checkpoint of that version, if it wrote one. The stability guard
 (`flowrl.control.stability`) judges each line before anyone sees it: what it does is on the
-line (``stability``), in the log and a ``stability`` event.
+line (``stability``), in the log and a ``stability`` event. The failure budget
+(`flowrl.control.step_metrics.FailureBudget`) reads it last: a reward function failing on too
+many samples for too many steps ends the run once the line is out.
 
 Broadcasts leave in order from one owned task (`broadcast`), never from fire-and-forget tasks.
 """
@@ -25,7 +27,7 @@ from flowrl import messages as m
 from flowrl.control.ledger import StepLedger
 from flowrl.control.run_view import RunCounters
 from flowrl.control.stability import GuardAction, StabilityGuard
-from flowrl.control.step_metrics import StageMetrics, step_entry
+from flowrl.control.step_metrics import FailureBudget, StageMetrics, step_entry
 from flowrl.control.weights import WeightVersions
 from flowrl.events import EventBus
 from flowrl.index import Task
@@ -43,9 +45,11 @@ class Versions:
                  rollout_role: str, events: EventBus, counters: RunCounters,
                  free: Callable[[list[Any]], None], output: str | Path | None,
                  guard: StabilityGuard | None = None,
-                 set_max_staleness: Callable[[int], None] = lambda n: None) -> None:
+                 set_max_staleness: Callable[[int], None] = lambda n: None,
+                 failure_budget: FailureBudget | None = None) -> None:
         """``free(handles)``: release store memory; ``output``: where checkpoints go;
-        ``guard``: judges each step (``set_max_staleness`` carries out its tightening)."""
+        ``guard``: judges each step (``set_max_staleness`` carries out its tightening);
+        ``failure_budget``: how many failed samples the run bears (None: any number)."""
         self.ledger = ledger
         self.weights = weights
         self.registry = registry
@@ -56,6 +60,7 @@ class Versions:
         self._output = output
         self.guard = guard
         self._set_max_staleness = set_max_staleness
+        self.failure_budget = failure_budget
         #: one line per committed step
         self.step_log: list[dict[str, Any]] = []
         #: called with each step's line (the launcher prints them, the monitor streams them)
@@ -69,7 +74,8 @@ class Versions:
 
     def commit(self, tasks: Sequence[Task], report: dict[str, Any]) -> dict[str, Any]:
         """Commit a step (`StepLedger.commit`, which raises `LostTrainerState`) and publish the
-        version it made; returns the step's line."""
+        version it made; returns the step's line. Raises `TooManyFailures` once the step is
+        committed and its line out, when it spent the failure budget."""
         commit = self.ledger.commit(tasks, report)
         self._free(commit.freed)
         weights = report.get("weights")
@@ -79,11 +85,12 @@ class Versions:
                                                       "weights": weights}))
         self.release_unserved()
         now = time.perf_counter()
+        stages, failures = self.stage_metrics.take(tasks, self.ledger.index.has_row)
         entry = step_entry(
             commit, served_versions=sorted(self._served()),
             wall_s=now - self.counters.started_at,
             since_last_s=(now - self.last_step_at) if self.last_step_at else None,
-            stages=self.stage_metrics.take())
+            stages=stages)
         self.last_step_at = now
         if self._output is not None:
             try:  # completes the trainer's checkpoint of this version, when it wrote one
@@ -99,6 +106,8 @@ class Versions:
             self.events.emit("version", version=commit.version)
         for callback in self.on_step:
             callback(entry)
+        if self.failure_budget is not None:
+            self.failure_budget.observe(commit.version, commit.samples, failures)
         return entry
 
     def _judge(self, entry: dict[str, Any]) -> None:

@@ -50,6 +50,8 @@ class WorkerEvents(Protocol):
 
     def sync_failed(self, info: WorkerInfo, version: int, error: str) -> None: ...
 
+    def start_failed(self, process: str, token: str, error: str) -> None: ...
+
     def worker_gone(self, worker_id: str, why: str) -> None: ...
 
     def node_up(self, store: str, peer_store: str | None) -> bool: ...
@@ -78,6 +80,7 @@ class WorkerApi:
             m.OP_SERVED: as_worker(self._served),
             m.OP_BYE: as_worker(self._bye),
             m.OP_SYNC_FAILED: as_worker(self._sync_failed),
+            m.OP_START_FAILED: self._start_failed,
             "node_up": self._node_up,
         }
 
@@ -203,6 +206,12 @@ class WorkerApi:
         if info is None:
             return {"ok": False}
         self.events.sync_failed(info, _int(p, "version", 0, 2**62), _str(p, "error")[:500])
+        return {"ok": True}
+
+    async def _start_failed(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
+        """A worker process could not start. It has no worker id yet: the start token of its
+        spec vouches for it (checked by the workforce, which refuses a wrong one)."""
+        self.events.start_failed(_str(p, "process"), _str(p, "token"), _str(p, "error")[:2000])
         return {"ok": True}
 
     async def _bye(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:

@@ -4,7 +4,12 @@ It starts every pool's processes, watches them, and brings them back:
 
 - a process that **exits** unexpectedly is started again after a backoff that doubles from
   ``restart_backoff_s`` (capped at `MAX_RESTART_BACKOFF_S`), at most ``max_restarts`` times
-  per process; one more death ends the run with the process's last reported error;
+  per process; one more death ends the run with the process's last error (what it reported,
+  else the last error it logged or the traceback it printed);
+- a process that **cannot start** (its model, dataset or reward function fails to load) says
+  so before it exits (``start_failed``): if it never came up, it would fail the same way
+  again, so the run ends at once with its error; a restarted one is restarted within the same
+  budget;
 - a worker that **misses heartbeats** (stopped, or its event loop blocked by user code) is
   removed at once (its tasks are redone elsewhere) and its process is killed, since it may well
   be alive, and then restarted like a dead one, within the same budget;
@@ -20,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hmac
+import secrets
 import signal
 import sys
 from collections.abc import Callable, Coroutine
@@ -83,6 +90,8 @@ class _RemoteExit:
     expected_exit: bool = False
     #: it had registered workers (`on_remote_exit` has reported them gone)
     registered: bool = False
+    #: the last error it logged or printed, as its agent saw it
+    last_error: str = ""
 
 
 def rank_rendezvous(spec: PipelineSpec, hub: NodeHub | None, ranked: bool,
@@ -138,8 +147,11 @@ class Workforce:
         self._group_restarting = False
         #: processes killed for missing heartbeats: their exit is a death, not an order
         self._hung: set[str] = set()
-        #: the last error a worker process reported before dying, by process name
+        #: the error a worker process reported (or why it was killed) before its exit, by
+        #: process name; its exit takes it (with the process's last logged error as fallback)
         self.last_error: dict[str, str] = {}
+        #: what each process reports a failed start with (`start_failed`), by process name
+        self._start_tokens: dict[str, str] = {}
         # bounded by the number of worker processes (one pending restart each)
         self._restart_q: asyncio.Queue[tuple[str, float]] = asyncio.Queue()
 
@@ -185,10 +197,11 @@ class Workforce:
         try:
             async with asyncio.timeout(timeout_s):
                 while len(self.registry) < expected:
-                    registered.clear()
-                    await registered.wait()
+                    # Checked first too: a process may fail to start before this wait begins.
                     if (error := failed()) is not None:
                         raise error
+                    registered.clear()
+                    await registered.wait()
         except TimeoutError:
             have = collections.Counter(w.role for w in self.registry.all())
             missing = {p.role: p.count - have[p.role] for p in self.spec.pools
@@ -200,9 +213,10 @@ class Workforce:
         """Start ``proc`` on its node: here as a child, elsewhere through that node's agent."""
         self._processes[proc.name] = proc
         node = self.node_of(proc.role, proc.proc_no)
+        token = self._start_tokens[proc.name] = secrets.token_hex(16)
         process = process_spec(self.spec, role=proc.role, proc_no=proc.proc_no,
                                count=proc.count, capacity=proc.capacity, threads=proc.threads,
-                               engine_config=self.engine_config())
+                               engine_config=self.engine_config(), start_token=token)
         hub = self.hub
         if node != self.node:
             assert hub is not None  # made whenever a pool names another node
@@ -231,24 +245,46 @@ class Workforce:
 
     # ---- deaths ----------------------------------------------------------------------------
 
-    def on_remote_exit(self, node: str, name: str, pid: int, code: int, expected: bool) -> None:
-        """A worker process on another node exited: as `on_child_exit` for a child here."""
+    def start_failed(self, name: str, token: str, error: str) -> None:
+        """Worker process ``name`` could not start and exits next. One that never came up
+        (its first start; a rank's, of the group's first start) would fail the same way
+        again: the run ends with its error. A restarted one is restarted again (its exit
+        counts against ``max_restarts``) and its error is kept for the message. Raises
+        PermissionError for a report without the token of the process's current start."""
+        expected = self._start_tokens.get(name)
+        if expected is None or not hmac.compare_digest(token.encode(), expected.encode()):
+            raise PermissionError(f"a start_failed report for {name!r} without its start token")
+        log.error("worker process failed to start", process=name, error=error)
+        self.last_error[name] = error
+        first = self.generation == 0 if self._is_rank(name) else not self._restarts[name]
+        if first and not self._stopping():
+            self._fail_run(f"worker process {name} failed to start: {error}")
+
+    def on_remote_exit(self, node: str, name: str, pid: int, code: int, expected: bool,
+                       error: str = "") -> None:
+        """A worker process on another node exited (``error``: the last error it logged or
+        printed there): as `on_child_exit` for a child here."""
         gone = [info for info in self.registry.all() if info.node == node and info.pid == pid]
         for info in gone:
-            self._worker_gone(info.worker_id, f"process {pid} on {node} exited with {code}")
+            self._worker_gone(info.worker_id, f"process {pid} on {node} exited with {code}"
+                                              f"{': ' + error if error else ''}")
         # pid -1 matches no worker here (pids of different nodes may coincide).
         self.on_child_exit(cast(Child, _RemoteExit(name, expected_exit=expected,
-                                                   registered=bool(gone))), code)
+                                                   registered=bool(gone), last_error=error)),
+                           code)
 
     def on_child_exit(self, child: Child, code: int) -> None:
         if child.name.startswith("node:") and not self._stopping():
-            last = getattr(child, "last_error", "")  # a remote exit has none
+            last = child.last_error
             self._fail_run(f"node agent {child.name} exited with code {code}"
                            f"{': ' + last if last else ''}")
             return
+        # What it reported, else the last error it logged or the traceback it printed.
+        last = self.last_error.pop(child.name, "") or child.last_error
+        exited = f"exited with code {code}{': ' + last if last else ''}"
         registered = self.registry.by_pid(child.pid)
         for info in registered:
-            self._worker_gone(info.worker_id, f"process {child.pid} exited with code {code}")
+            self._worker_gone(info.worker_id, f"process {child.pid} {exited}")
         hung = child.name in self._hung
         self._hung.discard(child.name)
         if (self._stopping() or (child.expected_exit and not hung)
@@ -259,12 +295,10 @@ class Workforce:
             # (worker_gone), one that died before registering is reported here, or the
             # group would wait for it forever.
             if not registered and not (isinstance(child, _RemoteExit) and child.registered):
-                self.group_down(child.name, f"its process exited with code {code} before "
-                                            "it registered")
+                self.group_down(child.name, f"its process {exited} before it registered")
             return
         n = self._restarts[child.name] = self._restarts[child.name] + 1
         if n > self.spec.max_restarts:
-            last = self.last_error.get(child.name)
             self._fail_run(
                 f"worker process {child.name} died {n} times (last exit code {code}"
                 f"{': ' + last if last else ''}); max_restarts is {self.spec.max_restarts}")

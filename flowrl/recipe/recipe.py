@@ -156,9 +156,16 @@ class Recipe(_Section):
         if unrun:
             raise _rule(f"placement.roles.{unrun[0]}", f"this run has no {unrun[0]} workers "
                         f"(its roles: {', '.join(self.roles)})")
-        if not sim and self.placement.kind == "local" and not self.placement.remote_nodes:
+        if self.inputs_are_local:
             self._check_local_paths()
         return self
+
+    @property
+    def inputs_are_local(self) -> bool:
+        """Whether its workers load their model, data and reward function on this machine
+        (a real engine, every role on the controller's node)."""
+        return (self.rollout.engine != "sim" and self.placement.kind == "local"
+                and not self.placement.remote_nodes)
 
     def _check_local_paths(self) -> None:
         if self.model.path != TINY_MODEL and not (Path(self.model.path) / "config.json").is_file():
@@ -250,6 +257,8 @@ class Recipe(_Section):
             store_capacity_bytes=self.placement.store_capacity_mb << 20,
             heartbeat_timeout_s=self.placement.heartbeat_timeout_s,
             max_restarts=self.placement.max_restarts,
+            max_failure_share=self.reward.max_failure_share,
+            max_failure_steps=self.reward.max_failure_steps,
             output=(str(self.output) if self.output is not None and self.checkpoint_every
                     and not sim else None),
             seed=self.seed,

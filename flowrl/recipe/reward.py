@@ -195,6 +195,12 @@ class RewardConfig(_Section):
     """Calls in flight per worker (also the size of its thread pool for sync functions)."""
     threads: int = Field(default=1, ge=1, le=1024)
     """torch threads per reward worker process (what a reward model or judge computes with)."""
+    max_failure_share: float = Field(default=0.5, ge=0.0, le=1.0)
+    """The run stops when the reward fails (raises, times out, returns garbage) on more than
+    this share of a step's samples for `max_failure_steps` steps in a row; 1.0 never stops it.
+    A judge's verdict without a score is counted but never stops the run."""
+    max_failure_steps: int = Field(default=3, ge=1, le=1_000_000)
+    """Consecutive steps over `max_failure_share` that stop the run."""
 
     @model_validator(mode="before")
     @classmethod

@@ -9,8 +9,9 @@ process (`workers.roles.factory` builds them; both score a whole task per call).
 Guarantees: ``run`` returns one finite float per row whatever the reward function does; a
 sample whose call failed (raised, timed out, returned garbage) gets 0.0, one whose grader output
 was unparsable (a judge's verdict without a score) its fallback reward, and either is counted in
-the metrics (``reward_failed`` and ``reward_failed_<kind>``); the first error of a task is
-logged.
+the metrics (``reward_failed`` and ``reward_failed_<kind>``) and named in the report (``failed``:
+its rows and one error per kind, which the controller counts for the step that trains them);
+the first error of a task is logged.
 """
 
 from __future__ import annotations
@@ -57,12 +58,17 @@ class RewardRole:
             "reward_failed": float(sum(failed.values())),
             **{f"reward_failed_{kind}": float(n) for kind, n in failed.items()},
         }
+        named: dict[str, m.FailedRows] = {}
+        for i, r in enumerate(results):
+            if not r.ok:
+                named.setdefault(r.kind or "error", {"rows": [], "error": r.error or ""})[
+                    "rows"].append(i)
         first = next((r for r in results if not r.ok), None)
         if first is not None:
             log.warning("reward function failed", task=task["task_id"],
                         failed=int(metrics["reward_failed"]), samples=len(results),
                         error=first.error)
-        return RoleOutput(fields={"reward": rewards}, metrics=metrics)
+        return RoleOutput(fields={"reward": rewards}, metrics=metrics, failed=named)
 
     async def load_version(self, version: int, weights: dict[str, torch.Tensor]) -> None:
         return None

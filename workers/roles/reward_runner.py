@@ -25,8 +25,8 @@ into one `RewardResult` each. Guarantees:
   loop with sync work, defeats the timeout (nothing can prevent that in-process).
 
 Per-sample functions are called ``fn(prompt, response, **meta)``; batched ones
-``fn(prompts, responses, metas)`` and return one number per sample. Imports only the standard
-library.
+``fn(prompts, responses, metas)`` and return one number per sample. References are resolved by
+`flowrl.reward_fn` (re-exported here). Imports only the standard library and that module.
 """
 
 from __future__ import annotations
@@ -34,19 +34,21 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
-import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from types import ModuleType
 from typing import Any, Literal
+
+from flowrl.reward_fn import (
+    MAX_ERROR_CHARS,
+    RewardFnError,
+    describe_error,
+    printable,
+    resolve_reward_fn,
+)
 
 __all__ = [
     "FailureKind",
@@ -65,7 +67,6 @@ that is not a finite number (or a batch of the wrong length), every thread was h
 returned `Unparsable` (its grader's output held no score)."""
 _KINDS: tuple[FailureKind, ...] = ("error", "timeout", "invalid", "stuck", "unparsable")
 
-_MAX_ERROR_CHARS = 500
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,10 +111,6 @@ class RewardStats:
     """Sync calls that ran past their timeout and have not returned yet."""
 
 
-class RewardFnError(ValueError):
-    """A reward function reference that cannot be resolved to a callable."""
-
-
 class _Failure(Exception):
     def __init__(self, kind: FailureKind, message: str) -> None:
         super().__init__(message)
@@ -132,22 +129,8 @@ def _is_async(fn: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call)
 
 
-def _text(value: object, convert: Callable[[object], str]) -> str:
-    """``convert(value)``, or a placeholder when the user's object cannot be printed (an int
-    of more than 4300 digits, a ``__str__`` or ``__repr__`` that raises)."""
-    try:
-        return convert(value)
-    except Exception:
-        return f"<{type(value).__name__} that cannot be printed>"
-
-
-def _describe(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {_text(e, str)}"
-    return text if len(text) <= _MAX_ERROR_CHARS else text[: _MAX_ERROR_CHARS - 3] + "..."
-
-
 def _short_repr(value: Any) -> str:
-    text = _text(value, repr)
+    text = printable(value, repr)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -168,7 +151,7 @@ def _as_reward(value: Any) -> float:
         x = float(value)
     except Exception as e:  # OverflowError for 10**400; anything a user's __float__ raises
         raise _Failure("invalid", f"returned {type(value).__name__} {_short_repr(value)}: "
-                                  f"{_describe(e)}") from None
+                                  f"{describe_error(e)}") from None
     if not math.isfinite(x):
         raise _Failure("invalid", f"returned {x}, expected a finite number")
     return x
@@ -177,8 +160,8 @@ def _as_reward(value: Any) -> float:
 def _result(value: Any) -> RewardResult:
     """A sample's result from the function's value for it, or `_Failure("invalid")`."""
     if isinstance(value, Unparsable):
-        return RewardResult(_as_reward(value.reward), False, _text(value.error, str)[
-            :_MAX_ERROR_CHARS], "unparsable")
+        return RewardResult(_as_reward(value.reward), False, printable(value.error, str)[
+            :MAX_ERROR_CHARS], "unparsable")
     return RewardResult(_as_reward(value), True)
 
 
@@ -190,7 +173,8 @@ def _as_batch(values: Any, samples: int) -> list[Any]:
     try:
         out = list(values)
     except Exception as e:  # a user's sequence whose iteration raises
-        raise _Failure("invalid", f"returned {type(values).__name__}: {_describe(e)}") from None
+        raise _Failure("invalid",
+                       f"returned {type(values).__name__}: {describe_error(e)}") from None
     if len(out) != samples:
         raise _Failure("invalid", f"returned {len(out)} values for {samples} samples")
     return out
@@ -284,7 +268,7 @@ class RewardRunner:
             except Exception as e:
                 if scope.expired():
                     raise _Failure("timeout", f"timed out after {self.timeout_s:g}s") from None
-                raise _Failure("error", _describe(e)) from None
+                raise _Failure("error", describe_error(e)) from None
 
     # ---- threads for sync functions -----------------------------------------------------------
 
@@ -315,7 +299,7 @@ class RewardRunner:
         except Exception as e:
             error = e
         except BaseException as e:  # SystemExit/KeyboardInterrupt raised by user code
-            error = RuntimeError(_describe(e))
+            error = RuntimeError(describe_error(e))
         # RuntimeError: the loop is closed, so nobody is waiting for this result any more.
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(self._thread_done, call, value, error)
@@ -334,55 +318,3 @@ class RewardRunner:
                 call.future.set_exception(error)
             else:
                 call.future.set_result(value)
-
-
-# ---- resolving references ---------------------------------------------------------------------
-
-
-def resolve_reward_fn(ref: str) -> Callable[..., Any]:
-    """The callable named by ``"module:function"`` or ``"path/to/file.py:function"``.
-
-    A file is executed once per process as a module (not as ``__main__``) and cached in
-    ``sys.modules``. Every failure raises `RewardFnError` naming the reference.
-    """
-    target, sep, name = ref.rpartition(":")
-    if not sep or not target or not all(p.isidentifier() for p in name.split(".")):
-        raise RewardFnError(f"{ref!r} is not 'module:function' or 'path/to/file.py:function'")
-    try:
-        module = _load_file(Path(target)) if target.endswith(".py") else \
-            importlib.import_module(target)
-    except RewardFnError:
-        raise
-    except Exception as e:
-        raise RewardFnError(f"reward function {ref!r}: cannot load {target!r}: "
-                            f"{_describe(e)}") from e
-    obj: Any = module
-    for part in name.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise RewardFnError(f"reward function {ref!r}: {target!r} has no {part!r}") from None
-    if not callable(obj):
-        raise RewardFnError(f"reward function {ref!r} is a {type(obj).__name__}, not callable")
-    return obj  # type: ignore[no-any-return]
-
-
-def _load_file(path: Path) -> ModuleType:
-    if not path.is_file():
-        raise RewardFnError(f"no such file: {str(path)!r}")
-    resolved = path.resolve()
-    digest = hashlib.sha256(str(resolved).encode()).hexdigest()[:12]
-    name = f"_flowrl_reward_{resolved.stem}_{digest}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, resolved)
-    if spec is None or spec.loader is None:
-        raise RewardFnError(f"cannot load {str(path)!r} as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # before running it: dataclasses in the file look themselves up
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
