@@ -71,15 +71,17 @@ def check_matchable(recipe: Recipe) -> None:
     """ValueError naming what of ``recipe`` this setup of TRL would not reproduce."""
     a, t = recipe.algorithm, recipe.trainer
     differ = [f"algorithm.{k} = {v!r}" for k, v, same in (
-        ("name", a.name, "grpo"), ("loss_agg", a.loss_agg, "token_mean"),
+        ("name", a.name, "grpo"), ("policy_loss", a.policy_loss, "ppo_clip"),
+        ("loss_agg", a.loss_agg_resolved, "token_mean"),
         ("entropy_coef", a.entropy_coef, 0.0), ("dynamic_sampling", a.dynamic_sampling, False),
     ) if v != same]
     if t.groups_per_step % t.micro_batch_groups:
         differ.append(f"trainer.groups_per_step = {t.groups_per_step}, no multiple of "
                       f"trainer.micro_batch_groups = {t.micro_batch_groups}")
     if differ:
-        raise ValueError("TRL is set up for GRPO with loss_agg 'token_mean', no entropy bonus, "
-                         "no dynamic sampling and micro-batches of equal size; the recipe has "
+        raise ValueError("TRL is set up for GRPO with PPO-clip, loss_agg 'token_mean', no entropy "
+                         "bonus, no dynamic sampling and micro-batches of equal size; the recipe "
+                         "has "
                          + "; ".join(differ))
 
 

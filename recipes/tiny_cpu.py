@@ -12,14 +12,12 @@ answers 12% of this task's prompts exactly at temperature 1 (6 of 36 greedily).
 Task: ``a+b=`` with ``a, b`` in ``0..5`` (36 distinct prompts), the answer checked exactly. The
 reward (``workers.roles.builtin_rewards.numeric_partial_credit``) is 1.0 for the exact sum, at most
 0.5 for another number (less the farther it is), 0.0 for anything else. RL alone lifts the mean
-reward from about 0.45 over the first ten steps to 0.90-0.97 over the last ten (six seeds,
-about 40 s of training each on two quiet cores). Not every run learns: measured again on
-2026-12-01 with the cores shared (`bench/learning.py`), six seeds ended at 0.90-0.96, but one
-of three runs beside two CPU-bound processes stopped at 0.81, the policy deterministic on most
-prompts from step ~120 (``flat_groups`` 0.8); on another build of the same model
-(``model.tiny.seed=1``) it ends at ~0.55 (lr 5e-4 or ``algorithm.entropy_coef=0.1``:
-0.70-0.77, collapse avoided, learning too slow for 300 steps).
-bench/README.md has the measured figures.
+reward from about 0.45 over the first ten steps to 0.90-0.96 over the last ten: ten runs of ten
+learned (five seeds, each alone and beside two CPU-bound processes; ``bench/learning.py``,
+2026-12-01), 72-157 s of training on shared cores. 400 steps, not 300: at 300 the slowest runs
+were still climbing (0.81-0.82 at the end of two loaded runs). Another build of the same model
+(``model.tiny.seed=1``) warm-starts worse and collapses at ~0.55; bench/README.md has the
+figures.
 
 Asynchronous: rollout runs up to one policy version ahead of training (``max_staleness=1``),
 and stale samples are corrected by truncated importance sampling. Each compute process (rollout,

@@ -170,6 +170,8 @@ def test_trl_refuses_a_job_it_would_not_reproduce() -> None:
     with pytest.raises(ValueError, match=r"algorithm.name = 'dr_grpo'.*entropy_coef = 0.1"):
         trl_peer.check_matchable(load_recipe(
             RECIPE, ["algorithm.name=dr_grpo", "algorithm.entropy_coef=0.1"]))
+    with pytest.raises(ValueError, match=r"algorithm.policy_loss = 'gspo'"):
+        trl_peer.check_matchable(load_recipe(RECIPE, ["algorithm.policy_loss=gspo"]))
     with pytest.raises(ValueError, match=r"no multiple of trainer\.micro_batch_groups = 3"):
         trl_peer.check_matchable(load_recipe(RECIPE, ["trainer.micro_batch_groups=3"]))
 
