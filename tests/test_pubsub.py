@@ -143,6 +143,33 @@ async def test_join_times_out_without_a_publisher(
         await sub.recv()
 
 
+async def test_a_join_that_is_not_welcomed_is_made_again_on_a_fresh_connection(
+    run_id: str, zmq_ctx: zmq.asyncio.Context, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A publisher that lost the first join (it never welcomes it): the subscriber joins again
+    # under a new identity and is welcomed then.
+    monkeypatch.setattr("transport.pubsub._REJOIN_S", 0.3)
+    raw = zmq_ctx.socket(zmq.ROUTER)
+    raw.setsockopt(zmq.LINGER, 0)
+    endpoint = ipc_endpoint(run_id, "raw")
+    raw.bind(endpoint)
+    try:
+        async with Subscriber(endpoint, ["t"], ctx=zmq_ctx, name="w-1") as sub:
+            joining = asyncio.ensure_future(sub.join(timeout=STEP))
+            async with asyncio.timeout(STEP):
+                first, *_ = await raw.recv_multipart()  # not answered
+                second, kind, name, *_ = await raw.recv_multipart()
+                assert second != first
+                assert (kind, name) == (b"\xffjoin", b"w-1")
+                assert sub.token.encode() == second
+                await raw.send_multipart([second, b"\xffwelcome"])
+                await joining
+                await raw.send_multipart([second, b"t\0", msgpack.packb("after")])
+                assert await sub.recv() == ("t", "after")
+    finally:
+        raw.close()
+
+
 async def test_malformed_broadcasts_are_dropped(run_id: str, zmq_ctx: zmq.asyncio.Context) -> None:
     # A raw ROUTER speaks the protocol by hand, so it can also send what Publisher never would.
     raw = zmq_ctx.socket(zmq.ROUTER)

@@ -65,6 +65,10 @@ _MAX_JOIN_BYTES: Final = 64 * 1024
 # While a backlog waits, how often sends are retried without a sign from zmq: a send to one
 # subscriber may consume the sign that another's queue freed (see `AsyncSocket.wait_writable`).
 _RETRY_S: Final = 0.1
+# A join not welcomed this long is made again on a fresh connection, under a fresh identity:
+# a welcome is sent within milliseconds of a join, and a publisher that could not deliver it
+# (it saw the connection gone) drops the identity after its stall timeout.
+_REJOIN_S: Final = 8.0
 
 
 def _topic_frame(topic: str) -> bytes:
@@ -351,16 +355,30 @@ class Subscriber(Closeable):
         return self._sock
 
     async def join(self, timeout: float) -> None:  # noqa: ASYNC109 (part of the contract)
-        """Return once the publisher delivers to this subscriber; DeadlineExceeded otherwise."""
-        sock = self._socket()
-        try:
-            async with asyncio.timeout(timeout):
-                while not self._joined:
-                    item = self._take(await sock.recv())
-                    if item is not None:
-                        self._early.append(item)
-        except TimeoutError:
-            raise DeadlineExceeded(f"no welcome from {self._endpoint} within {timeout} s") from None
+        """Return once the publisher delivers to this subscriber; DeadlineExceeded otherwise.
+        A join not welcomed within `_REJOIN_S` is made again from a fresh connection and
+        identity (the token changes), until `timeout`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            sock = self._socket()
+            left = deadline - loop.time()
+            try:
+                async with asyncio.timeout(min(left, _REJOIN_S)):
+                    while not self._joined:
+                        item = self._take(await sock.recv())
+                        if item is not None:
+                            self._early.append(item)
+                return
+            except TimeoutError:
+                if left <= _REJOIN_S:
+                    raise DeadlineExceeded(
+                        f"no welcome from {self._endpoint} within {timeout} s") from None
+            log.warning("no welcome from %s within %s s; joining again on a new connection",
+                        self._endpoint, _REJOIN_S)
+            sock.close()
+            self._sock = None
+            self._token = "s" + secrets.token_hex(8)
 
     async def recv(self) -> tuple[str, Any]:
         """The next `(topic, payload)`."""
