@@ -33,6 +33,7 @@ and a rollback goes there. The orders reach trainers as train task params
 
 from __future__ import annotations
 
+import bisect
 import collections
 import math
 import statistics
@@ -105,12 +106,10 @@ class StabilityGuard:
         """What the train tasks of ``step`` carry from the guard: the orders in force from that
         step on (none while it has done nothing). Orders take effect from a step no task of
         which was handed out yet, so every data-parallel rank meets them at the same step."""
-        out: dict[str, object] = {}
-        for from_step, orders in self._orders:
-            if from_step > step:
-                break
-            out = orders
-        return out
+        # A search, not a scan: this runs for every train task, and the list grows by an entry
+        # each time the orders change.
+        at = bisect.bisect_right(self._orders, step, key=lambda o: o[0])
+        return self._orders[at - 1][1] if at else {}
 
     def scale_lr(self, factor: float, from_step: int) -> None:
         """Multiply the learning rate by ``factor`` from step ``from_step`` on (an order from
