@@ -73,7 +73,7 @@ if __package__ in (None, ""):
 
 import psutil
 
-from bench.runner import run_and_print
+from bench.runner import run_and_print, seed_list
 from flowrl.logs import configure
 from flowrl.recipe import Recipe
 from flowrl.recipe_file import apply_overrides, load_recipe
@@ -308,17 +308,6 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _seeds(text: str) -> list[int]:
-    try:
-        seeds = [int(s) for s in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}") from None
-    if not seeds or min(seeds) < 0:
-        raise argparse.ArgumentTypeError(f"expected seeds >= 0, got {text!r}")
-    return seeds
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -326,7 +315,7 @@ def main() -> None:
                    help=f"{QUICK_STEPS} steps per mode (< 60 s once the model is cached)")
     p.add_argument("--small-steps", action="store_true",
                    help="groups of 4, 16-token completions, 8 completions per step (TRL's scale)")
-    p.add_argument("--seeds", type=_seeds, default=[0], metavar="S[,S...]",
+    p.add_argument("--seeds", type=seed_list, default=[0], metavar="S[,S...]",
                    help="recipe seeds; each runs both modes and the figures are means (default 0)")
     p.add_argument("--steps", type=int, help="steps per mode (default: the recipe's)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

@@ -74,7 +74,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.runner import library_versions, run_and_print
+from bench.runner import library_versions, run_and_print, seed_list
 from bench.task_accuracy import DEFAULT_SAMPLES, exact_accuracy
 from flowrl.logs import configure
 from flowrl.recipe import Recipe
@@ -295,17 +295,6 @@ async def _trl_beside(trl: dict[str, Any], recipe: Recipe, model_dir: Path,
     return {**trl, "trl_runs": [*trl["trl_runs"], run]}
 
 
-def _seeds(text: str) -> list[int]:
-    try:
-        seeds = [int(s) for s in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}") from None
-    if not seeds or min(seeds) < 0:
-        raise argparse.ArgumentTypeError(f"expected seeds >= 0, got {text!r}")
-    return seeds
-
-
 def _modes(text: str) -> list[str]:
     modes = [m.strip() for m in text.split(",")]
     bad = [m for m in modes if m not in MODES]
@@ -319,7 +308,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help=f"seed 0, quiet and loaded, {QUICK_STEPS} steps (< 2 min)")
-    p.add_argument("--seeds", type=_seeds, metavar="S[,S...]",
+    p.add_argument("--seeds", type=seed_list, metavar="S[,S...]",
                    help="recipe seeds, each run once per mode (default 0,1,2,3,4; 0 with --quick)")
     p.add_argument("--modes", type=_modes, default=list(MODES), metavar="M[,M]",
                    help="quiet, loaded or both (default both)")

@@ -114,15 +114,20 @@ class TinySpec:
         return out
 
 
-def build_versions() -> dict[str, str]:
-    """The installed versions of the libraries a build depends on (part of its spec)."""
+def installed_versions(names: Iterable[str]) -> dict[str, str]:
+    """Each distribution's installed version, ``absent`` when it is not installed."""
     out = {}
-    for name in _BUILD_LIBRARIES:
+    for name in names:
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             out[name] = "absent"
     return out
+
+
+def build_versions() -> dict[str, str]:
+    """The installed versions of the libraries a build depends on (part of its spec)."""
+    return installed_versions(_BUILD_LIBRARIES)
 
 
 def arithmetic_line(rng: random.Random, max_operand: int = 99) -> str:
