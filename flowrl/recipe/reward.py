@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import Field, field_serializer, field_validator, model_validator
 
 from flowrl.recipe.model import TINY_MODEL, TinyModelConfig
-from flowrl.recipe.section import _PathText, _rule, _Section
+from flowrl.recipe.section import _PathText, _rule, _Section, _StopStrings
 from flowrl.worker_spec import Dtype, JudgeSpec, RewardModelSpec, RewardSpec
 
 DEFAULT_JUDGE_TEMPLATE = (
@@ -137,7 +137,7 @@ class JudgeConfig(_Section):
     """Longest verdict."""
     max_prompt_tokens: int = Field(default=1024, ge=1, le=1 << 20)
     """Longest judge prompt; a longer one keeps its end (where the response and the cue are)."""
-    stop: tuple[str, ...] = ("\n",)
+    stop: _StopStrings = ("\n",)
     """Strings that end a verdict (besides the model's end-of-sequence token)."""
     engine: Literal["hf", "vllm"] = "hf"
     """The generation engine: ``hf`` (transformers, runs on a CPU) or ``vllm``."""
@@ -149,13 +149,6 @@ class JudgeConfig(_Section):
     def _placeholders(cls, v: str) -> str:
         if "{response}" not in v:
             raise ValueError("the judge template must contain {response}")
-        return v
-
-    @field_validator("stop")
-    @classmethod
-    def _non_empty_stops(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        if any(not s for s in v):
-            raise ValueError("stop strings must be non-empty")
         return v
 
     @model_validator(mode="after")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
-from flowrl.recipe.section import _Section
+from flowrl.recipe.section import _Section, _StopStrings
 
 
 class RolloutConfig(_Section):
@@ -26,7 +26,7 @@ class RolloutConfig(_Section):
     """Nucleus sampling mass; 1 disables it."""
     max_new_tokens: int = Field(default=256, ge=1, le=1 << 20)
     """Longest response; with ``engine="sim"`` also the simulated length cap."""
-    stop: tuple[str, ...] = ()
+    stop: _StopStrings = ()
     """Strings that end a response (besides the model's end-of-sequence token)."""
     threads: int = Field(default=1, ge=1, le=1024)
     """torch threads per rollout worker process (one by default, so that rollout and training
@@ -36,9 +36,3 @@ class RolloutConfig(_Section):
     supports it (CUDA with bf16, NPU), else float32. The trainer keeps float32 weights; they are
     cast when loaded into the engine."""
 
-    @field_validator("stop")
-    @classmethod
-    def _non_empty_stops(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        if any(not s for s in v):
-            raise ValueError("stop strings must be non-empty")
-        return v

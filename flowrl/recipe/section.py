@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict
 from pydantic_core import PydanticCustomError
 
 
@@ -16,6 +16,16 @@ def _fspath(v: Any) -> Any:
 
 _PathText = Annotated[str, BeforeValidator(_fspath)]
 """A filesystem path kept as text (``"tiny"`` is not a path); accepts `pathlib.Path`."""
+
+
+def _non_empty_stops(v: tuple[str, ...]) -> tuple[str, ...]:
+    if any(not s for s in v):
+        raise ValueError("stop strings must be non-empty")
+    return v
+
+
+_StopStrings = Annotated[tuple[str, ...], AfterValidator(_non_empty_stops)]
+"""Strings that end a generation; an empty one would end it at once."""
 
 
 def _rule(field: str, message: str) -> PydanticCustomError:
