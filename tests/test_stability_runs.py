@@ -20,6 +20,11 @@ QUICK_GUARD = ["stability.warmup_steps=5", "stability.window=2", "stability.rewa
                "stability.keep_every=5", "stability.reward_min_gain=0.02"]
 
 
+# A run counts as recovered from the spike when its last 10 steps are within this of the 10
+# before it.
+RECOVERED = 0.1
+
+
 def recipe(*overrides: str) -> Any:
     return load_recipe(RECIPE, [*QUICK_GUARD, *overrides])
 
@@ -49,7 +54,10 @@ async def test_a_learning_rate_spike_is_rolled_back(guarded: bool) -> None:
     assert wrecked < before - 0.2  # the spike did collapse the policy
     if not guarded:
         assert events == []
-        assert after < before - 0.2  # and it does not come back by itself
+        # It does not come back by itself: it ends deterministic (every group scoring alike)
+        # somewhere below where it was, not always near zero; the guarded run ends above the
+        # same line.
+        assert after < before - RECOVERED
         return
     rollbacks = [e for e in events if e["action"] == "rollback"]
     assert rollbacks, events
@@ -58,7 +66,7 @@ async def test_a_learning_rate_spike_is_rolled_back(guarded: bool) -> None:
     assert rollbacks[0]["rollback_to"] <= 40  # weights from before the spike
     # The rate in force when they were kept, halved: the spike is undone with the weights.
     assert rollbacks[0]["lr_scale"] == 0.5
-    assert after > before - 0.1  # recovered
+    assert after > before - RECOVERED
     assert any("stability: reward" in e.get("stability", "") for e in log)  # on the line
 
 
