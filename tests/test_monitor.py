@@ -490,6 +490,25 @@ async def test_terminal_view_redraws_until_ctrl_c_then_exits_cleanly(live: Live)
 
 
 @pytest.mark.timeout(30)
+async def test_terminal_view_stops_at_a_wrong_token_naming_it(live: Live) -> None:
+    config = MonitorConfig(host="0.0.0.0", token=SecretStr(TOKEN))
+    async with MonitorServer(live.ctl, config) as mon:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "flowrl.monitor", mon.url.replace("0.0.0.0", "127.0.0.1"),
+            "--interval", "0.2", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "FLOWRL_MONITOR_TOKEN": "not-the-token"})
+        try:
+            _, err = await asyncio.wait_for(proc.communicate(), 20)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    assert proc.returncode == 1
+    assert b"HTTP 401: invalid token" in err
+    assert b"FLOWRL_MONITOR_TOKEN" in err
+
+
+@pytest.mark.timeout(30)
 async def test_terminal_view_reports_an_unreachable_monitor() -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "flowrl.monitor", "http://127.0.0.1:9/", "--once",

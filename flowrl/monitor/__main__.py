@@ -1,14 +1,14 @@
 """``python -m flowrl.monitor URL [--once] [--interval S]`` — a live terminal view of a run.
 
 Reads the monitor's ``/status`` once per interval (default 1 s) and redraws a compact view:
-trainer version and throughput, stages with queue depths, workers with their state, the
-staleness histogram, store usage and recent errors. ``--once`` prints one snapshot and exits.
-Ctrl-C exits cleanly (status 0), and so does the view when the run ends: once it has read the
-run, a monitor that refuses connections has closed with its run, and the view says at which
-step (other read errors are shown and retried). A monitor bound off loopback needs its token:
-pass it in the ``FLOWRL_MONITOR_TOKEN`` environment variable (a command-line argument would show
-in ``ps``). Exit status: 0, or 1 when the monitor cannot be read (``--once``) or refuses the
-token.
+trainer version and throughput, the last step's training figures, stages with queue depths,
+workers with their state, the staleness histogram, store usage and recent errors. ``--once``
+prints one snapshot and exits. Ctrl-C exits cleanly (status 0), and so does the view when the
+run ends: once it has read the run, a monitor that refuses connections has closed with its run,
+and the view says at which step (other read errors are shown and retried). A monitor bound off
+loopback needs its token: pass it in the ``FLOWRL_MONITOR_TOKEN`` environment variable (a
+command-line argument would show in ``ps``). Exit status: 0, or 1 when the monitor cannot be
+read (``--once``) or refuses the token.
 """
 
 from __future__ import annotations
