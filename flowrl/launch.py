@@ -17,6 +17,8 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
+from flowrl.staleness import describe_staleness
+
 if TYPE_CHECKING:
     from flowrl.controller import Controller
     from flowrl.recipe import Recipe
@@ -57,10 +59,12 @@ def _format_step(entry: dict[str, Any]) -> str:
     served = ",".join(str(v) for v in entry.get("served_versions", []))
     loss = entry.get("train_loss")
     failed = int(entry.get("reward_failed") or 0)
+    staleness = describe_staleness(entry["staleness_mean"], entry["staleness_max"],
+                                   entry.get("max_staleness"))
     return (
         f"step {entry['step']:>4}  reward {'   -  ' if reward is None else f'{reward:6.3f}'}"
         f"  samples/s {entry['samples_per_s']:7.1f}"
-        f"  staleness {entry['staleness_mean']:.2f} (max {entry['staleness_max']})"
+        f"  {staleness}"
         f"  served v{served}"
         + ("" if loss is None else f"  loss {loss:+.4f}")
         + (f"  reward failed {failed}" if failed else "")

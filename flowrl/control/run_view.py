@@ -6,13 +6,15 @@ flight); holds no secret (the monitor token is not in it).
 
 from __future__ import annotations
 
+import collections
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from flowrl.control.admission import Admission
 from flowrl.control.assignments import Assignments
 from flowrl.control.ledger import StepLedger
+from flowrl.control.step_metrics import StepFailures
 from flowrl.events import EventBus
 from flowrl.graph import StageGraph
 from flowrl.index import Index
@@ -30,6 +32,12 @@ class RunCounters:
 
     worker_deaths: int = 0
     started_at: float = 0.0  # perf_counter at the current run()'s start (0: not running)
+    #: trained samples a stage failed on, by stage and kind (`StepFailures`), for the whole run
+    failed_samples: dict[str, collections.Counter[str]] = field(default_factory=dict)
+
+    def count_failures(self, failures: dict[str, StepFailures]) -> None:
+        for stage, f in failures.items():
+            self.failed_samples.setdefault(stage, collections.Counter()).update(f.counts)
 
 
 def status_snapshot(*, run_id: str, graph: StageGraph, index: Index, registry: Registry,
@@ -82,6 +90,9 @@ def status_snapshot(*, run_id: str, graph: StageGraph, index: Index, registry: R
                        "last_step_samples_per_s": last.get("samples_per_s", 0.0),
                        "steps": len(step_log)},
         "reward_mean": last.get("reward_mean"),
+        "last_step": last or None,
+        "failed_samples": {stage: dict(kinds) for stage, kinds in
+                           counters.failed_samples.items()},
         "stale_dropped": stale_dropped,
         "store": store_stats,
         "admission_paused_for_store": backpressure.paused,
