@@ -57,6 +57,7 @@ __all__ = [
     "check_resume",
     "claim",
     "default_output",
+    "flat_fields",
     "recipe_record",
     "resume_changes",
     "run_dir_of",
@@ -73,9 +74,10 @@ _RESULT_NAMES = (FINAL_DIR, "critic", RECIPE_FILE, METRICS_FILE, SUMMARY_FILE)
 #: are of this model, its trained dataset positions index this data in this seed's order, and
 #: its optimizer state and rows are shaped by this objective and group size.
 RESUME_FIXED = ("model", "data", "seed", "algorithm.name", "algorithm.group_size")
-# Not compared on resume: where results go, the monitor, and the run's length (which may grow;
-# `flowrl.run.run_recipe` refuses a total the checkpoint already reached).
-_RESUME_IGNORED = ("output", "monitor", "steps", "checkpoint_every", "keep_last")
+# Not compared on resume: where results go and are watched (monitor, trackers), and the run's
+# length (which may grow; `flowrl.run.run_recipe` refuses a total the checkpoint already
+# reached).
+_RESUME_IGNORED = ("output", "monitor", "steps", "checkpoint_every", "keep_last", "tracking")
 
 
 class OutputInUse(ValueError):
@@ -153,13 +155,13 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
+def flat_fields(data: Any, prefix: str = "") -> dict[str, Any]:
     """``{"a": {"b": 1}}`` → ``{"a.b": 1}`` (lists are values)."""
     if not isinstance(data, Mapping) or not data:
         return {prefix: data}
     out: dict[str, Any] = {}
     for key, value in data.items():
-        out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+        out.update(flat_fields(value, f"{prefix}.{key}" if prefix else str(key)))
     return out
 
 
@@ -180,7 +182,7 @@ def resume_changes(saved: Mapping[str, Any],
     """The fields where ``recipe`` differs from the ``saved`` one (both as `recipe_record`
     gives them), each as ``"field (old → new)"``: those resumption cannot change
     (`RESUME_FIXED`), and the others (not counting `_RESUME_IGNORED`)."""
-    old, new = _flat(saved), _flat(recipe)
+    old, new = flat_fields(saved), flat_fields(recipe)
     fixed: list[str] = []
     other: list[str] = []
     for path in sorted(old.keys() | new.keys()):
