@@ -209,7 +209,8 @@ async def run_recipe(
             resumed_at = found[1].version
         record = RunRecord(out, recipe, resumed_at=resumed_at)
     run_id = run_id or new_run_id()  # the trackers name their runs by it
-    tracking = Tracking.of(recipe, run_id)
+    tracking = Tracking.of(recipe, run_id,
+                           resumed_at=None if record is None else record.resumed_at)
     error: BaseException | None = None
     me = asyncio.current_task()
     loop = asyncio.get_running_loop()

@@ -5,6 +5,8 @@ Layout (``Recipe.output``)::
     recipe.json     the resolved recipe (every field, defaults included; monitor.token left out)
     metrics.jsonl   the step log, one JSON line per committed step, written as the step commits
     summary.json    the run's summary, when it ends
+    tensorboard/    TensorBoard's event files, with ``tracking`` (`flowrl.tracking`)
+    wandb/          W&B's run files, with ``tracking``
     final/          the final model: weights, config and tokenizer (``from_pretrained`` loads it)
     step_N/         checkpoints (``checkpoint_every``; the newest ``keep_last`` of them)
     critic/         PPO's critic save (with checkpoints)
@@ -51,6 +53,8 @@ __all__ = [
     "RECIPE_FILE",
     "RESUME_FIXED",
     "SUMMARY_FILE",
+    "TENSORBOARD_DIR",
+    "WANDB_DIR",
     "OutputInUse",
     "ResumeMismatch",
     "RunRecord",
@@ -69,7 +73,12 @@ FINAL_DIR = "final"
 RECIPE_FILE = "recipe.json"
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
-_RESULT_NAMES = (FINAL_DIR, "critic", RECIPE_FILE, METRICS_FILE, SUMMARY_FILE)
+#: what trackers write there (`flowrl.tracking`): TensorBoard's event files, and W&B's run
+#: files (W&B names its directory ``wandb``; not there when ``WANDB_DIR`` says elsewhere)
+TENSORBOARD_DIR = "tensorboard"
+WANDB_DIR = "wandb"
+_RESULT_NAMES = (FINAL_DIR, "critic", RECIPE_FILE, METRICS_FILE, SUMMARY_FILE, TENSORBOARD_DIR,
+                 WANDB_DIR)
 #: recipe fields (and their subfields) a resumed run may not change: the checkpoint's weights
 #: are of this model, its trained dataset positions index this data in this seed's order, and
 #: its optimizer state and rows are shaped by this objective and group size.
@@ -252,6 +261,7 @@ class RunRecord:
     def __init__(self, out: Path, recipe: Recipe, *, resumed_at: int | None = None) -> None:
         self.out = out
         self.keep_last = recipe.keep_last
+        self.resumed_at = resumed_at
         out.mkdir(parents=True, exist_ok=True)
         _write_json(out / RECIPE_FILE, recipe_record(recipe))
         metrics = out / METRICS_FILE

@@ -27,7 +27,7 @@ from flowrl.recipe import Recipe, RolloutConfig
 from flowrl.recipe.inputs import InputError
 from flowrl.recipe_file import RecipeError, load_recipe
 from flowrl.run import run_recipe
-from flowrl.run_output import recipe_record
+from flowrl.run_output import OutputInUse, claim, recipe_record
 from flowrl.tracking import Status, TrackedRun, Tracking, status_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -179,6 +179,29 @@ def test_tensorboard_event_files_hold_the_steps_recipe_and_summary(tmp_path: Pat
     assert _tb_json(events, "recipe") == RECIPE
     assert _tb_json(events, "summary") == SUMMARY
     assert _tb_text(events, "status") == "finished"
+
+
+def test_a_resumed_run_hides_the_tensorboard_steps_it_trains_again(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    _track(("tensorboard",), tmp_path, status="killed")  # steps 1 and 2
+    resumed = Tracking(("tensorboard",), TrackedRun("run00002", tmp_path, RECIPE, resumed_at=1))
+    resumed.step({"step": 2, "reward_mean": 0.125})
+    resumed.step({"step": 3, "reward_mean": 1.0})
+    resumed.close("finished")
+    events = _tensorboard(tmp_path / "tensorboard")
+    assert [(e.step, e.value) for e in events.Scalars("reward_mean")] == [
+        (1, 0.25), (2, 0.125), (3, 1.0)]
+
+
+def test_the_trackers_files_are_the_runs_results(tmp_path: Path) -> None:
+    """A new run does not write over them unasked; ``--overwrite`` removes them."""
+    out = tmp_path / "run"
+    (out / "tensorboard").mkdir(parents=True)
+    (out / "wandb").mkdir()
+    with pytest.raises(OutputInUse, match=r"\(tensorboard, wandb\)"):
+        claim(out)
+    claim(out, overwrite=True)
+    assert list(out.iterdir()) == []
 
 
 def test_a_wandb_offline_run_holds_the_steps_recipe_and_summary(

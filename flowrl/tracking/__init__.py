@@ -105,12 +105,13 @@ class Tracking:
             self._thread.start()
 
     @classmethod
-    def of(cls, recipe: Recipe, run_id: str) -> Tracking:
+    def of(cls, recipe: Recipe, run_id: str, *, resumed_at: int | None = None) -> Tracking:
         """The trackers ``recipe.tracking`` names (its ``output`` is then set: the recipe
-        requires it)."""
+        requires it); ``resumed_at`` as `flowrl.run_output.RunRecord` has it."""
         if not recipe.tracking or recipe.output is None:
             return cls()
-        return cls(recipe.tracking, TrackedRun(run_id, recipe.output, recipe_record(recipe)))
+        return cls(recipe.tracking, TrackedRun(run_id, recipe.output, recipe_record(recipe),
+                                               resumed_at))
 
     def step(self, entry: Mapping[str, Any]) -> None:
         """A step's line of the step log (an ``on_step`` callback of the controller)."""

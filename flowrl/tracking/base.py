@@ -25,6 +25,9 @@ class TrackedRun:
     """The run's output directory; a tracker's local files go under it."""
     recipe: dict[str, Any]
     """The recipe as ``recipe.json`` holds it (`flowrl.run_output.recipe_record`)."""
+    resumed_at: int | None = None
+    """The checkpoint version a resumed run continues from, in this output directory: the
+    steps after it are trained again."""
 
 
 class Tracker(Protocol):

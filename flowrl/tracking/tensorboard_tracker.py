@@ -1,5 +1,6 @@
 """TensorBoard: event files in ``<output>/tensorboard`` (torch's ``SummaryWriter``, which needs
-the ``tensorboard`` package)."""
+the ``tensorboard`` package). A run resumed in the same directory writes beside the old files
+and hides their steps after its checkpoint, which it trains again."""
 
 from __future__ import annotations
 
@@ -7,10 +8,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from flowrl.run_output import TENSORBOARD_DIR
 from flowrl.tracking.base import Status, TrackedRun, summary_numbers
-
-#: where the event files go, under the run's output directory
-LOG_DIR = "tensorboard"
 
 
 def _json_block(data: Any) -> str:
@@ -24,7 +23,8 @@ class TensorBoardTracker:
     def __init__(self, run: TrackedRun) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self._writer = SummaryWriter(log_dir=str(run.out / LOG_DIR))
+        purge = None if run.resumed_at is None else run.resumed_at + 1
+        self._writer = SummaryWriter(log_dir=str(run.out / TENSORBOARD_DIR), purge_step=purge)
         self._writer.add_text("recipe", _json_block(run.recipe), 0)
         self._writer.flush()
 
