@@ -175,6 +175,10 @@ async def run_recipe(
     recipe that changed what resumption cannot change is refused
     (`flowrl.run_output.ResumeMismatch`); other changes are logged.
 
+    ``recipe.tracking``: each step's line, the recipe and the summary also go to the trackers it
+    names (`flowrl.tracking`), which end with the run however it ends; one whose library is not
+    installed raises `flowrl.recipe.inputs.InputError` before anything starts.
+
     ``monitor`` starts the recipe's HTTP monitor; ``on_start`` is called once the controller
     and its workers are up (the launcher prints the monitor's URL there). ``run_id`` names the
     run (default: a fresh one).
