@@ -29,8 +29,10 @@ from flowrl.recipe_file import apply_overrides
 from flowrl.resume import RunState, latest_checkpoint
 from flowrl.run_output import RunRecord, check_resume, claim, run_dir_of
 from flowrl.tiny_model import HeadKind
+from flowrl.tracking import Tracking, check_installed
 from flowrl.worker_spec import ModelSpec, ResumeSpec
 from transport import shm
+from transport.endpoints import new_run_id
 from transport.errors import SharedMemoryTooSmall
 
 log = structlog.get_logger("flowrl.run")
@@ -173,6 +175,10 @@ async def run_recipe(
     recipe that changed what resumption cannot change is refused
     (`flowrl.run_output.ResumeMismatch`); other changes are logged.
 
+    ``recipe.tracking``: each step's line, the recipe and the summary also go to the trackers it
+    names (`flowrl.tracking`), which end with the run however it ends; one whose library is not
+    installed raises `flowrl.recipe.inputs.InputError` before anything starts.
+
     ``monitor`` starts the recipe's HTTP monitor; ``on_start`` is called once the controller
     and its workers are up (the launcher prints the monitor's URL there). ``run_id`` names the
     run (default: a fresh one).
@@ -190,6 +196,7 @@ async def run_recipe(
     if found is not None and found[1].version >= total:
         raise ValueError(f"--resume: {found[0]} is at step {found[1].version} of {total}: "
                          "nothing left to train (raise --steps to train further)")
+    check_installed(recipe.tracking)
     if resume is not None:
         for change in check_resume(resume, recipe):
             log.warning("resumed with a changed recipe field", change=change)
@@ -205,6 +212,10 @@ async def run_recipe(
         if found is not None and run_dir_of(found[0]).resolve() == out.resolve():
             resumed_at = found[1].version
         record = RunRecord(out, recipe, resumed_at=resumed_at)
+    run_id = run_id or new_run_id()  # the trackers name their runs by it
+    tracking = Tracking.of(recipe, run_id,
+                           resumed_at=None if record is None else record.resumed_at)
+    error: BaseException | None = None
     me = asyncio.current_task()
     loop = asyncio.get_running_loop()
     handled = False
@@ -219,15 +230,21 @@ async def run_recipe(
                 on_start(ctl)
             if record is not None:  # before the caller's: a line is kept before it is shown
                 ctl.on_step.append(record.step)
+            ctl.on_step.append(tracking.step)
             if on_step is not None:
                 ctl.on_step.append(on_step)
             summary = await ctl.run(total - ctl.version)
             if record is not None:
                 summary = record.finish(summary, ctl.step_log)
+            tracking.summary(summary)
             return summary
+    except BaseException as exc:
+        error = exc
+        raise
     finally:
         if record is not None:
             record.close()
         if handled:
             loop.remove_signal_handler(signal.SIGTERM)
+        await tracking.aclose(error)  # last: what else ends cannot wait on a tracker
 

@@ -28,6 +28,7 @@ from flowrl.recipe.rollout import RolloutConfig
 from flowrl.recipe.section import _rule, _Section
 from flowrl.recipe.sim import SimConfig
 from flowrl.recipe.stability import StabilityConfig
+from flowrl.recipe.tracking import Trackers
 from flowrl.recipe.trainer import TrainerConfig
 from flowrl.worker_spec import (
     AlgorithmSpec,
@@ -108,6 +109,11 @@ class Recipe(_Section):
     """Process placement."""
     stability: StabilityConfig = Field(default_factory=StabilityConfig)
     """The guard that watches each step's training signals and acts on them."""
+    tracking: Trackers = ()
+    """Experiment trackers that get each step's metrics, the recipe and the summary
+    (`flowrl.tracking`): ``"tensorboard"`` (event files in ``<output>/tensorboard``),
+    ``"wandb"``, ``"mlflow"``; each needs its extra (``pip install 'flowrl[wandb]'``). Needs
+    `output`."""
 
     @model_validator(mode="after")
     def _cross_section(self) -> Recipe:
@@ -120,6 +126,9 @@ class Recipe(_Section):
                         f"{self.algorithm.name!r}, not 'ppo'")
         if self.checkpoint_every and self.output is None:
             raise _rule("checkpoint_every", "needs output (a directory to write checkpoints to)")
+        if self.tracking and self.output is None:
+            raise _rule("tracking", "needs output (a run directory: the trackers' files go "
+                        "there)")
         if self.keep_last is not None and not self.checkpoint_every:
             raise _rule("keep_last", "needs checkpoint_every > 0 (it says how many of the "
                         "checkpoints to keep)")
