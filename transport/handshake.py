@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import struct
 from collections.abc import Callable
 from typing import Any, Final
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from transport._zsocket import AsyncSocket, new_socket
 
@@ -41,6 +41,7 @@ _EVENTS: Final = _SUCCEEDED | int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL) | int(
 _CRYPTOGRAPHIC: Final = int(zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC)
 _MECHANISM_MISMATCH: Final = int(zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH)
 _names = itertools.count()
+_EVENT: Final = struct.Struct("=Hi")
 
 Outcome = Callable[[int, int], None]
 """(event, value): ``zmq.EVENT_HANDSHAKE_SUCCEEDED`` or one of `FAILED`, and the event's value
@@ -68,8 +69,9 @@ class HandshakeWatch:
         self._monitor = AsyncSocket(monitor, self._on_event)
 
     def _on_event(self, frames: list[zmq.Frame]) -> None:
-        event = parse_monitor_message([f.bytes for f in frames])
-        kind, value = int(event["event"]), int(event["value"])
+        # libzmq's monitor message: a 16-bit event and a 32-bit value, then the endpoint
+        # (as `zmq.utils.monitor` reads it, which would import zmq.asyncio into every process).
+        kind, value = _EVENT.unpack_from(frames[0].bytes)
         if kind == _SUCCEEDED or kind in FAILED:
             self._on_outcome(kind, value)
 
