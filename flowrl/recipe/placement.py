@@ -53,8 +53,10 @@ class ClusterSettings(_Section):
     port: int = Field(default=0, ge=0, le=65535)
     """Port of the controller's endpoint; 0 picks a free one (logged at start)."""
     keys_file: _PathText | None = None
-    """Where the controller writes the run's fresh keys (mode 0600; the file must not exist) for
-    agents started by hand; Ray-placed agents get them from the controller directly."""
+    """Where the controller writes the run's fresh keys (mode 0600) for agents started by hand;
+    Ray-placed agents get them from the controller directly. The file is the run's while it
+    runs (another live run naming it is refused), removed when it ends, and simply rewritten
+    by the next run (also after a run that died)."""
     join_timeout_s: float = Field(default=120.0, gt=0.0, le=86400.0)
     """How long the start waits for every agent to join."""
     data_plane: DataPlane = "encrypted"
