@@ -222,7 +222,8 @@ def _switch_kinds(
         section: Any = recipe
         for k in keys[:-1]:
             section = getattr(section, k, None)
-        if not isinstance(section, BaseModel) or section.kind == value:
+        old_kind = getattr(section, "kind", None)
+        if not isinstance(section, BaseModel) or old_kind is None or old_kind == value:
             continue
         node: Any = data
         for k in keys[:-1]:
@@ -238,7 +239,7 @@ def _switch_kinds(
         if dropped:
             where = ".".join(keys[:-1])
             notes.append(f"--set {'.'.join(keys)}={value}: {where} switches from kind "
-                         f"{section.kind!r}, dropping the recipe's "
+                         f"{old_kind!r}, dropping the recipe's "
                          f"{', '.join(f'{where}.{f}' for f in dropped)}")
     return notes
 
