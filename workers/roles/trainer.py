@@ -6,8 +6,12 @@ estimator; the policy loss is `flowrl.algorithms.compute_policy_loss` (``ppo_cli
 ``cispo``) with ``old_logprobs = logprobs.detach()`` (one update per batch: on-policy ratio 1),
 the rollout correction against ``rollout_logprobs`` (truncated importance sampling per token or
 sequence, or masking) when it is on for the task, the KL term to ``ref_logprobs`` when
-``kl_coef > 0``, and an entropy bonus (`flowrl.algorithms.sampled_entropy`) when
-``entropy_coef > 0``. The task with ``params["step_end"]`` ends the step: the
+``kl_coef > 0`` (or, with ``kl_in_reward``, ``−kl_coef·KL_t(π_old‖π_ref)`` in every token's
+reward before the advantages, and no KL term), and an entropy bonus
+(`flowrl.algorithms.sampled_entropy`) when ``entropy_coef > 0``. With ``ppo_epochs > 1`` or
+several ``mini_batches``, a micro-batch is instead scored under π_old and kept, and the step's
+end runs the updates over the kept ones (`workers.roles.policy_updates`); the step's metrics
+are then means over its passes. The task with ``params["step_end"]`` ends the step: the
 optimizer steps, the new weights are exported as version + 1 (`RoleOutput.weights`), and a
 checkpoint is written every ``checkpoint_every`` steps (and at the last step). At the run's
 last step (``steps``) the final model is written to ``{output}/final`` whenever there is an
