@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"output={run_dir_of(args.resume)}")
     run_id = new_run_id()
     try:
-        recipe = load_recipe(args.recipe, overrides)
+        recipe = load_recipe(args.recipe, overrides, on_note=lambda n: print(n, flush=True))
         if recipe.output is None:
             recipe = apply_overrides(
                 recipe, [(("output",), str(default_output(args.recipe, run_id)))],

@@ -115,19 +115,24 @@ CRITIC_FIELDS = ("values", "advantages", "returns")
 def ppo_stages(
     *, group_size: int, train_micro_groups: int = 1, rollout_micro_groups: int = 1,
     reward_micro_batch: int | None = None, reference: bool = False,
-    critic_micro_batch: int | None = None,
+    critic_micro_batch: int | None = None, kl_in_reward: bool = False,
 ) -> tuple[StageSpec, ...]:
     """`grpo_stages` with a critic before train: rollout → reward → [reference] → critic → train.
 
     The critic (per row) turns ``prompt_ids``, ``response_ids`` and ``reward`` into
     `CRITIC_FIELDS` and learns from them; train also needs ``advantages`` and uses them as
-    they are. Critic tasks default to one rollout task's rows.
+    they are. Critic tasks default to one rollout task's rows. With ``kl_in_reward`` (and the
+    reference stage) the critic also needs ``rollout_logprobs`` and ``ref_logprobs``: it puts
+    the KL into the rewards.
     """
+    if kl_in_reward and not reference:
+        raise ValueError("kl_in_reward needs the reference stage (reference=True)")
     *head, train = grpo_stages(
         group_size=group_size, train_micro_groups=train_micro_groups,
         rollout_micro_groups=rollout_micro_groups, reward_micro_batch=reward_micro_batch,
         reference=reference)
-    critic = StageSpec("critic", needs=("prompt_ids", "response_ids", "reward"),
+    kl = ("rollout_logprobs", "ref_logprobs") if kl_in_reward else ()
+    critic = StageSpec("critic", needs=("prompt_ids", "response_ids", "reward", *kl),
                        produces=CRITIC_FIELDS,
                        micro_batch=critic_micro_batch or group_size * rollout_micro_groups)
     return (*head, critic, replace(train, needs=(*train.needs, "advantages")))

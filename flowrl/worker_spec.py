@@ -100,6 +100,8 @@ class AlgorithmSpec(_Spec):
     name: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo"]
     kl_coef: float
     kl_estimator: Literal["k1", "k2", "k3"]
+    #: the KL in the rewards (before the advantages) instead of a loss term.
+    kl_in_reward: bool
     entropy_coef: float
     policy_loss: PolicyLossName
     clip_low: float
@@ -172,6 +174,9 @@ class TrainerSpec(_Spec):
     warmup_steps: int
     lr_schedule: Literal["constant", "cosine"]
     min_lr_ratio: float
+    #: passes over each global batch, and optimizer updates per pass.
+    ppo_epochs: int = Field(ge=1)
+    mini_batches: int = Field(ge=1)
 
 
 class CriticSpec(_Spec):

@@ -3,7 +3,8 @@ controller, Ray placement, and how the controller watches workers."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
@@ -114,6 +115,8 @@ class RayConfig(_Section):
 
 class PlacementConfig(_Section):
     """Where processes run and how the controller watches them."""
+
+    kind_fields: ClassVar[Mapping[str, frozenset[str]]] = {"ray": frozenset({"ray"})}
 
     kind: Literal["local", "ray"] = "local"
     """``local``: the controller starts its own node's processes, and the agents of other nodes

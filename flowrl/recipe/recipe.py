@@ -252,11 +252,13 @@ class Recipe(_Section):
         pools.append(PoolSpec("train", count=self.trainer.ranks, threads=self.trainer.threads))
         pools = [dataclasses.replace(p, nodes=self.placement.roles.get(p.role, ()))
                  for p in pools]
-        stages = ppo_stages if self.uses_critic else grpo_stages
+        shape: dict[str, Any] = dict(
+            group_size=group, train_micro_groups=self.trainer.micro_batch_groups,
+            rollout_micro_groups=self.rollout.groups_per_task, reward_micro_batch=reward_rows,
+            reference=reference)
         return PipelineSpec(
-            stages=stages(group_size=group, train_micro_groups=self.trainer.micro_batch_groups,
-                          rollout_micro_groups=self.rollout.groups_per_task,
-                          reward_micro_batch=reward_rows, reference=reference),
+            stages=(ppo_stages(**shape, kl_in_reward=self.algorithm.kl_in_reward)
+                    if self.uses_critic else grpo_stages(**shape)),
             pools=tuple(pools),
             group_size=group,
             groups_per_step=self.trainer.groups_per_step,
@@ -297,6 +299,7 @@ class Recipe(_Section):
             data=data,
             algorithm=AlgorithmSpec(
                 name=a.name, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
+                kl_in_reward=a.kl_in_reward,
                 entropy_coef=a.entropy_coef, policy_loss=a.policy_loss,
                 clip_low=a.clip_low_resolved, clip_high=a.clip_high_resolved,
                 loss_agg=LOSS_AGG_ALGORITHM_NAMES[a.loss_agg_resolved],
@@ -308,7 +311,8 @@ class Recipe(_Section):
             reward=self.reward.spec(),
             trainer=TrainerSpec(lr=t.lr, weight_decay=t.weight_decay, betas=t.betas,
                                 grad_clip=t.grad_clip, warmup_steps=t.warmup_steps,
-                                lr_schedule=t.lr_schedule, min_lr_ratio=t.min_lr_ratio),
+                                lr_schedule=t.lr_schedule, min_lr_ratio=t.min_lr_ratio,
+                                ppo_epochs=t.ppo_epochs, mini_batches=t.mini_batches),
             critic=CriticSpec(
                 **self.critic.model_dump(exclude={"threads"}),
                 rows_per_step=t.groups_per_step * a.group_size) if self.uses_critic else None,

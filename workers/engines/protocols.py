@@ -303,7 +303,7 @@ class TrainerEngine(Protocol):
 
     @property
     def step(self) -> int:
-        """Optimizer steps applied so far."""
+        """Steps applied so far (the learning-rate schedule's place)."""
         ...
 
     def logprobs(self, batch: SequenceBatch, *, temperature: float = 1.0) -> Tensor:
@@ -322,8 +322,10 @@ class TrainerEngine(Protocol):
         gradients (``loss_scale`` is the micro-batch's share of the step, e.g. 1/k)."""
         ...
 
-    def optimizer_step(self) -> dict[str, float]:
-        """Clip, step, zero the gradients; returns grad_norm, lr, step, skipped."""
+    def optimizer_step(self, *, advance: bool = True) -> dict[str, float]:
+        """Clip, step, zero the gradients; returns grad_norm, lr, step, skipped. ``advance``
+        False keeps the schedule's place: an update before the last of a step's several
+        (PPO epochs and mini-batches) runs at the same rate as the last."""
         ...
 
     def join_at(self, steps: int) -> None:

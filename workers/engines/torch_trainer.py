@@ -238,7 +238,7 @@ class TorchTrainerEngine:
         self.optimizer.zero_grad(set_to_none=True)
         self._pending = 0
 
-    def optimizer_step(self) -> dict[str, float]:
+    def optimizer_step(self, *, advance: bool = True) -> dict[str, float]:
         if self._pending == 0:
             raise RuntimeError("optimizer_step without any train_micro_batch since the last step")
         lr = self.lr_at(self._step) * self.lr_scale
@@ -247,7 +247,7 @@ class TorchTrainerEngine:
         grad_norm, skipped = clip_and_step(self.optimizer, self._params.values(), self._grad_clip)
         if skipped:
             self._skipped += 1
-        else:
+        elif advance:
             self._step += 1
         self._pending = 0
         return {"grad_norm": grad_norm, "lr": lr, "step": float(self._step),
