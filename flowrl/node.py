@@ -31,7 +31,8 @@ With the ``plaintext`` data plane (``ClusterSettings.data_plane``), every agent'
 server also serves reads unencrypted, their requests authenticated with the run's keys
 (`transport.store_server`); readers find that endpoint themselves.
 
-Lifetime guarantees: an agent exits on SIGTERM/SIGINT, when the controller broadcasts ``stop``
+Lifetime guarantees: an agent exits on SIGTERM, on SIGINT (unless a flowrl process started it:
+that one stops it, `flowrl.lifecycle.stop_signals`), when the controller broadcasts ``stop``
 or answers a poll with stop, when its parent dies (beside the controller, or started by a flowrl
 process that sets ``FLOWRL_PARENT_PID``: Linux parent-death signal, armed before the heavy
 imports, so also while it is starting), and — orphaned — when the controller has not answered
@@ -44,7 +45,7 @@ from __future__ import annotations
 
 import os
 
-from flowrl.lifecycle import PARENT_ENV, die_with_parent, run_main
+from flowrl.lifecycle import PARENT_ENV, die_with_parent, run_main, stop_signals
 
 if __name__ == "__main__" and PARENT_ENV in os.environ:
     # Started by a flowrl process (the controller, a Ray agent's actor): armed first thing,
@@ -124,7 +125,7 @@ def _keys(args: argparse.Namespace) -> CurveKeys | None:
 
 def _stop_on_signals(stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in stop_signals():
         loop.add_signal_handler(sig, stop.set)
 
 
