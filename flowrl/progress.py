@@ -33,7 +33,8 @@ _QUIET_LEVELS = ("warning", "error", "critical")
 
 
 def seconds(s: float) -> str:
-    """``0.04 s``, ``4.2 s``, ``12 s``, ``3 min 05 s``: as precise as a reader of a progress line cares."""
+    """``0.04 s``, ``4.2 s``, ``12 s``, ``3 min 05 s``: as precise as a reader of a progress
+    line cares."""
     if s < 1:
         return f"{s:.2f} s"
     if s < 10:
