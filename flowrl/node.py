@@ -36,7 +36,8 @@ a key file it cannot read (missing, unreadable, not 0600, not keys), no keys at 
 the controller refuses (another run's: told within a second of reaching the controller, by its
 failed curve handshakes, not after ``--orphan-s``).
 
-Lifetime guarantees: an agent exits on SIGTERM/SIGINT, when the controller broadcasts ``stop``
+Lifetime guarantees: an agent exits on SIGTERM, on SIGINT (unless a flowrl process started it:
+that one stops it, `flowrl.lifecycle.stop_signals`), when the controller broadcasts ``stop``
 or answers a poll with stop, when its parent dies (beside the controller, or started by a flowrl
 process that sets ``FLOWRL_PARENT_PID``: Linux parent-death signal, armed before the heavy
 imports, so also while it is starting), and — orphaned — when the controller has not answered
@@ -49,7 +50,7 @@ from __future__ import annotations
 
 import os
 
-from flowrl.lifecycle import PARENT_ENV, die_with_parent, run_main
+from flowrl.lifecycle import PARENT_ENV, die_with_parent, run_main, stop_signals
 
 if __name__ == "__main__" and PARENT_ENV in os.environ:
     # Started by a flowrl process (the controller, a Ray agent's actor): armed first thing,
@@ -158,7 +159,7 @@ def agent_keys(path: Path | None, controller: str,
 
 def _stop_on_signals(stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in stop_signals():
         loop.add_signal_handler(sig, stop.set)
 
 

@@ -15,7 +15,9 @@ are then means over its passes. The task with ``params["step_end"]`` ends the st
 optimizer steps, the new weights are exported as version + 1 (`RoleOutput.weights`), and a
 checkpoint is written every ``checkpoint_every`` steps (and at the last step). At the run's
 last step (``steps``) the final model is written to ``{output}/final`` whenever there is an
-``output``, checkpoints on or off (`save_final`; the step's metrics say ``final_saved``).
+``output``, checkpoints on or off (`save_final`; the step's metrics say ``final_saved``). A
+save's seconds and bytes are metrics too (``checkpoint_s``, ``checkpoint_bytes``, ``final_s``,
+``final_bytes``).
 
 Gradient accumulation is exact. The step's loss is ``L = (1/D)·Σ_k S_k``, where ``S_k`` is
 micro-batch k's loss computed with ``num_tokens = num_seqs = 1`` — a plain sum over its tokens
@@ -51,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +84,7 @@ from flowrl.algorithms import (
     rloo_advantages,
     sampled_entropy,
 )
+from flowrl.progress import dir_bytes
 from flowrl.worker_spec import EngineSpec
 from workers.engines.protocols import SequenceBatch, TrainerEngine, TrainerState
 from workers.roles.guard_orders import GuardOrders
@@ -602,13 +606,15 @@ class TrainerRole:
             metrics["kept_version"] = float(self.orders.kept_version)
         if self._checkpoint_due():
             try:
-                self.save_checkpoint()
+                t0 = time.perf_counter()
+                _timed(metrics, "checkpoint", self.save_checkpoint(), t0)
             except OSError as e:  # the step is taken and published: a full disk must not undo it
                 log.error("checkpoint failed", version=self.version, error=repr(e))
                 metrics["checkpoint_failed"] = 1.0
         if self._final_due():
             try:
-                if self.save_final() is not None:
+                t0 = time.perf_counter()
+                if _timed(metrics, "final", self.save_final(), t0) is not None:
                     metrics["final_saved"] = 1.0
             except OSError as e:  # as above; the run says that no final model was saved
                 log.error("final model not saved", version=self.version, error=repr(e))
@@ -682,6 +688,17 @@ class TrainerRole:
                 await asyncio.to_thread(_load_into, self.engine, weights)
             self.engine.join_at(version)
         self.version = version
+
+
+def _timed(metrics: dict[str, float], what: str, saved: Path | None,
+           t0: float) -> Path | None:
+    """Add a save's seconds since ``t0`` and bytes to ``metrics`` as ``{what}_s`` and
+    ``{what}_bytes`` (the launcher's progress line says them); ``saved`` as it is (None: this
+    rank saved nothing)."""
+    if saved is not None:
+        metrics[f"{what}_s"] = time.perf_counter() - t0
+        metrics[f"{what}_bytes"] = float(dir_bytes(saved))
+    return saved
 
 
 def _load_into(engine: TrainerEngine, weights: Mapping[str, Tensor]) -> None:
