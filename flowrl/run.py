@@ -29,7 +29,7 @@ from flowrl.recipe_file import apply_overrides
 from flowrl.resume import RunState, latest_checkpoint
 from flowrl.run_output import RunRecord, check_resume, claim, run_dir_of
 from flowrl.tiny_model import HeadKind
-from flowrl.worker_spec import ModelSpec, ResumeSpec
+from flowrl.worker_spec import ResumeSpec
 from transport import shm
 from transport.errors import SharedMemoryTooSmall
 
@@ -90,10 +90,11 @@ def compile_recipe(
     if model is None:
         return spec
     engine = recipe.engine_spec()
-    placed = ModelSpec(path=str(model))
+    placed = engine.model.model_copy(update={"path": str(model)})
     if resume is not None:
         checkpoint, state = resume
-        placed = ModelSpec(path=str(checkpoint), reference_path=str(model))
+        placed = engine.model.model_copy(update={"path": str(checkpoint),
+                                                 "reference_path": str(model)})
         engine = engine.model_copy(update={
             "resume": ResumeSpec(checkpoint=str(checkpoint), version=state.version)})
     update: dict[str, Any] = {"model": placed}
