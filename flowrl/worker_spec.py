@@ -77,7 +77,7 @@ class LoraSpec(_Spec):
     """Low-rank adapters on the policy (`workers.engines.lora`)."""
 
     rank: int = Field(ge=1)
-    alpha: float = Field(gt=0.0)
+    alpha: int = Field(ge=1)
     dropout: float = Field(ge=0.0, lt=1.0)
     #: module names or suffixes, or ``all-linear``.
     target_modules: tuple[str, ...] | Literal["all-linear"]

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ IDS = torch.tensor([[18, 19, 12, 24, 30, 40, 41, 42], [5, 6, 9, 10, 11, 12, 13, 
 
 
 def lora_spec(sync: str = "adapter", dropout: float = 0.0) -> LoraSpec:
-    return LoraSpec(rank=4, alpha=8.0, dropout=dropout, target_modules="all-linear",
+    return LoraSpec(rank=4, alpha=8, dropout=dropout, target_modules="all-linear",
                     sync=sync)  # type: ignore[arg-type]
 
 
@@ -50,9 +51,9 @@ def nll(lps: Tensor, batch: SequenceBatch) -> Tensor:
     return -(lps * batch.response_mask).sum()
 
 
-def trained(model_dir: Path, steps: int = 2, **kwargs: object) -> TorchTrainerEngine:
+def trained(model_dir: Path, steps: int = 2, **kwargs: Any) -> TorchTrainerEngine:
     """A LoRA trainer moved off its initial adapters (B starts at zero)."""
-    engine = TorchTrainerEngine(model_dir, lr=1e-2, device="cpu", **kwargs)  # type: ignore[arg-type]
+    engine = TorchTrainerEngine(model_dir, lr=1e-2, device="cpu", **kwargs)
     for _ in range(steps):
         engine.train_micro_batch(ROWS, nll)
         engine.optimizer_step()
@@ -65,7 +66,7 @@ def logits(engine: HFRolloutEngine) -> Tensor:
     return out
 
 
-# ---- the adapter-only payload ---------------------------------------------------------------------
+# ---- the adapter-only payload --------------------------------------------------------------------
 
 
 def test_the_adapter_payload_is_small_and_rollout_serves_the_merged_model(model_dir: Path) -> None:
@@ -105,7 +106,8 @@ def test_the_adapter_payload_is_small_and_rollout_serves_the_merged_model(model_
         served.load_weights({**payload, name: a[:, :-1]}, 4)
     with pytest.raises(KeyError, match="unknown weight"):
         served.load_weights({**payload, "nowhere.lora_A": a, "nowhere.lora_B": a.T}, 4)
-    assert served.version == 3 and torch.equal(logits(served), before)
+    assert served.version == 3
+    assert torch.equal(logits(served), before)
 
 
 def test_merged_sync_publishes_whole_weights_with_the_adapters_beside(model_dir: Path) -> None:
@@ -114,7 +116,8 @@ def test_merged_sync_publishes_whole_weights_with_the_adapters_beside(model_dir:
     trainer = trained(model_dir, lora=lora_spec("merged"))
     payload = trainer.export_weights()
     base = TorchTrainerEngine(model_dir, device="cpu").export_weights()
-    assert set(base) < set(payload) and is_adapter_payload(payload)
+    assert set(base) < set(payload)
+    assert is_adapter_payload(payload)
     joined = TorchTrainerEngine(model_dir, device="cpu", lora=lora_spec("merged"), seed=5)
     _load_into(joined, payload)
     assert all(torch.equal(v, joined.export_weights()[k]) for k, v in payload.items())
@@ -145,7 +148,8 @@ def test_the_guard_keeps_only_the_adapters_and_rolls_back_to_them(model_dir: Pat
     orders = GuardOrders()
     orders.at_step_start(trainer, {"keep_from": 2, "step": 2}, version=2, load=_load_into)
     kept = orders._copy
-    assert kept is not None and is_adapter_payload(kept.weights)
+    assert kept is not None
+    assert is_adapter_payload(kept.weights)
     assert payload_nbytes(kept.weights) * 10 < payload_nbytes(trainer.whole_state())
     good = trainer.export_weights()
     trainer.train_micro_batch(ROWS, nll)
@@ -190,7 +194,8 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(
     kept_ckpt, loss_ckpt, grads_ckpt = saved_bytes_and_grads(ckpt)
     assert kept_ckpt * 2 < kept
     assert loss_ckpt == pytest.approx(loss, rel=1e-6)
-    assert grads.keys() == grads_ckpt.keys() and grads
+    assert grads.keys() == grads_ckpt.keys()
+    assert grads
     for name, g in grads.items():
         torch.testing.assert_close(grads_ckpt[name], g, rtol=1e-5, atol=1e-7, msg=name)
     with torch.no_grad():  # scoring is not checkpointed and drops nothing out
@@ -204,7 +209,7 @@ def test_the_recipe_carries_lora_and_checkpointing_to_the_workers() -> None:
     recipe = Recipe(steps=1, model=ModelConfig(lora=LoraConfig(rank=8, target_modules=("q_proj",
                     "v_proj"))), trainer=TrainerConfig(gradient_checkpointing=True))
     spec = recipe.engine_spec()
-    assert spec.model.lora == LoraSpec(rank=8, alpha=32.0, dropout=0.0,
+    assert spec.model.lora == LoraSpec(rank=8, alpha=32, dropout=0.0,
                                        target_modules=("q_proj", "v_proj"), sync="adapter")
     assert spec.trainer.gradient_checkpointing
     vllm = recipe.model_copy(update={"rollout": recipe.rollout.model_copy(

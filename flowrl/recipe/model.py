@@ -44,7 +44,7 @@ class TinyModelConfig(_Section):
         return self
 
 
-LORA_ALL_LINEAR = "all-linear"
+LORA_ALL_LINEAR: Literal["all-linear"] = "all-linear"
 """`LoraConfig.target_modules` value: every linear layer but the output head."""
 
 
@@ -54,7 +54,7 @@ class LoraConfig(_Section):
 
     rank: int = Field(default=16, ge=1, le=4096)
     """Rank ``r`` of each adapter's two matrices."""
-    alpha: float = Field(default=32.0, gt=0.0, le=1e6)
+    alpha: int = Field(default=32, ge=1, le=1 << 20)
     """Scale numerator: an adapter adds ``(alpha / rank) * B @ A`` to its weight."""
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     """Dropout on the adapters' input in training passes (scoring never drops out)."""
