@@ -20,10 +20,11 @@ from torch import Tensor
 
 from flowrl.recipe import LoraConfig, ModelConfig, Recipe, TrainerConfig
 from flowrl.tiny_model import build_tiny_model
-from flowrl.worker_spec import LoraSpec
+from flowrl.worker_spec import LoraSpec, ResumeSpec
 from workers.devices import set_threads
 from workers.engines import HFRolloutEngine, SequenceBatch, TorchTrainerEngine
 from workers.engines.lora import SCALE_KEY, is_adapter_payload, payload_from_dir, payload_nbytes
+from workers.roles.factory import make_hf_role
 from workers.roles.guard_orders import GuardOrders
 from workers.roles.trainer import _load_into
 
@@ -159,6 +160,32 @@ def test_the_guard_keeps_only_the_adapters_and_rolls_back_to_them(model_dir: Pat
                          version=3, load=_load_into)
     assert all(torch.equal(trainer.export_weights()[k], v) for k, v in good.items())
     assert trainer.step == 3  # the schedule keeps its place
+
+
+def test_a_resumed_run_continues_the_adapter_on_the_initial_model(model_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    """Resuming, the trainer and the HF rollout engine start from the initial model (not the
+    checkpoint's merged weights, which the adapter must not be merged into twice) with the
+    checkpoint's adapter: the trainer publishes what it published, and rollout serves it."""
+    trainer = trained(model_dir, lora=lora_spec())
+    checkpoint = tmp_path / "step_2"
+    trainer.save_pretrained(checkpoint)
+    trainer.state_dict().save(checkpoint)
+    recipe = Recipe(steps=4, model=ModelConfig(path=str(model_dir), lora=LoraConfig(
+        rank=4, alpha=8)))
+    spec = recipe.engine_spec().model_copy(update={
+        "model": recipe.engine_spec().model.model_copy(update={
+            "path": str(checkpoint), "reference_path": str(model_dir)}),
+        "resume": ResumeSpec(checkpoint=str(checkpoint), version=2)})
+    train = make_hf_role("train", spec, seed=3)
+    published = trainer.export_weights()
+    assert all(torch.equal(train.engine.export_weights()[k], v)  # type: ignore[attr-defined]
+               for k, v in published.items())
+    rollout = make_hf_role("rollout", spec, seed=3).engine  # type: ignore[attr-defined]
+    merged = HFRolloutEngine(model_dir, device="cpu")
+    merged.load_weights(trainer.whole_state(), 2)
+    assert rollout.version == 2
+    assert torch.equal(logits(rollout), logits(merged))
 
 
 # ---- gradient checkpointing ----------------------------------------------------------------------
