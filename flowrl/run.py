@@ -35,7 +35,7 @@ from flowrl.resume import STATE_FILE, RunState, latest_checkpoint
 from flowrl.run_output import FINAL_DIR, RunRecord, check_resume, claim, run_dir_of
 from flowrl.tiny_model import HeadKind
 from flowrl.tracking import Tracking, check_installed
-from flowrl.worker_spec import ModelSpec, ResumeSpec
+from flowrl.worker_spec import ResumeSpec
 from transport import shm
 from transport.endpoints import new_run_id
 from transport.errors import SharedMemoryTooSmall
@@ -168,10 +168,11 @@ def compile_recipe(
     if model is None:
         return spec
     engine = recipe.engine_spec()
-    placed = ModelSpec(path=str(model))
+    placed = engine.model.model_copy(update={"path": str(model)})
     if resume is not None:
         checkpoint, state = resume
-        placed = ModelSpec(path=str(checkpoint), reference_path=str(model))
+        placed = engine.model.model_copy(update={"path": str(checkpoint),
+                                                 "reference_path": str(model)})
         engine = engine.model_copy(update={
             "resume": ResumeSpec(checkpoint=str(checkpoint), version=state.version)})
     update: dict[str, Any] = {"model": placed}

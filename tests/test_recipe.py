@@ -63,7 +63,7 @@ def test_public_api_is_pinned() -> None:
         "ClusterSettings", "CriticConfig", "DataConfig", "JudgeConfig", "ModelConfig",
         "MonitorConfig", "PlacementConfig", "RayConfig", "RayResources", "Recipe",
         "RewardConfig", "RewardModelConfig", "RolloutConfig", "SimConfig", "StabilityActions",
-        "StabilityConfig", "TinyModelConfig",
+        "StabilityConfig", "TinyModelConfig", "LoraConfig",
         "TrainerConfig", "callable_ref", "check_fn_ref",
     }
 

@@ -43,7 +43,7 @@ from flowrl.recipe.algorithm import LOSS_AGG_ALGORITHM_NAMES, AlgorithmConfig
 from flowrl.recipe.algorithm import LossAggName as LossAggName
 from flowrl.recipe.critic import CriticConfig
 from flowrl.recipe.data import ArithmeticConfig, DataConfig
-from flowrl.recipe.model import TINY_MODEL, ModelConfig, TinyModelConfig
+from flowrl.recipe.model import TINY_MODEL, LoraConfig, ModelConfig, TinyModelConfig
 from flowrl.recipe.monitor import MonitorConfig
 from flowrl.recipe.placement import CONTROLLER_NODE as CONTROLLER_NODE
 from flowrl.recipe.placement import ROLES as ROLES
@@ -75,6 +75,7 @@ __all__ = [
     "CriticConfig",
     "DataConfig",
     "JudgeConfig",
+    "LoraConfig",
     "ModelConfig",
     "MonitorConfig",
     "PlacementConfig",

@@ -14,6 +14,7 @@ when there is a model directory to check.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 from typing import Any
 
@@ -41,6 +42,9 @@ def check_inputs(recipe: Recipe) -> None:
         return
     check_reward_fn(recipe.reward)
     check_data(recipe.data)
+    if recipe.model.lora is not None and importlib.util.find_spec("peft") is None:
+        raise InputError("model.lora", "adapters need the peft package: pip install "
+                         "'flowrl[lora]'")
     if recipe.model.path != TINY_MODEL:
         check_model_dir("model.path", recipe.model.path)
     rm, judge = recipe.reward.model, recipe.reward.judge

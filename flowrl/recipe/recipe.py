@@ -37,6 +37,7 @@ from flowrl.worker_spec import (
     DataParallelSpec,
     EngineSpec,
     FileDataSpec,
+    LoraSpec,
     ModelSpec,
     RolloutSpec,
     SamplingSpec,
@@ -140,6 +141,9 @@ class Recipe(_Section):
         if sim and self.trainer.ranks > 1:
             raise _rule("trainer.ranks", "simulated trainers do not all-reduce; data-parallel "
                         "ranks need rollout.engine 'hf' or 'vllm'")
+        if self.model.lora is not None and self.trainer.sharding != "replicate":
+            raise _rule("model.lora", "adapters train on replicated ranks only: set "
+                        f"trainer.sharding='replicate' (got {self.trainer.sharding!r})")
         cluster = self.placement.cluster
         if (self.trainer.ranks > 1 and len(set(self.placement.roles.get("train", ()))) > 1
                 and (cluster is None or cluster.trainer_rendezvous != "cluster")):
@@ -294,8 +298,12 @@ class Recipe(_Section):
                                 answer_key=d.answer_key, prompt_template=d.prompt_template,
                                 max_prompt_tokens=d.max_prompt_tokens)
         t = self.trainer
+        lora = self.model.lora
         return EngineSpec(
-            model=ModelSpec(path=self.model.path),
+            model=ModelSpec(path=self.model.path, lora=None if lora is None else LoraSpec(
+                **lora.model_dump(),
+                # vLLM's engine loads whole weights; ours merges the adapters itself.
+                sync="adapter" if self.rollout.engine == "hf" else "merged")),
             data=data,
             algorithm=AlgorithmSpec(
                 name=a.name, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
@@ -312,7 +320,8 @@ class Recipe(_Section):
             trainer=TrainerSpec(lr=t.lr, weight_decay=t.weight_decay, betas=t.betas,
                                 grad_clip=t.grad_clip, warmup_steps=t.warmup_steps,
                                 lr_schedule=t.lr_schedule, min_lr_ratio=t.min_lr_ratio,
-                                ppo_epochs=t.ppo_epochs, mini_batches=t.mini_batches),
+                                ppo_epochs=t.ppo_epochs, mini_batches=t.mini_batches,
+                                gradient_checkpointing=t.gradient_checkpointing),
             critic=CriticSpec(
                 **self.critic.model_dump(exclude={"threads"}),
                 rows_per_step=t.groups_per_step * a.group_size) if self.uses_critic else None,

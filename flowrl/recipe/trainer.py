@@ -49,6 +49,10 @@ class TrainerConfig(_Section):
     the whole batch, one update per pass."""
     threads: int = Field(default=1, ge=1, le=1024)
     """torch threads per trainer rank."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping
+    them: less activation memory for about one more forward per micro-batch; the same loss
+    and gradients."""
     ranks: int = Field(default=1, ge=1, le=4096)
     """Data-parallel trainer processes on the controller's node (gloo on CPUs, NCCL/HCCL on
     devices): each trains a token-balanced share of every step and the ranks take each

@@ -9,6 +9,10 @@ would see alone, and the trainer's right-padded recomputation matches it.
 
 It is the built-in engine that runs anywhere torch runs (CPU, CUDA, NPU); vLLM is the
 production engine. Not thread-safe: one call at a time, as the protocol says.
+
+It also loads adapter payloads (`workers.engines.lora`) of a policy trained with LoRA: it
+keeps a copy of the base weights of the adapted modules (the first payload takes it, from the
+weights the engine was built with) and serves each version's merged weights.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 from torch import Tensor
 
 from workers.devices import pick_device
+from workers.engines.lora import BaseCopy, is_adapter_payload
 from workers.engines.protocols import (
     FinishReason,
     Generation,
@@ -224,6 +229,8 @@ class HFRolloutEngine:
         self._known = {name for group in self._groups for name in group}
         self._version = version
         self._borrowing = False  # the weights are views of a shared version (load_weights)
+        #: base weights that adapter payloads merge into; None once whole weights were loaded
+        self._base: BaseCopy | None = BaseCopy(self._targets)
 
     @property
     def version(self) -> int:
@@ -234,6 +241,9 @@ class HFRolloutEngine:
     def load_weights(
         self, state: Mapping[str, Tensor], version: int, *, shared: bool = False
     ) -> None:
+        if is_adapter_payload(state):
+            self._load_adapter(state, version)
+            return
         params = self._targets
         unknown = set(state) - self._known
         if unknown:
@@ -261,6 +271,14 @@ class HFRolloutEngine:
                 else:
                     target.copy_(source)
         self._borrowing = borrow
+        self._base = None
+        self._version = version
+
+    def _load_adapter(self, payload: Mapping[str, Tensor], version: int) -> None:
+        if self._base is None:
+            raise ValueError("an adapter payload needs the base weights this engine was built "
+                             "with, and it has loaded whole weights since")
+        self._base.apply(self._base.plan(payload))  # checked in full before anything changes
         self._version = version
 
     # -- generation ------------------------------------------------------------------------

@@ -293,7 +293,11 @@ class RolloutEngine(Protocol):
 
         ``shared``: the tensors are a version published in the node store, read-only,
         unchanged and alive until this engine has loaded another version; an engine may serve
-        from them in place instead of copying them (and must not write into them)."""
+        from them in place instead of copying them (and must not write into them).
+
+        A policy trained with LoRA may publish adapters (`workers.engines.lora`): alone, to an
+        engine that merges them into its base weights (`HFRolloutEngine`), or beside merged
+        whole weights, which an engine that loads only those takes, leaving the adapters."""
         ...
 
 

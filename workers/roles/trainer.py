@@ -702,7 +702,16 @@ def _timed(metrics: dict[str, float], what: str, saved: Path | None,
 
 
 def _load_into(engine: TrainerEngine, weights: Mapping[str, Tensor]) -> None:
-    """Copy ``weights`` (names as `TrainerEngine.export_weights` gives them) into the model."""
+    """Copy ``weights`` (names as `TrainerEngine.export_weights` gives them) into the model;
+    a payload with adapters goes to the engine's ``load_adapter``."""
+    from workers.engines.lora import is_adapter_payload
+
+    if is_adapter_payload(weights):
+        load_adapter = getattr(engine, "load_adapter", None)
+        if not callable(load_adapter):
+            raise TypeError(f"{type(engine).__name__} cannot load adapters")
+        load_adapter(weights)
+        return
     model = getattr(engine, "model", None)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{type(engine).__name__} has no torch model to load weights into")
