@@ -381,6 +381,4 @@ def clip_and_step(
 def _on_device(batch: SequenceBatch, device: torch.device) -> SequenceBatch:
     if batch.input_ids.device == device:
         return batch
-    return SequenceBatch(
-        batch.input_ids.to(device), batch.attention_mask.to(device), batch.response_mask.to(device)
-    )
+    return batch.to(device)

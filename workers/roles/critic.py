@@ -4,7 +4,9 @@ Per task (a micro-batch of rows with ``prompt_ids``, ``response_ids`` and ``rewa
 
 1. one forward of the value model with gradients gives per-token values ``V`` (`ValueModel`
    aligns token t's value with the state before it);
-2. the outcome reward sits on each row's last response token (`token_level_rewards`); GAE with
+2. the outcome reward sits on each row's last response token (`token_level_rewards`; an
+   episode's ``token_rewards`` instead, and only the policy's tokens of a multi-turn
+   trajectory, its ``loss_mask``, are valued and credited); GAE with
    the recipe's ``gamma`` and ``lam`` over the detached ``V`` gives advantages ``A`` and returns
    ``R = A + V`` (`gae_advantages`, not whitened: the stream never holds a whole global batch,
    and per-micro-batch statistics would distort small micro-batches; the value baseline already
@@ -146,10 +148,14 @@ class CriticSettings:
 
 
 def critic_targets(
-    rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float, lam: float
+    rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float, lam: float,
+    token_rewards: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(advantages, returns) ``[B, L]`` of outcome rewards ``[B]`` under values ``[B, L]``."""
-    token_rewards = token_level_rewards(rewards, mask)
+    """(advantages, returns) ``[B, L]`` of outcome rewards ``[B]`` under values ``[B, L]``;
+    ``token_rewards`` ``[B, L]`` (an episode's per-turn rewards) replace the outcome reward on
+    each row's last token when given."""
+    if token_rewards is None:
+        token_rewards = token_level_rewards(rewards, mask)
     return gae_advantages(token_rewards, values, mask, gamma=gamma, lam=lam, whiten=False)
 
 
@@ -188,18 +194,28 @@ class CriticRole:
     async def run(self, task: m.TaskMsg, inputs: dict[str, list[Any]]) -> RoleOutput:
         async with self._lock:
             return await asyncio.to_thread(
-                self.learn, inputs["prompt_ids"], inputs["response_ids"], inputs["reward"])
+                self.learn, inputs["prompt_ids"], inputs["response_ids"], inputs["reward"],
+                loss_masks=inputs.get("loss_mask"), token_rewards=inputs.get("token_rewards"))
 
     def learn(
-        self, prompts: Sequence[Tensor], responses: Sequence[Tensor], rewards: Sequence[Any]
+        self, prompts: Sequence[Tensor], responses: Sequence[Tensor], rewards: Sequence[Any],
+        *, loss_masks: Sequence[Tensor] | None = None,
+        token_rewards: Sequence[Tensor] | None = None,
     ) -> RoleOutput:
-        """Score one micro-batch, accumulate its value-loss gradient, step when due."""
+        """Score one micro-batch, accumulate its value-loss gradient, step when due.
+
+        Multi-turn rows (``loss_masks``: the policy's tokens) are valued and credited on the
+        policy's tokens only (GAE carries across inserted ones); ``token_rewards`` (aligned with
+        the responses) replace the outcome reward on the last token."""
         s = self.settings
-        seqs = SequenceBatch.from_rows(prompts, responses, pad_token_id=self.pad_token_id)
+        seqs = SequenceBatch.from_rows(prompts, responses, pad_token_id=self.pad_token_id,
+                                       loss_masks=loss_masks)
+        per_token = None if token_rewards is None else seqs.per_token(token_rewards,
+                                                                      "token_rewards")
         r = torch.tensor([float(x) for x in rewards], dtype=torch.float32)
         tokens = seqs.num_response_tokens
         if tokens == 0:
-            empty = [torch.zeros(0, dtype=torch.float32) for _ in prompts]
+            empty = [torch.zeros(len(x), dtype=torch.float32) for x in responses]
             self._rows += len(prompts)
             metrics = self._maybe_step()
             return RoleOutput(fields={"values": empty, "advantages": list(empty),
@@ -209,7 +225,9 @@ class CriticRole:
         def loss_fn(values: Tensor, batch: SequenceBatch) -> tuple[Tensor, dict[str, float]]:
             mask = batch.response_mask
             old = values.detach()
-            adv, ret = critic_targets(r.to(old.device), old, mask, gamma=s.gamma, lam=s.lam)
+            adv, ret = critic_targets(
+                r.to(old.device), old, mask, gamma=s.gamma, lam=s.lam,
+                token_rewards=None if per_token is None else per_token.to(old.device))
             out.update(values=old.cpu(), advantages=adv.cpu(), returns=ret.cpu())
             return value_loss(values, old, ret, mask, clip_eps=s.value_clip,
                               loss_agg="token-mean", num_tokens=1.0)
