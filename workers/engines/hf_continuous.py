@@ -47,6 +47,8 @@ __all__ = ["BatchStats", "ContinuousBatcher", "RunningBatch"]
 
 _M32 = 0xFFFFFFFF
 T = TypeVar("T")
+#: decode steps one driver call may run while no sequence ends and no request waits
+_STEPS_PER_CALL = 16
 
 
 @dataclass
@@ -306,16 +308,24 @@ class ContinuousBatcher:
             return await asyncio.to_thread(fn)
 
     def _advance(self, new: list[_Seq], cancelled: list[int]) -> list[tuple[_Seq, FinishReason]]:
+        """Admit ``new``, then decode until a sequence ends or a request waits (up to
+        `_STEPS_PER_CALL` steps: one thread hop for several steps, and no request waits
+        longer than a step to join)."""
         self._batch.drop(cancelled)
         if new:
             self._batch.admit(new)
             self.stats.prefills += 1
-        rows = self._batch.rows
-        ended = self._batch.step()
-        if rows - len(ended) > 0:
-            self.stats.forwards += 1
-            self.stats.rows += rows - len(ended)
-        return ended
+        for _ in range(_STEPS_PER_CALL):
+            rows = self._batch.rows
+            ended = self._batch.step()
+            if rows - len(ended) > 0:
+                self.stats.forwards += 1
+                self.stats.rows += rows - len(ended)
+            # The queue is appended to on the event loop's thread; reading its length here
+            # is atomic, and a request that slips past this check waits one step.
+            if ended or self._queue or not self._batch.rows:
+                return ended
+        return []
 
     async def _drive(self) -> None:
         while self._queue or self._batch.rows:
