@@ -140,6 +140,9 @@ class SamplingSpec(_Spec):
 
 class RolloutSpec(_Spec):
     dtype: Dtype
+    #: the episode function (``module:function`` or ``/path/file.py:function``); None: one
+    #: completion per response.
+    episode: str | None = None
 
 
 class RewardModelSpec(_Spec):

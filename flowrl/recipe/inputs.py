@@ -3,7 +3,8 @@
 `check_inputs` does in the launcher what the workers would do first, and fails the way they
 would, but at once and naming the recipe field: it resolves the reward function
 (`flowrl.reward_fn`, running the user's module as a reward worker does) and checks that it can
-be called as the reward role calls it; it reads the data file up to its first usable row; and it
+be called as the reward role calls it (or the episode function: an async
+``fn(policy, example)``); it reads the data file up to its first usable row; and it
 loads the config and tokenizer of each model directory (offline). A failure raises `InputError`
 (the launcher exits with code 2) instead of a worker process dying over and over a minute later.
 
@@ -19,13 +20,15 @@ import inspect
 from typing import Any
 
 from flowrl.data import first_example
+from flowrl.episode import resolve_episode_fn
 from flowrl.recipe.data import DataConfig
 from flowrl.recipe.model import TINY_MODEL
 from flowrl.recipe.recipe import Recipe
 from flowrl.recipe.reward import RewardConfig
 from flowrl.reward_fn import RewardFnError, describe_error, resolve_reward_fn
 
-__all__ = ["InputError", "check_data", "check_inputs", "check_model_dir", "check_reward_fn"]
+__all__ = ["InputError", "check_data", "check_episode_fn", "check_inputs", "check_model_dir",
+           "check_reward_fn"]
 
 
 class InputError(ValueError):
@@ -40,7 +43,10 @@ def check_inputs(recipe: Recipe) -> None:
     """Raise `InputError` for the first input of ``recipe`` its workers could not use."""
     if not recipe.inputs_are_local:
         return
-    check_reward_fn(recipe.reward)
+    if recipe.rollout.episode is not None:
+        check_episode_fn(recipe.rollout.episode_ref)
+    else:
+        check_reward_fn(recipe.reward)
     check_data(recipe.data)
     if recipe.model.lora is not None and importlib.util.find_spec("peft") is None:
         raise InputError("model.lora", "adapters need the peft package: pip install "
@@ -77,6 +83,16 @@ def check_reward_fn(reward: RewardConfig) -> None:
                 else "fn(prompt, response, answer=...)")
         raise InputError("reward.fn", f"{ref!r} cannot be called as {call}: {exc} (it is "
                          f"{getattr(fn, '__name__', 'fn')}{signature})") from None
+
+
+def check_episode_fn(ref: str | None) -> None:
+    """The episode function resolves to an async function taking ``(policy, example)``."""
+    if ref is None:
+        return
+    try:
+        resolve_episode_fn(ref)
+    except RewardFnError as exc:
+        raise InputError("rollout.episode", str(exc)) from None
 
 
 def check_data(data: DataConfig) -> None:

@@ -165,6 +165,14 @@ class Recipe(_Section):
                             f"{judge.max_new_tokens}, {longest} tokens exceed the judge's (the "
                             f"policy's) model.tiny.max_positions = "
                             f"{self.model.tiny.max_positions}")
+        if self.rollout.episode is not None:
+            if self.rollout.engine != "hf":
+                raise _rule("rollout.episode", f"episodes run on the hf engine; "
+                            f"rollout.engine {self.rollout.engine!r} serves single completions "
+                            "only")
+            if "reward" in self.model_fields_set:
+                raise _rule("reward", "an episode scores itself (policy.finish(reward) or its "
+                            "return value): a run with rollout.episode has no reward section")
         unrun = sorted(set(self.placement.roles) - set(self.roles))
         if unrun:
             raise _rule(f"placement.roles.{unrun[0]}", f"this run has no {unrun[0]} workers "
@@ -186,10 +194,12 @@ class Recipe(_Section):
                         "(no config.json in it)")
         if self.data.path is not None and not Path(self.data.path).is_file():
             raise _rule("data.path", f"no such file: {self.data.path!r}")
-        if isinstance(self.reward.fn, str):
-            target, _ = check_fn_ref(self.reward.fn)
-            if target.endswith(".py") and not Path(target).is_file():
-                raise _rule("reward.fn", f"no such file: {target!r}")
+        for name, ref in (("reward.fn", self.reward.fn), ("rollout.episode",
+                                                          self.rollout.episode)):
+            if isinstance(ref, str):
+                target, _ = check_fn_ref(ref)
+                if target.endswith(".py") and not Path(target).is_file():
+                    raise _rule(name, f"no such file: {target!r}")
         rm, judge = self.reward.model, self.reward.judge
         if rm is not None and rm.path != TINY_MODEL:
             labels = _num_labels(_model_config("reward.model.path", rm.path))
@@ -217,7 +227,8 @@ class Recipe(_Section):
     def roles(self) -> tuple[str, ...]:
         """The worker roles this run has (the pools of `to_pipeline`)."""
         return tuple(r for r in ROLES if (r != "reference" or self.uses_reference)
-                     and (r != "critic" or self.uses_critic))
+                     and (r != "critic" or self.uses_critic)
+                     and (r != "reward" or self.rollout.episode is None))
 
     @property
     def uses_critic(self) -> bool:
@@ -243,12 +254,15 @@ class Recipe(_Section):
         # `concurrency` calls busy.
         reward_rows = group * self.rollout.groups_per_task
         reward_capacity = max(1, math.ceil(self.reward.concurrency / reward_rows))
+        episode = self.rollout.episode is not None
         pools = [
             PoolSpec("rollout", count=self.rollout.workers, per_process=rollout_per_process,
                      threads=self.rollout.threads),
-            PoolSpec("reward", count=self.reward.workers, per_process=reward_per_process,
-                     capacity=reward_capacity, threads=self.reward.threads),
         ]
+        if not episode:  # an episode scores itself
+            pools.append(PoolSpec("reward", count=self.reward.workers,
+                                  per_process=reward_per_process, capacity=reward_capacity,
+                                  threads=self.reward.threads))
         if reference:
             pools.append(PoolSpec("reference", count=1, threads=self.rollout.threads))
         if self.uses_critic:
@@ -259,7 +273,7 @@ class Recipe(_Section):
         shape: dict[str, Any] = dict(
             group_size=group, train_micro_groups=self.trainer.micro_batch_groups,
             rollout_micro_groups=self.rollout.groups_per_task, reward_micro_batch=reward_rows,
-            reference=reference)
+            reference=reference, episode=episode)
         return PipelineSpec(
             stages=(ppo_stages(**shape, kl_in_reward=self.algorithm.kl_in_reward)
                     if self.uses_critic else grpo_stages(**shape)),
@@ -315,7 +329,7 @@ class Recipe(_Section):
             sampling=SamplingSpec(temperature=self.rollout.temperature, top_p=self.rollout.top_p,
                                   max_new_tokens=self.rollout.max_new_tokens,
                                   stop=self.rollout.stop),
-            rollout=RolloutSpec(dtype=self.rollout.dtype),
+            rollout=RolloutSpec(dtype=self.rollout.dtype, episode=self.rollout.episode_ref),
             reward=self.reward.spec(),
             trainer=TrainerSpec(lr=t.lr, weight_decay=t.weight_decay, betas=t.betas,
                                 grad_clip=t.grad_clip, warmup_steps=t.warmup_steps,

@@ -42,6 +42,7 @@ __all__ = [
     "HFRolloutEngine",
     "load_causal_lm",
     "load_pretrained",
+    "new_cache",
     "quiet_transformers",
     "tied_groups",
 ]
@@ -118,7 +119,8 @@ class _ForwardNames:
         )
 
 
-def _new_cache(model: Any) -> Any:
+def new_cache(model: Any) -> Any:
+    """An empty `DynamicCache` for ``model`` (its constructor changed across releases)."""
     from transformers import DynamicCache
 
     if "config" in inspect.signature(DynamicCache.__init__).parameters:
@@ -236,6 +238,33 @@ class HFRolloutEngine:
     def version(self) -> int:
         return self._version
 
+    @property
+    def max_positions(self) -> int | None:
+        """The model's longest context (prompt and generated tokens), when its config says."""
+        return self._max_positions
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """The model's end-of-sequence ids: generation always stops at them."""
+        return frozenset(self._eos)
+
+    @property
+    def pad_id(self) -> int:
+        return self._pad
+
+    @property
+    def forward_names(self) -> _ForwardNames:
+        """The cache and logits-to-keep keyword names of the model's forward."""
+        return self._names
+
+    def text_tokenizer(self) -> Any:
+        """The model directory's tokenizer (loaded on first use: only stop strings need it)."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
+        return self._tokenizer
+
     # -- weights ---------------------------------------------------------------------------
 
     def load_weights(
@@ -308,7 +337,7 @@ class HFRolloutEngine:
             keys = stream_keys_of(params.prompt_seeds, params.n, self.device)
         stop = torch.tensor(sorted(self._eos | set(params.stop_token_ids)), dtype=torch.long,
                             device=self.device)
-        kwargs: dict[str, Any] = {self._names.cache: _new_cache(self.model), "use_cache": True}
+        kwargs: dict[str, Any] = {self._names.cache: new_cache(self.model), "use_cache": True}
         if self._names.keep is not None:
             kwargs[self._names.keep] = 1
         logits, mask, next_pos = self._prefill(prompts, width, params.n, kwargs)
@@ -368,14 +397,11 @@ class HFRolloutEngine:
     ) -> Tensor:
         """Rows whose response text now contains a stop string (checked every step, so the
         first hit is the token that completes it)."""
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
+        tokenizer = self.text_tokenizer()
         # Every token decodes to at least one byte: this many tokens cover any stop string.
         window = max(len(s.encode()) for s in stops)
         tails = out_tokens[active, max(0, t + 1 - window) : t + 1].tolist()
-        texts = self._tokenizer.batch_decode(
+        texts = tokenizer.batch_decode(
             tails, skip_special_tokens=False, clean_up_tokenization_spaces=False
         )
         hits = [any(s in text for s in stops) for text in texts]

@@ -445,6 +445,4 @@ def _trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 def _on_device(batch: SequenceBatch, device: torch.device) -> SequenceBatch:
     if batch.input_ids.device == device:
         return batch
-    return SequenceBatch(
-        batch.input_ids.to(device), batch.attention_mask.to(device), batch.response_mask.to(device)
-    )
+    return batch.to(device)

@@ -4,7 +4,9 @@ Per task (a micro-batch of rows with ``prompt_ids``, ``response_ids`` and ``rewa
 
 1. one forward of the value model with gradients gives per-token values ``V`` (`ValueModel`
    aligns token t's value with the state before it);
-2. the outcome reward sits on each row's last response token (`token_level_rewards`), and with
+2. the outcome reward sits on each row's last response token (`token_level_rewards`; an
+   episode's ``token_rewards`` instead, and only the policy's tokens of a multi-turn
+   trajectory, its ``loss_mask``, are valued and credited), and with
    ``algorithm.kl_in_reward`` every response token's reward gets ``−kl_coef·KL_t`` (KL of the
    sampling policy, ``rollout_logprobs``, to the reference, ``ref_logprobs``: the trainer's
    π_old does not exist yet when the critic scores a row); GAE with
@@ -165,11 +167,16 @@ class CriticSettings:
 
 def critic_targets(
     rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float, lam: float,
-    kl: Tensor | None = None, kl_coef: float = 0.0,
+    kl: Tensor | None = None, kl_coef: float = 0.0, token_rewards: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(advantages, returns) ``[B, L]`` of outcome rewards ``[B]`` under values ``[B, L]``;
-    with per-token ``kl`` ``[B, L]``, every token's reward gets ``−kl_coef·kl_t``."""
-    token_rewards = token_level_rewards(rewards, mask, kl=kl, kl_coef=kl_coef)
+    ``token_rewards`` ``[B, L]`` (an episode's per-turn rewards) replace the outcome reward on
+    each row's last token when given; with per-token ``kl`` ``[B, L]``, every token's reward
+    gets ``−kl_coef·kl_t``."""
+    if token_rewards is None:
+        token_rewards = token_level_rewards(rewards, mask, kl=kl, kl_coef=kl_coef)
+    elif kl is not None and kl_coef != 0.0:
+        token_rewards = token_rewards - kl_coef * kl.detach().to(token_rewards.dtype) * mask
     return gae_advantages(token_rewards, values, mask, gamma=gamma, lam=lam, whiten=False)
 
 
@@ -210,17 +217,27 @@ class CriticRole:
             return await asyncio.to_thread(
                 self.learn, inputs["prompt_ids"], inputs["response_ids"], inputs["reward"],
                 rollout_logprobs=inputs.get("rollout_logprobs"),
-                ref_logprobs=inputs.get("ref_logprobs"))
+                ref_logprobs=inputs.get("ref_logprobs"),
+                loss_masks=inputs.get("loss_mask"), token_rewards=inputs.get("token_rewards"))
 
     def learn(
         self, prompts: Sequence[Tensor], responses: Sequence[Tensor], rewards: Sequence[Any], *,
         rollout_logprobs: Sequence[Tensor] | None = None,
         ref_logprobs: Sequence[Tensor] | None = None,
+        loss_masks: Sequence[Tensor] | None = None,
+        token_rewards: Sequence[Tensor] | None = None,
     ) -> RoleOutput:
         """Score one micro-batch, accumulate its value-loss gradient, step when due; with the
-        KL in the rewards, from its sampling and reference log-probabilities."""
+        KL in the rewards, from its sampling and reference log-probabilities.
+
+        Multi-turn rows (``loss_masks``: the policy's tokens) are valued and credited on the
+        policy's tokens only (GAE carries across inserted ones); ``token_rewards`` (aligned with
+        the responses) replace the outcome reward on the last token."""
         s = self.settings
-        seqs = SequenceBatch.from_rows(prompts, responses, pad_token_id=self.pad_token_id)
+        seqs = SequenceBatch.from_rows(prompts, responses, pad_token_id=self.pad_token_id,
+                                       loss_masks=loss_masks)
+        per_token = None if token_rewards is None else seqs.per_token(token_rewards,
+                                                                      "token_rewards")
         r = torch.tensor([float(x) for x in rewards], dtype=torch.float32)
         kl: Tensor | None = None
         if s.kl_coef:
@@ -231,7 +248,7 @@ class CriticRole:
                              _padded(ref_logprobs, mask, "ref_logprobs"), mask, s.kl_estimator)
         tokens = seqs.num_response_tokens
         if tokens == 0:
-            empty = [torch.zeros(0, dtype=torch.float32) for _ in prompts]
+            empty = [torch.zeros(len(x), dtype=torch.float32) for x in responses]
             self._rows += len(prompts)
             metrics = self._maybe_step()
             return RoleOutput(fields={"values": empty, "advantages": list(empty),
@@ -241,9 +258,10 @@ class CriticRole:
         def loss_fn(values: Tensor, batch: SequenceBatch) -> tuple[Tensor, dict[str, float]]:
             mask = batch.response_mask
             old = values.detach()
-            adv, ret = critic_targets(r.to(old.device), old, mask, gamma=s.gamma, lam=s.lam,
-                                      kl=None if kl is None else kl.to(old.device),
-                                      kl_coef=s.kl_coef)
+            adv, ret = critic_targets(
+                r.to(old.device), old, mask, gamma=s.gamma, lam=s.lam,
+                kl=None if kl is None else kl.to(old.device), kl_coef=s.kl_coef,
+                token_rewards=None if per_token is None else per_token.to(old.device))
             out.update(values=old.cpu(), advantages=adv.cpu(), returns=ret.cpu())
             return value_loss(values, old, ret, mask, clip_eps=s.value_clip,
                               loss_agg="token-mean", num_tokens=1.0)

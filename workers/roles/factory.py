@@ -166,6 +166,10 @@ def make_vllm_role(role: str, config: Config, seed: int, *, process: str | None 
     from workers.roles.rollout import RolloutRole
 
     spec = engine_spec(config)
+    if spec.rollout.episode is not None:
+        raise ValueError("rollout.episode: episodes run on the hf engine (continuous batching "
+                         "of many episodes' requests); the vllm engine serves single "
+                         "completions only")
     path = model_dir(spec)
     # rollout.dtype names are vLLM's too ("auto": the checkpoint's dtype).
     engine = VLLMRolloutEngine(path, dtype=spec.rollout.dtype, seed=seed)
@@ -249,6 +253,15 @@ def _rollout(spec: EngineSpec, path: Path, seed: int) -> Role:
     adapter = _resume_adapter(spec)
     if adapter is not None:
         engine.load_weights(adapter, spec.start_version)
+    if spec.rollout.episode is not None:
+        from flowrl.episode import resolve_episode_fn
+        from workers.engines.hf_continuous import ContinuousBatcher
+        from workers.roles.episode_rollout import EpisodeRolloutRole
+
+        return EpisodeRolloutRole(
+            ContinuousBatcher(engine), load_tokenizer(path), dataset_from_config(spec),
+            sampling_from_config(spec), resolve_episode_fn(spec.rollout.episode),
+            episode_name=spec.rollout.episode, sample_seed=spec.seed)
     return RolloutRole(engine, load_tokenizer(path), dataset_from_config(spec),
                        sampling_from_config(spec), max_prompt_tokens=spec.data.max_prompt_tokens,
                        sample_seed=spec.seed)

@@ -42,7 +42,14 @@ sampling policy to the trainer's on the sampled tokens: engine mismatch plus sta
 ``kept_version`` (the weights kept for a rollback, `workers.roles.guard_orders`, once there are
 any), ``tokens``, ``seqs``, ``skipped`` (1 when a non-finite gradient skipped the update),
 ``flat_groups`` (the share of the step's groups whose rewards are all equal: they carry no
-group-relative signal, and a share near 1 means the policy has stopped exploring).
+group-relative signal, and a share near 1 means the policy has stopped exploring),
+``token_staleness`` (rows that record each token's policy version, such as episodes: the mean
+number of versions between a trained token's and the trainer's).
+
+Multi-turn trajectories (episodes) carry a ``loss_mask``: the tokens inserted between the
+policy's turns stay in the context but out of every loss, count and estimator (the
+`SequenceBatch`'s ``response_mask`` holds only the policy's tokens), so each algorithm trains
+masked multi-turn sequences as it trains single completions.
 
 Compute runs in a thread, one task at a time. `load_version` with no weights means "resume at
 this version"; with weights of a newer version it loads them (a trainer joining a running job);
@@ -225,20 +232,6 @@ class TrainSettings:
         return 0.0 if self.kl_in_reward else self.kl_coef
 
 
-def _padded(values: Sequence[Tensor], mask: Tensor, name: str) -> Tensor:
-    """Per-row 1-D values laid onto the response positions of a [B, L] mask (0 elsewhere)."""
-    counts = mask.sum(dim=-1).tolist()
-    for i, (v, n) in enumerate(zip(values, counts, strict=True)):
-        if v.numel() != n:
-            raise ValueError(f"row {i}: {name} has {v.numel()} values for {n} response tokens")
-    out = torch.zeros(mask.shape, dtype=torch.float32)
-    if values:
-        # Boolean-mask assignment fills row-major, and each row's response positions are in
-        # order, so the concatenated rows land exactly on their tokens.
-        out[mask] = torch.cat([v.reshape(-1).to(torch.float32) for v in values])
-    return out
-
-
 @dataclass(frozen=True)
 class TrainBatch:
     """One micro-batch, tensors on the CPU: the sequences and the loss's per-row inputs."""
@@ -249,24 +242,31 @@ class TrainBatch:
     rollout_logprobs: Tensor  # [B, L] float32, 0 off the response
     ref_logprobs: Tensor | None  # [B, L] float32, 0 off the response
     advantages: Tensor | None = None  # [B, L] float32 from the critic (PPO), 0 off the response
+    #: [B, L] int32: the policy version of each trained token (episodes record it), else None
+    token_versions: Tensor | None = None
 
     @classmethod
     def from_inputs(
         cls, inputs: Mapping[str, Sequence[Any]], row_groups: Sequence[int], *, pad_token_id: int
     ) -> TrainBatch:
-        """From a train task's inputs (store tensors are only read, never written)."""
+        """From a train task's inputs (store tensors are only read, never written). With a
+        ``loss_mask`` (multi-turn episodes), only the policy's own tokens are trained; every
+        per-token input is aligned with ``response_ids``."""
         seqs = SequenceBatch.from_rows(inputs["prompt_ids"], inputs["response_ids"],
-                                       pad_token_id=pad_token_id)
-        mask = seqs.response_mask
+                                       pad_token_id=pad_token_id,
+                                       loss_masks=inputs.get("loss_mask"))
         ref = inputs.get("ref_logprobs")
         adv = inputs.get("advantages")
+        versions = inputs.get("token_versions")
         return cls(
             seqs=seqs,
             rewards=torch.tensor([float(r) for r in inputs["reward"]], dtype=torch.float32),
             group_ids=torch.tensor([int(g) for g in row_groups], dtype=torch.int64),
-            rollout_logprobs=_padded(inputs["rollout_logprobs"], mask, "rollout_logprobs"),
-            ref_logprobs=None if ref is None else _padded(ref, mask, "ref_logprobs"),
-            advantages=None if adv is None else _padded(adv, mask, "advantages"),
+            rollout_logprobs=seqs.per_token(inputs["rollout_logprobs"], "rollout_logprobs"),
+            ref_logprobs=None if ref is None else seqs.per_token(ref, "ref_logprobs"),
+            advantages=None if adv is None else seqs.per_token(adv, "advantages"),
+            token_versions=None if versions is None else
+            seqs.per_token(versions, "token_versions").to(torch.int32),
         )
 
     @property
@@ -378,6 +378,8 @@ class _Step:
     mismatch_kl: float = 0.0  # Σ KL(sampling policy ‖ trainer) · tokens
     groups: int = 0
     flat_groups: int = 0  # groups whose rewards are all equal (no group-relative signal)
+    token_lag: float = 0.0  # Σ (trainer version − the version that generated the token)
+    lag_tokens: int = 0  # tokens whose generating version is known
 
 
 class TrainerRole:
@@ -457,6 +459,11 @@ class TrainerRole:
         st.seqs += batch.num_seqs
         st.rows += len(batch.rewards)
         st.reward += float(batch.rewards.sum())
+        if batch.token_versions is not None:
+            mask = batch.seqs.response_mask
+            lag = (self.version - batch.token_versions[mask].to(torch.float64)).sum()
+            st.token_lag += float(lag)
+            st.lag_tokens += tokens
         kept = filter_groups(batch.rewards, batch.group_ids)
         st.flat_groups += int(kept.dropped_groups.numel())
         st.groups += int(kept.dropped_groups.numel() + kept.kept_groups.numel())
@@ -602,6 +609,8 @@ class TrainerRole:
             metrics["is_masked_frac"] = st.masked / st.mask_tokens
         metrics["entropy"] = st.entropy / st.tokens
         metrics["mismatch_kl"] = st.mismatch_kl / st.tokens
+        if st.lag_tokens:
+            metrics["token_staleness"] = st.token_lag / st.lag_tokens
         if self.orders.kept_version is not None:
             metrics["kept_version"] = float(self.orders.kept_version)
         if self._checkpoint_due():
