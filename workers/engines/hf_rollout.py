@@ -37,6 +37,7 @@ from workers.engines.protocols import (
     stream_keys_of,
     token_logprobs,
 )
+from workers.engines.tied_weights import tied_groups
 
 __all__ = [
     "HFRolloutEngine",
@@ -44,7 +45,6 @@ __all__ = [
     "load_pretrained",
     "new_cache",
     "quiet_transformers",
-    "tied_groups",
 ]
 
 
@@ -98,14 +98,6 @@ def load_pretrained(
     model.to(device)
     model.eval()
     return model
-
-
-def tied_groups(model: torch.nn.Module) -> list[list[str]]:
-    """State-dict names grouped by the tensor they share (a tied weight has several names)."""
-    groups: dict[tuple[int, tuple[int, ...]], list[str]] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        groups.setdefault((tensor.data_ptr(), tuple(tensor.shape)), []).append(name)
-    return list(groups.values())
 
 
 class _ForwardNames:

@@ -113,7 +113,7 @@ class LoraPolicy:
         except ImportError:
             raise ImportError("model.lora needs the peft package: pip install "
                               "'flowrl[lora]'") from None
-        from workers.engines.hf_rollout import tied_groups
+        from workers.engines.tied_weights import tied_groups
 
         tied = {n for g in tied_groups(model) if len(g) > 1 for n in g}
         targets: Any = (spec.target_modules if isinstance(spec.target_modules, str)

@@ -47,9 +47,10 @@ from flowrl.worker_spec import LoraSpec
 from workers.devices import pick_device
 from workers.distributed import full_tensor, shard_like, shard_model
 from workers.engines.activation_checkpointing import checkpoint_layers
-from workers.engines.hf_rollout import _ForwardNames, load_causal_lm, tied_groups
+from workers.engines.hf_rollout import _ForwardNames, load_causal_lm
 from workers.engines.lora import ADAPTER_DIR, LoraPolicy, adapter_entries
 from workers.engines.protocols import LossFn, SequenceBatch, TrainerState, token_logprobs
+from workers.engines.tied_weights import tied_groups
 
 __all__ = ["TorchTrainerEngine", "adamw", "clip_and_step", "portable_tokenizer_config"]
 

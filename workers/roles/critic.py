@@ -79,7 +79,6 @@ from flowrl.algorithms import (
 from flowrl.worker_spec import EngineSpec
 from workers.engines.protocols import SequenceBatch
 from workers.engines.value_model import ValueModelEngine
-from workers.roles.trainer import _padded
 from workers.runtime import RoleOutput
 
 __all__ = ["CRITIC_DIR", "CriticRole", "CriticSettings", "critic_checkpoint", "critic_targets"]
@@ -244,8 +243,8 @@ class CriticRole:
             if rollout_logprobs is None or ref_logprobs is None:
                 raise ValueError("the KL in the rewards needs rollout_logprobs and ref_logprobs")
             mask = seqs.response_mask
-            kl = kl_estimate(_padded(rollout_logprobs, mask, "rollout_logprobs"),
-                             _padded(ref_logprobs, mask, "ref_logprobs"), mask, s.kl_estimator)
+            kl = kl_estimate(seqs.per_token(rollout_logprobs, "rollout_logprobs"),
+                             seqs.per_token(ref_logprobs, "ref_logprobs"), mask, s.kl_estimator)
         tokens = seqs.num_response_tokens
         if tokens == 0:
             empty = [torch.zeros(len(x), dtype=torch.float32) for x in responses]

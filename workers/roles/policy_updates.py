@@ -13,14 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from torch import Tensor
 
 from flowrl.algorithms import RolloutCorrection
-
-if TYPE_CHECKING:
-    from workers.roles.trainer import TrainBatch
+from workers.roles.train_batch import TrainBatch
 
 __all__ = ["KeptBatch", "mini_batch_runs"]
 

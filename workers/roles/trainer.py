@@ -61,7 +61,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -96,6 +96,7 @@ from flowrl.worker_spec import EngineSpec
 from workers.engines.protocols import SequenceBatch, TrainerEngine, TrainerState
 from workers.roles.guard_orders import GuardOrders
 from workers.roles.policy_updates import KeptBatch, mini_batch_runs
+from workers.roles.train_batch import TrainBatch
 from workers.runtime import RoleOutput
 
 __all__ = [
@@ -230,53 +231,6 @@ class TrainSettings:
     def kl_loss_coef(self) -> float:
         """The weight of the KL loss term (0 when the KL is in the rewards)."""
         return 0.0 if self.kl_in_reward else self.kl_coef
-
-
-@dataclass(frozen=True)
-class TrainBatch:
-    """One micro-batch, tensors on the CPU: the sequences and the loss's per-row inputs."""
-
-    seqs: SequenceBatch
-    rewards: Tensor  # [B] float32
-    group_ids: Tensor  # [B] int64
-    rollout_logprobs: Tensor  # [B, L] float32, 0 off the response
-    ref_logprobs: Tensor | None  # [B, L] float32, 0 off the response
-    advantages: Tensor | None = None  # [B, L] float32 from the critic (PPO), 0 off the response
-    #: [B, L] int32: the policy version of each trained token (episodes record it), else None
-    token_versions: Tensor | None = None
-
-    @classmethod
-    def from_inputs(
-        cls, inputs: Mapping[str, Sequence[Any]], row_groups: Sequence[int], *, pad_token_id: int
-    ) -> TrainBatch:
-        """From a train task's inputs (store tensors are only read, never written). With a
-        ``loss_mask`` (multi-turn episodes), only the policy's own tokens are trained; every
-        per-token input is aligned with ``response_ids``."""
-        seqs = SequenceBatch.from_rows(inputs["prompt_ids"], inputs["response_ids"],
-                                       pad_token_id=pad_token_id,
-                                       loss_masks=inputs.get("loss_mask"))
-        ref = inputs.get("ref_logprobs")
-        adv = inputs.get("advantages")
-        versions = inputs.get("token_versions")
-        return cls(
-            seqs=seqs,
-            rewards=torch.tensor([float(r) for r in inputs["reward"]], dtype=torch.float32),
-            group_ids=torch.tensor([int(g) for g in row_groups], dtype=torch.int64),
-            rollout_logprobs=seqs.per_token(inputs["rollout_logprobs"], "rollout_logprobs"),
-            ref_logprobs=None if ref is None else seqs.per_token(ref, "ref_logprobs"),
-            advantages=None if adv is None else seqs.per_token(adv, "advantages"),
-            token_versions=None if versions is None else
-            seqs.per_token(versions, "token_versions").to(torch.int32),
-        )
-
-    @property
-    def num_tokens(self) -> int:
-        return self.seqs.num_response_tokens
-
-    @property
-    def num_seqs(self) -> int:
-        """Rows with at least one response token (the seq-mean modes count only those)."""
-        return int(self.seqs.response_mask.any(dim=-1).sum())
 
 
 def advantages(
@@ -724,7 +678,7 @@ def _load_into(engine: TrainerEngine, weights: Mapping[str, Tensor]) -> None:
     model = getattr(engine, "model", None)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{type(engine).__name__} has no torch model to load weights into")
-    from workers.engines.hf_rollout import tied_groups
+    from workers.engines.tied_weights import tied_groups
 
     params = model.state_dict(keep_vars=True)
     missing = [g[0] for g in tied_groups(model) if not any(n in weights for n in g)]
