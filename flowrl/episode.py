@@ -37,6 +37,7 @@ from flowrl.reward_fn import RewardFnError, resolve_reward_fn
 
 __all__ = [
     "INSERTED_VERSION",
+    "EndpointAccess",
     "EpisodeError",
     "EpisodeFn",
     "GenerateFn",
@@ -54,6 +55,15 @@ INSERTED_VERSION = -1
 
 class EpisodeError(RuntimeError):
     """An episode that broke the handle's rules (its message says which)."""
+
+
+@dataclass(frozen=True)
+class EndpointAccess:
+    """Where an episode's OpenAI-compatible endpoint listens (``rollout.endpoint``): its base
+    URL and the API key that opens this episode alone, while it runs."""
+
+    base_url: str
+    api_key: str = field(repr=False)
 
 
 @dataclass(frozen=True)
@@ -155,6 +165,8 @@ class Policy:
         self._after_turn: str | None = None
         self._busy = False
         self.finished = False
+        #: the episode's OpenAI-compatible endpoint (``rollout.endpoint``); None without one
+        self.endpoint: EndpointAccess | None = None
 
     # -- what the episode calls ------------------------------------------------------------
 
@@ -241,6 +253,29 @@ class Policy:
             t.turn_rewards = values
         self.finished = True
 
+    def openai_client(self, **kwargs: Any) -> Any:
+        """An ``openai.AsyncOpenAI`` client of this episode's endpoint: every completion it
+        asks for is a turn of this episode (``rollout.endpoint = true``; the ``openai``
+        package). It does not retry: a retried request would be a turn of its own."""
+        access = self._endpoint()
+        try:
+            import openai
+        except ImportError:
+            raise EpisodeError("policy.openai_client() needs the openai package "
+                               "(pip install openai)") from None
+        return openai.AsyncOpenAI(**{"max_retries": 0, **kwargs, "base_url": access.base_url,
+                                     "api_key": access.api_key})
+
+    @property
+    def openai_base_url(self) -> str:
+        """The base URL of this episode's OpenAI-compatible endpoint (``rollout.endpoint``)."""
+        return self._endpoint().base_url
+
+    @property
+    def api_key(self) -> str:
+        """The API key of this episode's endpoint, valid while the episode runs."""
+        return self._endpoint().api_key
+
     @property
     def token_ids(self) -> list[int]:
         """The whole trajectory so far: prompt, turns and insertions."""
@@ -251,6 +286,12 @@ class Policy:
         return self.trajectory.turns
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _endpoint(self) -> EndpointAccess:
+        if self.endpoint is None:
+            raise EpisodeError("this episode has no OpenAI-compatible endpoint: set "
+                               "rollout.endpoint = true in the recipe")
+        return self.endpoint
 
     def _check_open(self) -> None:
         if self.finished:

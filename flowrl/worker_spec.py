@@ -143,6 +143,8 @@ class RolloutSpec(_Spec):
     #: the episode function (``module:function`` or ``/path/file.py:function``); None: one
     #: completion per response.
     episode: str | None = None
+    #: serve each episode an OpenAI-compatible endpoint on loopback.
+    endpoint: bool = False
 
 
 class RewardModelSpec(_Spec):

@@ -173,6 +173,9 @@ class Recipe(_Section):
             if "reward" in self.model_fields_set:
                 raise _rule("reward", "an episode scores itself (policy.finish(reward) or its "
                             "return value): a run with rollout.episode has no reward section")
+        elif self.rollout.endpoint:
+            raise _rule("rollout.endpoint", "the endpoint serves episodes: name the agent loop "
+                        "that uses it in rollout.episode")
         unrun = sorted(set(self.placement.roles) - set(self.roles))
         if unrun:
             raise _rule(f"placement.roles.{unrun[0]}", f"this run has no {unrun[0]} workers "
@@ -329,7 +332,8 @@ class Recipe(_Section):
             sampling=SamplingSpec(temperature=self.rollout.temperature, top_p=self.rollout.top_p,
                                   max_new_tokens=self.rollout.max_new_tokens,
                                   stop=self.rollout.stop),
-            rollout=RolloutSpec(dtype=self.rollout.dtype, episode=self.rollout.episode_ref),
+            rollout=RolloutSpec(dtype=self.rollout.dtype, episode=self.rollout.episode_ref,
+                                endpoint=self.rollout.endpoint),
             reward=self.reward.spec(),
             trainer=TrainerSpec(lr=t.lr, weight_decay=t.weight_decay, betas=t.betas,
                                 grad_clip=t.grad_clip, warmup_steps=t.warmup_steps,

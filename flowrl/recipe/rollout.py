@@ -43,6 +43,10 @@ class RolloutConfig(_Section):
     it (a multi-turn agent loop against `flowrl.episode.Policy`), which scores itself, so the run
     has no reward workers. None: one completion per response, scored by ``reward``. Needs
     ``engine = "hf"``."""
+    endpoint: bool = False
+    """Serve each episode an OpenAI-compatible endpoint on loopback (``/v1/chat/completions``,
+    ``/v1/completions``; `flowrl.episode.Policy.openai_client`), so that agent code written for
+    the ``openai`` client runs as an episode; needs ``episode``."""
 
     @field_validator("episode")
     @classmethod

@@ -17,6 +17,10 @@ episode's reward, inline). All per-token fields are aligned with ``response_ids`
 Sampling is reproducible per episode: turn k of episode j of the group at dataset position p
 samples from a stream keyed by (run seed, p, j, k), whatever else shares the engine's batch.
 
+With ``endpoint`` (``rollout.endpoint``) the worker serves an OpenAI-compatible endpoint on
+loopback (`workers.openai_endpoint`), started with its first task; each episode gets its own
+base URL and API key (``policy.openai_client()``), valid while it runs.
+
 An episode that raises fails the task (the controller redoes its rows, and stops the run with
 the error after ``max_task_failures``); the first error names the episode function.
 """
@@ -43,6 +47,7 @@ from flowrl.episode import (
 from flowrl.reward_fn import describe_error
 from workers.engines.hf_continuous import ContinuousBatcher
 from workers.engines.protocols import SamplingParams, mix_seed
+from workers.openai_endpoint import OpenAIEndpoint
 from workers.roles.rollout import group_rows
 from workers.runtime import RoleOutput
 
@@ -89,6 +94,7 @@ class EpisodeRolloutRole:
         *,
         episode_name: str = "episode",
         sample_seed: int = 0,
+        endpoint: bool = False,
     ) -> None:
         self.batcher = batcher
         self.tokenizer = tokenizer
@@ -97,6 +103,10 @@ class EpisodeRolloutRole:
         self.episode = episode
         self.episode_name = episode_name
         self.sample_seed = sample_seed
+        self.endpoint: OpenAIEndpoint | None = None
+        if endpoint:
+            self.endpoint = OpenAIEndpoint(temperature=sampling.temperature,
+                                           top_p=sampling.top_p)
 
     def _policy(self, position: int, index: int) -> Policy:
         base = self.sampling
@@ -119,11 +129,17 @@ class EpisodeRolloutRole:
 
     async def _one(self, row: int, position: int, index: int) -> Trajectory:
         example = self.dataset.at(position)
+        policy = self._policy(position, index)
+        if self.endpoint is not None:
+            policy.endpoint = self.endpoint.open(policy)
         try:
-            return await run_episode(self.episode, self._policy(position, index), example)
+            return await run_episode(self.episode, policy, example)
         except Exception as e:
             raise EpisodeFailed(f"episode {self.episode_name} (row {row}, dataset position "
                                 f"{position}): {describe_error(e)}") from e
+        finally:
+            if policy.endpoint is not None and self.endpoint is not None:
+                self.endpoint.close(policy.endpoint)
 
     async def run(self, task: m.TaskMsg, inputs: dict[str, list[Any]]) -> RoleOutput:
         positions = [int(p) for p in inputs["prompt"]]
@@ -135,6 +151,8 @@ class EpisodeRolloutRole:
             if len(shared) != 1:
                 raise ValueError(f"group {gid} mixes dataset positions {sorted(shared)}")
             jobs.extend((r, positions[r], j) for j, r in enumerate(rows))
+        if self.endpoint is not None:
+            await self.endpoint.start()
         stats = self.batcher.stats
         forwards, carried = stats.forwards, stats.rows
         t0 = time.perf_counter()
@@ -162,6 +180,11 @@ class EpisodeRolloutRole:
                 "batch_rows_mean": (stats.rows - carried) / forwards if forwards else 0.0,
             },
         )
+
+    async def aclose(self) -> None:
+        """Stop serving the endpoint (the worker's process ending stops it too)."""
+        if self.endpoint is not None:
+            await self.endpoint.aclose()
 
     async def load_version(self, version: int, weights: dict[str, torch.Tensor]) -> None:
         if not weights:  # joining at a version without its weights: nothing to load
