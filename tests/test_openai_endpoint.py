@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from flowrl.data import Example, arithmetic
 from flowrl.episode import EpisodeError, Policy
-from flowrl.recipe import Recipe, RolloutConfig
+from flowrl.recipe import ModelConfig, Recipe, RolloutConfig
 from flowrl.tiny_model import build_tiny_model
 from workers.devices import set_threads
 from workers.engines import HFRolloutEngine, SamplingParams
@@ -31,6 +31,7 @@ set_threads(1)
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "openai_agent.py"
 FIELDS = ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "token_versions")
 
 
@@ -109,7 +110,8 @@ async def test_chat_turns_through_the_openai_client_are_recorded_token_exactly(
     # The replies are the decoded turns; the tool message is inserted, out of the loss.
     assert REPLIES[2:] == REPLIES[:2]
     for mask, versions in zip(served["loss_mask"], served["token_versions"], strict=True):
-        assert bool(mask.any()) and bool((~mask).any())
+        assert bool(mask.any())
+        assert bool((~mask).any())
         assert set(versions[mask].tolist()) == {3}
         assert set(versions[~mask].tolist()) == {-1}
 
@@ -190,7 +192,7 @@ def test_the_endpoint_serves_episodes_only(tokenizer: Any) -> None:
     with pytest.raises(ValidationError, match=r"rollout\.endpoint: the endpoint serves episodes"):
         Recipe(steps=1, rollout=RolloutConfig(endpoint=True))
     policy = Policy(lambda *a, **k: None, tokenizer, stream_seed=0)  # type: ignore[arg-type,return-value]
-    with pytest.raises(EpisodeError, match="rollout.endpoint = true"):
+    with pytest.raises(EpisodeError, match=r"rollout\.endpoint = true"):
         policy.openai_client()
 
 
@@ -202,11 +204,11 @@ async def test_the_openai_agent_recipe_trains(tmp_path: Path) -> None:
 
     model = build_tiny_model(tmp_path / "tiny", hidden=32, layers=1, heads=2, kv_heads=1,
                              vocab_size=300, max_positions=64)
-    root = Path(__file__).resolve().parents[1]
     steps = 2
-    r = load_recipe(root / "recipes" / "openai_agent.py", [
-        f"steps={steps}", f"model.path={model}", "algorithm.group_size=4",
-        "trainer.groups_per_step=2", "trainer.micro_batch_groups=1"])
+    r = load_recipe(RECIPE, [
+        f"steps={steps}", "algorithm.group_size=4", "trainer.groups_per_step=2",
+        "trainer.micro_batch_groups=1"])
+    r = r.model_copy(update={"model": ModelConfig(path=str(model))})  # not the pretrained one
     async with Controller(r.to_pipeline()) as ctl:
         out = await ctl.run(steps=steps, timeout_s=120)
     assert out["version"] == steps
