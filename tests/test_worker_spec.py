@@ -120,6 +120,10 @@ def _types(annotation: Any) -> Iterator[Any]:
         yield from _types(arg)
 
 
+#: an episode that asks for the endpoint (its recipe's)
+AGENT = Path(__file__).resolve().parents[1] / "recipes" / "openai_agent.py"
+
+
 @pytest.mark.timeout(300)
 async def test_every_field_of_the_spec_is_read_by_the_worker_side(
     tmp_path: Path, run_id: str, reads: set[tuple[str, str]],
@@ -151,6 +155,9 @@ async def test_every_field_of_the_spec_is_read_by_the_worker_side(
                              {"judge": JudgeConfig(max_prompt_tokens=32)})]
     lora = Recipe(steps=1, model=ModelConfig(path=str(model), lora=LoraConfig(rank=2)),
                   trainer=TrainerConfig(gradient_checkpointing=True)).engine_spec()
+    served = Recipe(steps=1, model=ModelConfig(path=str(model)),
+                    rollout=RolloutConfig(episode=f"{AGENT}:episode", endpoint=True)
+                    ).engine_spec()
     threads = torch.get_num_threads()
     try:
         # What a worker process does with its spec (`workers.main.main` and `serve`) ...
@@ -164,6 +171,7 @@ async def test_every_field_of_the_spec_is_read_by_the_worker_side(
         for config, roles in ((ppo, ("rollout", "reward", "reference", "critic", "train")),
                               (resumed, ("rollout", "reference", "critic")),
                               (lora, ("rollout", "train")),
+                              (served, ("rollout",)),
                               *((g, ("reward",)) for g in graded)):
             for role in roles:
                 process = spec.process.model_copy(update={
