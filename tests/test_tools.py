@@ -4,7 +4,9 @@ token limit are ended and counted; no sandbox outlives its pool."""
 
 from __future__ import annotations
 
+import asyncio
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +39,18 @@ from workers.tool_pool import ToolPool, ToolPoolError
 set_threads(1)
 
 TOOLS_FILE = '''
-import asyncio, os, time
+import asyncio, atexit, os, pathlib, signal, time
+
+HERE = pathlib.Path(__file__)
+
+def _ended(*_):
+    # A sandbox that exits or is terminated (its pipe closed, its parent dead) was not killed
+    # by its pool, which only ever SIGKILLs.
+    HERE.with_suffix(".ended").touch()
+    os._exit(0)
+
+atexit.register(_ended)
+signal.signal(signal.SIGTERM, _ended)
 
 def add(a, b):
     return a + b
@@ -50,6 +63,7 @@ def raises(**_):
     raise ZeroDivisionError("no")
 
 def hangs(**_):
+    HERE.with_suffix(".hanging").touch()
     time.sleep(600)
 
 def hog(**_):
@@ -141,6 +155,33 @@ async def test_a_tool_that_cannot_load_stops_the_pool_with_a_clear_error(tmp_pat
         await pool.call("f", {})
     await pool.aclose()
     assert not _sandboxes()
+
+
+SCRIPT = """
+import asyncio, os, pathlib, sys
+from workers.tool_pool import ToolPool
+
+async def main():
+    tools = pathlib.Path(sys.argv[1])
+    pool = ToolPool({"hangs": f"{tools}:hangs"}, workers=1, timeout_s=600)
+    call = asyncio.create_task(pool.call("hangs", {}))
+    while not tools.with_suffix(".hanging").exists():  # the sandbox is inside the call
+        await asyncio.sleep(0.01)
+    print(next(iter(pool._busy)).proc.pid, flush=True)
+    os._exit(0)  # a worker killed in the middle of a call, its pool never closed
+
+asyncio.run(main())
+"""
+
+
+async def test_a_sandbox_in_a_hung_call_dies_with_its_worker_process(tools_file: Path) -> None:
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", SCRIPT, str(tools_file),
+                                                stdout=asyncio.subprocess.PIPE)
+    out, _ = await proc.communicate()
+    sandbox = psutil.Process(int(out))
+    # Its tool sleeps for 600 s: only the parent-death signal ends it now.
+    await asyncio.to_thread(sandbox.wait, 60)
+    assert tools_file.with_suffix(".ended").exists()
 
 
 # -- episodes ------------------------------------------------------------------------------
@@ -238,8 +279,7 @@ async def scores_its_cut(policy: Policy, example: Example) -> float:
         while True:
             await policy.generate(max_new_tokens=3)
     except EpisodeLimitReached as e:
-        assert e.limit == "turns"
-    return 0.5
+        return 0.5 if e.limit == "turns" else 0.25
 
 
 async def test_episodes_past_their_turn_or_token_limit_are_ended_and_counted(
@@ -343,6 +383,8 @@ async def test_a_run_calls_tools_and_logs_their_counts(tmp_path: Path, tools_fil
     async with Controller(r.to_pipeline()) as ctl:
         out = await ctl.run(steps=steps, timeout_s=90)
     assert out["version"] == steps
+    # The stopping worker killed its sandboxes (none was left to exit by itself).
+    assert not tools_file.with_suffix(".ended").exists()
     calls = sum(e.get("rollout_tool_calls", 0.0) for e in ctl.step_log)
     raised = sum(e.get("rollout_tool_errors_raised", 0.0) for e in ctl.step_log)
     cut = sum(e.get("rollout_episodes_cut_turns", 0.0) for e in ctl.step_log)
