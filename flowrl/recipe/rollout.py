@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_serializer, field_validator
+from pydantic import AfterValidator, Field, field_serializer, field_validator
 
+from flowrl.recipe.placement import _freeze
 from flowrl.recipe.reward import callable_ref, check_fn_ref
 from flowrl.recipe.section import _Section, _StopStrings
 
@@ -43,7 +44,8 @@ class RolloutConfig(_Section):
     it (a multi-turn agent loop against `flowrl.episode.Policy`), which scores itself, so the run
     has no reward workers. None: one completion per response, scored by ``reward``. Needs
     ``engine = "hf"``."""
-    tools: dict[str, str | Callable[..., Any]] = Field(default_factory=dict)
+    tools: Annotated[dict[str, str | Callable[..., Any]], AfterValidator(_freeze)] = Field(
+        default_factory=dict)
     """Tools an episode calls by name (``await policy.call_tool(name, **args)``): name →
     ``"module:function"``, ``"path/to/file.py:function"`` or a module-level function, sync or
     async, returning a string or another JSON value. They run in sandbox processes, never in
