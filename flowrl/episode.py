@@ -20,12 +20,26 @@ is stored as the ids it was tokenized to once, masked out of the loss. Chat mess
 rendered with the model's chat template (`flowrl.chat_render`); text and token ids go in as
 they are.
 
+Tools: ``await policy.call_tool(name, **args)`` runs a tool the recipe names
+(``rollout.tools``) outside the episode's process and returns a `ToolResult` whose ``text`` is
+what to show the policy: the tool's result, or an error observation (``"error: ..."``) when the
+tool raised, ran past its timeout, ran out of memory or returned something that is not JSON.
+The episode inserts it like any other message (``policy.add(result.text, role="tool")``).
+
+Limits: with ``max_turns`` or ``max_tokens`` (the recipe's ``rollout.max_turns`` and
+``rollout.max_episode_tokens``; tokens after the prompt, generated and inserted), a turn
+budget is cut to the tokens left, and a ``generate`` or ``add`` beyond a limit raises
+`EpisodeLimitReached`. The episode may catch it and still score itself; if it lets it
+propagate, or ends without a reward after it, the episode ends there with reward 0. Either
+way the trajectory records which limit cut it (``Trajectory.cut``).
+
 Imports only the standard library and `flowrl.chat_render`; the engine behind the handle is a
 `GenerateFn` the rollout role provides.
 """
 
 from __future__ import annotations
 
+import collections
 import inspect
 import math
 from collections.abc import Awaitable, Callable, Sequence
@@ -40,9 +54,12 @@ __all__ = [
     "EndpointAccess",
     "EpisodeError",
     "EpisodeFn",
+    "EpisodeLimitReached",
     "GenerateFn",
     "Generated",
     "Policy",
+    "ToolCaller",
+    "ToolResult",
     "Trajectory",
     "Turn",
     "resolve_episode_fn",
@@ -55,6 +72,42 @@ INSERTED_VERSION = -1
 
 class EpisodeError(RuntimeError):
     """An episode that broke the handle's rules (its message says which)."""
+
+
+Limit = Literal["turns", "tokens"]
+
+
+class EpisodeLimitReached(Exception):
+    """The episode reached ``rollout.max_turns`` or ``rollout.max_episode_tokens`` (``limit``
+    says which): it may still score itself; if it lets this propagate it scores 0."""
+
+    def __init__(self, limit: Limit, message: str) -> None:
+        super().__init__(message)
+        self.limit: Limit = limit
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """One tool call's outcome. ``text`` is what to show the policy: the tool's result (a
+    string as returned, another JSON value as JSON) or, when ``ok`` is false, ``"error: "``
+    and ``error``. ``kind`` says why a call failed: ``raised``, ``timeout``, ``memory``,
+    ``garbage`` (a result that is not JSON, or too long), ``crashed`` (the sandbox process
+    died) or ``unknown`` (no tool of that name)."""
+
+    ok: bool
+    text: str
+    error: str | None = None
+    kind: str | None = None
+
+    @classmethod
+    def failed(cls, kind: str, error: str) -> ToolResult:
+        return cls(ok=False, text=f"error: {error}", error=error, kind=kind)
+
+
+class ToolCaller(Protocol):
+    """What runs the tools behind a policy handle (`workers.tool_pool.ToolPool.call`)."""
+
+    def __call__(self, name: str, args: dict[str, Any]) -> Awaitable[ToolResult]: ...
 
 
 @dataclass(frozen=True)
@@ -120,6 +173,8 @@ class Trajectory:
     turn_ends: list[int] = field(default_factory=list)
     reward: float | None = None
     turn_rewards: list[float] | None = None
+    #: the limit that ended the episode, if one did
+    cut: Limit | None = None
 
     @property
     def turns(self) -> int:
@@ -148,17 +203,25 @@ class Policy:
     """The handle an episode drives: generate, insert, finish. One per episode.
 
     Before the first turn, what the episode adds is the prompt; after it, it is inserted (in
-    the context, out of the loss)."""
+    the context, out of the loss). ``tools`` runs `call_tool`; ``max_turns`` and
+    ``max_tokens`` are the episode's limits (see the module docstring)."""
 
     def __init__(
         self, generate: GenerateFn, tokenizer: Any, *, stream_seed: int,
-        max_context: int | None = None,
+        max_context: int | None = None, tools: ToolCaller | None = None,
+        max_turns: int | None = None, max_tokens: int | None = None,
     ) -> None:
         self._generate = generate
         self.tokenizer = tokenizer
         self._chat = ChatRenderer(tokenizer)
         self._seed = stream_seed
         self._max_context = max_context
+        self._tools = tools
+        self._max_turns = max_turns
+        self._max_tokens = max_tokens
+        #: tool calls made, and the failed ones by `ToolResult.kind`
+        self.tool_calls = 0
+        self.tool_errors: collections.Counter[str] = collections.Counter()
         self.trajectory = Trajectory()
         #: the decoded last token of the last generated turn ("" when cut at its length), or
         #: None when the trajectory does not end with a turn: what chat glue is owed
@@ -186,6 +249,8 @@ class Policy:
         self._check_open()
         if self._busy:
             raise EpisodeError("one generate at a time per episode: await the previous turn")
+        if self._max_turns is not None and self.trajectory.turns >= self._max_turns:
+            self._cut("turns", f"the episode reached rollout.max_turns = {self._max_turns}")
         if messages is not None:
             self._add_ids(self._render(messages, generation_prompt=True))
         elif token_ids is not None:
@@ -200,6 +265,12 @@ class Policy:
                 raise EpisodeError(f"the trajectory fills the model's {self._max_context} "
                                    "positions: no room to generate")
             budget = room if budget is None else min(budget, room)
+        if self._max_tokens is not None:
+            left = self._max_tokens - len(t.response_ids)
+            if left < 1:
+                self._cut("tokens", "the episode reached rollout.max_episode_tokens = "
+                          f"{self._max_tokens}")
+            budget = left if budget is None else min(budget, left)
         self._busy = True
         try:
             out = await self._generate(
@@ -239,6 +310,19 @@ class Policy:
             ids = [int(x) for x in content]
         self._add_ids(ids)
         return ids
+
+    async def call_tool(self, name: str, /, **args: Any) -> ToolResult:
+        """Run the tool ``name`` with keyword ``args`` (strings, numbers, booleans, None, and
+        lists and dicts of them) in the run's tool sandboxes. A tool that fails gives a failed
+        `ToolResult` (counted, never raised); insert its ``text`` for the policy to see."""
+        self._check_open()
+        if self._tools is None:
+            raise EpisodeError("this run has no tools: name them in the recipe's rollout.tools")
+        result = await self._tools(name, args)
+        self.tool_calls += 1
+        if not result.ok:
+            self.tool_errors[result.kind or "raised"] += 1
+        return result
 
     def finish(self, reward: float, *, per_turn: Sequence[float] | None = None) -> None:
         """End the episode with its ``reward``; ``per_turn``: one reward per generated turn
@@ -303,11 +387,19 @@ class Policy:
         return self._chat.continuation(messages, after_turn_text=self._after_turn,
                                        generation_prompt=generation_prompt)
 
+    def _cut(self, limit: Limit, message: str) -> None:
+        if self.trajectory.cut is None:
+            self.trajectory.cut = limit
+        raise EpisodeLimitReached(limit, message)
+
     def _add_ids(self, ids: list[int]) -> None:
         t = self.trajectory
         if not t.turn_ends:  # before the first turn: the prompt
             t.prompt_ids.extend(ids)
         else:
+            if self._max_tokens is not None and len(t.response_ids) + len(ids) > self._max_tokens:
+                self._cut("tokens", f"inserting {len(ids)} tokens would exceed "
+                          f"rollout.max_episode_tokens = {self._max_tokens}")
             t.response_ids.extend(ids)
             t.loss_mask.extend([False] * len(ids))
             t.logprobs.extend([0.0] * len(ids))
@@ -331,13 +423,21 @@ EpisodeFn = Callable[..., Awaitable[Any]]
 async def run_episode(fn: EpisodeFn, policy: Policy, example: Any) -> Trajectory:
     """Run one episode to its end; its trajectory, with its reward.
 
-    The reward is what the episode passed to `Policy.finish`, else the number it returned.
-    An episode that ends with neither, without a generated turn, or that raises, raises
+    The reward is what the episode passed to `Policy.finish`, else the number it returned;
+    0 for an episode cut by a limit (`EpisodeLimitReached`) that gives neither. An episode that
+    ends with neither otherwise, without a generated turn, or that raises, raises
     (`EpisodeError` for a broken rule; the episode's own exception otherwise)."""
-    returned = await fn(policy, example)
+    try:
+        returned = await fn(policy, example)
+    except EpisodeLimitReached:
+        if policy.trajectory.cut is None:  # not this policy's limit: the episode's own error
+            raise
+        returned = None
     t = policy.trajectory
     if not t.turns:
         raise EpisodeError("the episode ended without generating a turn")
+    if t.reward is None and returned is None and t.cut is not None:
+        policy.finish(0.0)
     if t.reward is None:
         if returned is None:
             raise EpisodeError("the episode ended without a reward: call policy.finish(reward) "

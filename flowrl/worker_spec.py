@@ -145,6 +145,14 @@ class RolloutSpec(_Spec):
     episode: str | None = None
     #: serve each episode an OpenAI-compatible endpoint on loopback.
     endpoint: bool = False
+    #: tool name -> reference, and how the tool sandboxes run (`workers.tool_pool`).
+    tools: dict[str, str] = Field(default_factory=dict)
+    tool_workers: int = Field(default=2, ge=1)
+    tool_timeout_s: float = Field(default=10.0, gt=0)
+    tool_memory_mb: int | None = None
+    #: the episodes' limits (`flowrl.episode.Policy`); None: none.
+    max_turns: int | None = None
+    max_episode_tokens: int | None = None
 
 
 class RewardModelSpec(_Spec):

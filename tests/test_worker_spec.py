@@ -158,6 +158,12 @@ async def test_every_field_of_the_spec_is_read_by_the_worker_side(
     served = Recipe(steps=1, model=ModelConfig(path=str(model)),
                     rollout=RolloutConfig(episode=f"{AGENT}:episode", endpoint=True)
                     ).engine_spec()
+    agent = tmp_path / "agent.py"
+    agent.write_text("async def run(policy, example):\n    return 1.0\n\n"
+                     "def tool():\n    return 1\n")
+    episodes = Recipe(steps=1, model=ModelConfig(path=str(model)), rollout=RolloutConfig(
+        episode=f"{agent}:run", tools={"t": f"{agent}:tool"}, max_turns=2,
+        max_episode_tokens=8)).engine_spec()
     threads = torch.get_num_threads()
     try:
         # What a worker process does with its spec (`workers.main.main` and `serve`) ...
@@ -172,6 +178,7 @@ async def test_every_field_of_the_spec_is_read_by_the_worker_side(
                               (resumed, ("rollout", "reference", "critic")),
                               (lora, ("rollout", "train")),
                               (served, ("rollout",)),
+                              (episodes, ("rollout",)),
                               *((g, ("reward",)) for g in graded)):
             for role in roles:
                 process = spec.process.model_copy(update={

@@ -125,6 +125,7 @@ async def report_start_failure(spec: WorkerSpec, exc: BaseException) -> None:
 
 async def serve(spec: WorkerSpec) -> None:
     store = store_client(spec)
+    roles: list[Role] = []
     try:
         try:
             roles = make_roles(spec)
@@ -149,6 +150,10 @@ async def serve(spec: WorkerSpec) -> None:
         # the controller has been told (sync_failed) and restarts this process.
         os._exit(EXIT_WEIGHT_SYNC)
     finally:
+        for role in roles:  # what a role started (tool sandboxes) stops with it
+            close = getattr(role, "aclose", None)
+            if close is not None:
+                await close()
         await store.aclose()
 
 

@@ -81,6 +81,8 @@ class Role(Protocol):
 
     A role whose class sets ``loads_weights = False`` (reward, reference, critic) does not
     serve the policy: new versions neither fetch weights nor pause its tasks at a safe point.
+    A role with an ``async def aclose()`` has it awaited when its worker process stops (to stop
+    what it started, such as tool sandboxes).
     """
 
     async def run(self, task: m.TaskMsg, inputs: dict[str, list[Any]]) -> RoleOutput: ...

@@ -19,6 +19,9 @@ __all__ = ["FALLBACK_KINDS", "FailureBudget", "StageMetrics", "StepFailures", "T
 #: failure kinds that are a grader's deliberate fallback (a judge's verdict without a score):
 #: counted like the others, never held against the failure budget
 FALLBACK_KINDS = frozenset({"unparsable"})
+#: task-report counters summed into the step log as ``<stage>_<key>`` (an episode rollout's
+#: tool calls, tool failures by kind, episodes cut by a limit)
+COUNTED_PREFIXES = ("tool_", "episodes_cut_")
 
 
 @dataclass
@@ -37,8 +40,9 @@ class StageMetrics:
     ``<stage>_failed`` and ``<stage>_failed_<kind>``: a step's count never exceeds its samples,
     whichever tasks scored its rows (a reward task may hold rows of two steps, and rows of later
     steps are scored before this one commits). The critic's step figures (``critic_*``,
-    reported by the task whose rows completed a critic step) are shown as last reported; values
-    that are not finite numbers are ignored.
+    reported by the task whose rows completed a critic step) are shown as last reported;
+    counters (`COUNTED_PREFIXES`, such as ``rollout_tool_calls``) are summed over the tasks
+    reported since the last step; values that are not finite numbers are ignored.
     """
 
     def __init__(self) -> None:
@@ -58,6 +62,9 @@ class StageMetrics:
                 continue
             if key.startswith("critic_"):
                 self._acc[key] = float(value)
+            elif key.startswith(COUNTED_PREFIXES):
+                name = f"{task.stage}_{key}"
+                self._acc[name] = self._acc.get(name, 0.0) + float(value)
 
     def take(self, tasks: Sequence[Task], alive: Callable[[int], bool]
              ) -> tuple[dict[str, float], dict[str, StepFailures]]:

@@ -28,7 +28,7 @@ from flowrl.recipe.reward import RewardConfig
 from flowrl.reward_fn import RewardFnError, describe_error, resolve_reward_fn
 
 __all__ = ["InputError", "check_data", "check_episode_fn", "check_inputs", "check_model_dir",
-           "check_reward_fn"]
+           "check_reward_fn", "check_tools"]
 
 
 class InputError(ValueError):
@@ -45,6 +45,7 @@ def check_inputs(recipe: Recipe) -> None:
         return
     if recipe.rollout.episode is not None:
         check_episode_fn(recipe.rollout.episode_ref)
+        check_tools(recipe.rollout.tool_refs)
     else:
         check_reward_fn(recipe.reward)
     check_data(recipe.data)
@@ -93,6 +94,15 @@ def check_episode_fn(ref: str | None) -> None:
         resolve_episode_fn(ref)
     except RewardFnError as exc:
         raise InputError("rollout.episode", str(exc)) from None
+
+
+def check_tools(refs: dict[str, str]) -> None:
+    """Every tool resolves to a callable (as its sandbox processes will resolve it)."""
+    for name, ref in refs.items():
+        try:
+            resolve_reward_fn(ref, what=f"tool {name!r}")
+        except RewardFnError as exc:
+            raise InputError(f"rollout.tools.{name}", str(exc)) from None
 
 
 def check_data(data: DataConfig) -> None:

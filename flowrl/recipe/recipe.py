@@ -173,9 +173,14 @@ class Recipe(_Section):
             if "reward" in self.model_fields_set:
                 raise _rule("reward", "an episode scores itself (policy.finish(reward) or its "
                             "return value): a run with rollout.episode has no reward section")
-        elif self.rollout.endpoint:
-            raise _rule("rollout.endpoint", "the endpoint serves episodes: name the agent loop "
-                        "that uses it in rollout.episode")
+        else:
+            if self.rollout.endpoint:
+                raise _rule("rollout.endpoint", "the endpoint serves episodes: name the agent "
+                            "loop that uses it in rollout.episode")
+            for name in ("tools", "max_turns", "max_episode_tokens"):
+                if name in self.rollout.model_fields_set and getattr(self.rollout, name):
+                    raise _rule(f"rollout.{name}", "only episodes call tools and take turns: "
+                                "name the episode function in rollout.episode")
         unrun = sorted(set(self.placement.roles) - set(self.roles))
         if unrun:
             raise _rule(f"placement.roles.{unrun[0]}", f"this run has no {unrun[0]} workers "
@@ -197,8 +202,9 @@ class Recipe(_Section):
                         "(no config.json in it)")
         if self.data.path is not None and not Path(self.data.path).is_file():
             raise _rule("data.path", f"no such file: {self.data.path!r}")
+        tools = [(f"rollout.tools.{n}", ref) for n, ref in self.rollout.tools.items()]
         for name, ref in (("reward.fn", self.reward.fn), ("rollout.episode",
-                                                          self.rollout.episode)):
+                                                          self.rollout.episode), *tools):
             if isinstance(ref, str):
                 target, _ = check_fn_ref(ref)
                 if target.endswith(".py") and not Path(target).is_file():
@@ -301,6 +307,13 @@ class Recipe(_Section):
         """The ``workers.sim.SimCost`` field values of this recipe."""
         return {**self.sim.model_dump(mode="json"), "max_new_tokens": self.rollout.max_new_tokens}
 
+    def _rollout_spec(self) -> RolloutSpec:
+        r = self.rollout
+        return RolloutSpec(dtype=r.dtype, episode=r.episode_ref, tools=r.tool_refs,
+                           tool_workers=r.tool_workers, tool_timeout_s=r.tool_timeout_s,
+                           tool_memory_mb=r.tool_memory_mb, max_turns=r.max_turns,
+                           max_episode_tokens=r.max_episode_tokens, endpoint=r.endpoint)
+
     def engine_spec(self) -> EngineSpec:
         """What real-engine workers are configured with (no monitor secrets, resolved values;
         the model path as the recipe gives it: `flowrl.run.compile_recipe` resolves it)."""
@@ -332,8 +345,7 @@ class Recipe(_Section):
             sampling=SamplingSpec(temperature=self.rollout.temperature, top_p=self.rollout.top_p,
                                   max_new_tokens=self.rollout.max_new_tokens,
                                   stop=self.rollout.stop),
-            rollout=RolloutSpec(dtype=self.rollout.dtype, episode=self.rollout.episode_ref,
-                                endpoint=self.rollout.endpoint),
+            rollout=self._rollout_spec(),
             reward=self.reward.spec(),
             trainer=TrainerSpec(lr=t.lr, weight_decay=t.weight_decay, betas=t.betas,
                                 grad_clip=t.grad_clip, warmup_steps=t.warmup_steps,

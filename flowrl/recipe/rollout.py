@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_serializer, field_validator
+from pydantic import AfterValidator, Field, field_serializer, field_validator
 
+from flowrl.recipe.placement import _freeze
 from flowrl.recipe.reward import callable_ref, check_fn_ref
 from flowrl.recipe.section import _Section, _StopStrings
 
@@ -47,6 +48,27 @@ class RolloutConfig(_Section):
     """Serve each episode an OpenAI-compatible endpoint on loopback (``/v1/chat/completions``,
     ``/v1/completions``; `flowrl.episode.Policy.openai_client`), so that agent code written for
     the ``openai`` client runs as an episode; needs ``episode``."""
+    tools: Annotated[dict[str, str | Callable[..., Any]], AfterValidator(_freeze)] = Field(
+        default_factory=dict)
+    """Tools an episode calls by name (``await policy.call_tool(name, **args)``): name →
+    ``"module:function"``, ``"path/to/file.py:function"`` or a module-level function, sync or
+    async, returning a string or another JSON value. They run in sandbox processes, never in
+    the rollout worker; a failed call is an error observation the episode shows the policy."""
+    tool_workers: int = Field(default=2, ge=1, le=256)
+    """Tool sandbox processes per rollout worker (tool calls that run at once)."""
+    tool_timeout_s: float = Field(default=10.0, gt=0.0, le=3600.0)
+    """Longest tool call; a call past it has its sandbox killed and replaced."""
+    tool_memory_mb: int | None = Field(default=1024, ge=64, le=1 << 22)
+    """Address space of a tool sandbox process (``RLIMIT_AS``: the interpreter and the tools'
+    modules count); None: unlimited."""
+    max_turns: int | None = Field(default=None, ge=1, le=1 << 20)
+    """Generated turns per episode; a turn beyond it ends the episode (see `max_episode_tokens`).
+    None: no limit."""
+    max_episode_tokens: int | None = Field(default=None, ge=1, le=1 << 24)
+    """Tokens per episode after its prompt (generated and inserted); turns are cut to what is
+    left, and a turn or insertion beyond it ends the episode. An episode ended by a limit keeps
+    its trajectory and scores what it says (it may catch `flowrl.episode.EpisodeLimitReached`),
+    else 0. None: no limit."""
 
     @field_validator("episode")
     @classmethod
@@ -60,6 +82,23 @@ class RolloutConfig(_Section):
             raise ValueError(str(e)) from None
         return v
 
+    @field_validator("tools")
+    @classmethod
+    def _tools_locatable(cls, v: dict[str, str | Callable[..., Any]]
+                         ) -> dict[str, str | Callable[..., Any]]:
+        for name, ref in v.items():
+            if not name:
+                raise ValueError("a tool needs a name")
+            try:
+                cls._locatable(ref)
+            except ValueError as e:
+                raise ValueError(f"tool {name!r}: {e}") from None
+        return v
+
+    @field_serializer("tools", when_used="json")
+    def _tools_as_refs(self, v: dict[str, str | Callable[..., Any]]) -> dict[str, str]:
+        return self.tool_refs
+
     @field_serializer("episode", when_used="json")
     def _episode_as_ref(self, v: str | Callable[..., Any] | None) -> str | None:
         return self.episode_ref
@@ -70,3 +109,9 @@ class RolloutConfig(_Section):
         if self.episode is None:
             return None
         return self.episode if isinstance(self.episode, str) else callable_ref(self.episode)
+
+    @property
+    def tool_refs(self) -> dict[str, str]:
+        """`tools` as references worker processes resolve."""
+        return {name: ref if isinstance(ref, str) else callable_ref(ref)
+                for name, ref in self.tools.items()}

@@ -17,6 +17,11 @@ episode's reward, inline). All per-token fields are aligned with ``response_ids`
 Sampling is reproducible per episode: turn k of episode j of the group at dataset position p
 samples from a stream keyed by (run seed, p, j, k), whatever else shares the engine's batch.
 
+Tools run in a `workers.tool_pool.ToolPool` of sandbox processes, started on the first call
+and killed by `EpisodeRolloutRole.aclose`; the episode reaches them through
+`flowrl.episode.Policy.call_tool`. Besides the generation figures, a task reports
+``tool_calls``, ``tool_errors_<kind>`` per failure kind and ``episodes_cut_turns`` /
+``episodes_cut_tokens`` (episodes ended by ``rollout.max_turns`` / ``max_episode_tokens``).
 With ``endpoint`` (``rollout.endpoint``) the worker serves an OpenAI-compatible endpoint on
 loopback (`workers.openai_endpoint`), started with its first task; each episode gets its own
 base URL and API key (``policy.openai_client()``), valid while it runs.
@@ -28,6 +33,7 @@ the error after ``max_task_failures``); the first error names the episode functi
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -50,6 +56,10 @@ from workers.engines.protocols import SamplingParams, mix_seed
 from workers.openai_endpoint import OpenAIEndpoint
 from workers.roles.rollout import group_rows
 from workers.runtime import RoleOutput
+from workers.tool_pool import ToolPool
+
+#: the failure kinds of a tool call (`flowrl.episode.ToolResult.kind`), each reported per task
+TOOL_ERROR_KINDS = ("raised", "timeout", "memory", "garbage", "crashed", "unknown")
 
 __all__ = ["EpisodeFailed", "EpisodeRolloutRole", "trajectory_fields"]
 
@@ -95,6 +105,9 @@ class EpisodeRolloutRole:
         episode_name: str = "episode",
         sample_seed: int = 0,
         endpoint: bool = False,
+        tools: ToolPool | None = None,
+        max_turns: int | None = None,
+        max_tokens: int | None = None,
     ) -> None:
         self.batcher = batcher
         self.tokenizer = tokenizer
@@ -107,6 +120,9 @@ class EpisodeRolloutRole:
         if endpoint:
             self.endpoint = OpenAIEndpoint(temperature=sampling.temperature,
                                            top_p=sampling.top_p)
+        self.tools = tools
+        self.max_turns = max_turns
+        self.max_tokens = max_tokens
 
     def _policy(self, position: int, index: int) -> Policy:
         base = self.sampling
@@ -125,21 +141,28 @@ class EpisodeRolloutRole:
 
         return Policy(generate, self.tokenizer,
                       stream_seed=mix_seed(self.sample_seed, position, index),
-                      max_context=self.batcher.engine.max_positions)
+                      max_context=self.batcher.engine.max_positions,
+                      tools=None if self.tools is None else self.tools.call,
+                      max_turns=self.max_turns, max_tokens=self.max_tokens)
 
-    async def _one(self, row: int, position: int, index: int) -> Trajectory:
+    async def _one(self, row: int, position: int, index: int
+                   ) -> tuple[Trajectory, collections.Counter[str]]:
+        """The row's trajectory and its tool figures (``calls`` and failures by kind)."""
         example = self.dataset.at(position)
         policy = self._policy(position, index)
         if self.endpoint is not None:
             policy.endpoint = self.endpoint.open(policy)
         try:
-            return await run_episode(self.episode, policy, example)
+            trajectory = await run_episode(self.episode, policy, example)
         except Exception as e:
             raise EpisodeFailed(f"episode {self.episode_name} (row {row}, dataset position "
                                 f"{position}): {describe_error(e)}") from e
         finally:
             if policy.endpoint is not None and self.endpoint is not None:
                 self.endpoint.close(policy.endpoint)
+        tools = collections.Counter(policy.tool_errors)
+        tools["calls"] = policy.tool_calls
+        return trajectory, tools
 
     async def run(self, task: m.TaskMsg, inputs: dict[str, list[Any]]) -> RoleOutput:
         positions = [int(p) for p in inputs["prompt"]]
@@ -159,7 +182,10 @@ class EpisodeRolloutRole:
         async with asyncio.TaskGroup() as tg:
             running = {row: tg.create_task(self._one(row, pos, j)) for row, pos, j in jobs}
         gen_s = time.perf_counter() - t0
-        trajectories = [running[r].result() for r in range(len(positions))]
+        trajectories = [running[r].result()[0] for r in range(len(positions))]
+        tools = sum((running[r].result()[1] for r in range(len(positions))),
+                    collections.Counter[str]())
+        cut = collections.Counter(t.cut for t in trajectories)
         fields = trajectory_fields(trajectories)
         versions = [v for t in trajectories for v in t.versions if v >= 0]
         generated = float(len(versions))
@@ -178,13 +204,20 @@ class EpisodeRolloutRole:
                 "gen_s": gen_s,
                 "tokens_per_s": generated / gen_s if gen_s > 0 else 0.0,
                 "batch_rows_mean": (stats.rows - carried) / forwards if forwards else 0.0,
+                "tool_calls": float(tools["calls"]),
+                **{f"tool_errors_{k}": float(tools[k]) for k in TOOL_ERROR_KINDS},
+                "episodes_cut_turns": float(cut["turns"]),
+                "episodes_cut_tokens": float(cut["tokens"]),
             },
         )
 
     async def aclose(self) -> None:
-        """Stop serving the endpoint (the worker's process ending stops it too)."""
+        """Stop serving the endpoint and kill the tool sandboxes (the worker is stopping; its
+        process ending stops them too)."""
         if self.endpoint is not None:
             await self.endpoint.aclose()
+        if self.tools is not None:
+            await self.tools.aclose()
 
     async def load_version(self, version: int, weights: dict[str, torch.Tensor]) -> None:
         if not weights:  # joining at a version without its weights: nothing to load

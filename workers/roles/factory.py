@@ -257,12 +257,17 @@ def _rollout(spec: EngineSpec, path: Path, seed: int) -> Role:
         from flowrl.episode import resolve_episode_fn
         from workers.engines.hf_continuous import ContinuousBatcher
         from workers.roles.episode_rollout import EpisodeRolloutRole
+        from workers.tool_pool import ToolPool
 
+        r = spec.rollout
         return EpisodeRolloutRole(
             ContinuousBatcher(engine), load_tokenizer(path), dataset_from_config(spec),
             sampling_from_config(spec), resolve_episode_fn(spec.rollout.episode),
             episode_name=spec.rollout.episode, sample_seed=spec.seed,
-            endpoint=spec.rollout.endpoint)
+            endpoint=r.endpoint,
+            tools=ToolPool(r.tools, workers=r.tool_workers, timeout_s=r.tool_timeout_s,
+                           memory_mb=r.tool_memory_mb) if r.tools else None,
+            max_turns=r.max_turns, max_tokens=r.max_episode_tokens)
     return RolloutRole(engine, load_tokenizer(path), dataset_from_config(spec),
                        sampling_from_config(spec), max_prompt_tokens=spec.data.max_prompt_tokens,
                        sample_seed=spec.seed)
