@@ -20,6 +20,7 @@ from flowrl.recipe.algorithm import (
 )
 from flowrl.recipe.critic import CriticConfig
 from flowrl.recipe.data import DataConfig
+from flowrl.recipe.evaluation import EvalConfig
 from flowrl.recipe.model import TINY_MODEL, ModelConfig
 from flowrl.recipe.monitor import MonitorConfig
 from flowrl.recipe.placement import ROLES, PlacementConfig
@@ -35,6 +36,7 @@ from flowrl.worker_spec import (
     CriticSpec,
     DataParallelSpec,
     EngineSpec,
+    EvalDataSpec,
     FileDataSpec,
     ModelSpec,
     RolloutSpec,
@@ -108,6 +110,8 @@ class Recipe(_Section):
     """Process placement."""
     stability: StabilityConfig = Field(default_factory=StabilityConfig)
     """The guard that watches each step's training signals and acts on them."""
+    eval: EvalConfig | None = None
+    """Periodic validation on held-out prompts; None evaluates nothing."""
 
     @model_validator(mode="after")
     def _cross_section(self) -> Recipe:
@@ -152,6 +156,7 @@ class Recipe(_Section):
                             f"{judge.max_new_tokens}, {longest} tokens exceed the judge's (the "
                             f"policy's) model.tiny.max_positions = "
                             f"{self.model.tiny.max_positions}")
+        self._check_eval()
         unrun = sorted(set(self.placement.roles) - set(self.roles))
         if unrun:
             raise _rule(f"placement.roles.{unrun[0]}", f"this run has no {unrun[0]} workers "
@@ -159,6 +164,20 @@ class Recipe(_Section):
         if self.inputs_are_local:
             self._check_local_paths()
         return self
+
+    def _check_eval(self) -> None:
+        ev, d = self.eval, self.data
+        if ev is None:
+            return
+        if ev.path is not None and d.kind == "arithmetic":
+            raise _rule("eval.path", "not used with data.kind 'arithmetic' (its held-out "
+                        "prompts are drawn from the task's own)")
+        if d.kind == "arithmetic" and ev.path is None:
+            pairs = (d.arithmetic.max_operand + 1) ** 2
+            if ev.prompts >= min(pairs, d.arithmetic.count):
+                raise _rule("eval.prompts", f"{ev.prompts} would hold out every prompt of the "
+                            f"arithmetic task (at most {min(pairs, d.arithmetic.count)} "
+                            "distinct)")
 
     @property
     def inputs_are_local(self) -> bool:
@@ -173,6 +192,9 @@ class Recipe(_Section):
                         "(no config.json in it)")
         if self.data.path is not None and not Path(self.data.path).is_file():
             raise _rule("data.path", f"no such file: {self.data.path!r}")
+        if (self.eval is not None and self.eval.path is not None
+                and not Path(self.eval.path).is_file()):
+            raise _rule("eval.path", f"no such file: {self.eval.path!r}")
         if isinstance(self.reward.fn, str):
             target, _ = check_fn_ref(self.reward.fn)
             if target.endswith(".py") and not Path(target).is_file():
@@ -263,6 +285,7 @@ class Recipe(_Section):
                     and not sim else None),
             seed=self.seed,
             stability=self.stability.model_dump(mode="json"),
+            eval=None if self.eval is None else self.eval.model_dump(mode="json"),
         )
 
     def sim_cost(self) -> dict[str, Any]:
@@ -276,12 +299,14 @@ class Recipe(_Section):
         data: ArithmeticDataSpec | FileDataSpec
         if d.kind == "arithmetic":
             data = ArithmeticDataSpec(kind=d.kind, max_prompt_tokens=d.max_prompt_tokens,
-                                      **d.arithmetic.model_dump())
+                                      chat_template=d.chat_template,
+                                      system_prompt=d.system_prompt, **d.arithmetic.model_dump())
         else:
             assert d.path is not None  # DataConfig: a file kind has a path
             data = FileDataSpec(kind=d.kind, path=d.path, prompt_key=d.prompt_key,
                                 answer_key=d.answer_key, prompt_template=d.prompt_template,
-                                max_prompt_tokens=d.max_prompt_tokens)
+                                max_prompt_tokens=d.max_prompt_tokens,
+                                chat_template=d.chat_template, system_prompt=d.system_prompt)
         t = self.trainer
         return EngineSpec(
             model=ModelSpec(path=self.model.path),
@@ -297,6 +322,8 @@ class Recipe(_Section):
                                   stop=self.rollout.stop),
             rollout=RolloutSpec(dtype=self.rollout.dtype),
             reward=self.reward.spec(),
+            eval=None if self.eval is None else EvalDataSpec(prompts=self.eval.prompts,
+                                                             path=self.eval.path),
             trainer=TrainerSpec(lr=t.lr, weight_decay=t.weight_decay, betas=t.betas,
                                 grad_clip=t.grad_clip, warmup_steps=t.warmup_steps,
                                 lr_schedule=t.lr_schedule, min_lr_ratio=t.min_lr_ratio),
