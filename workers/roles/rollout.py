@@ -25,8 +25,8 @@ refused when the role is built.
 
 Evaluation tasks (``params["eval"]``: ``"greedy"`` or ``"sampled"``, see
 `flowrl.control.evaluation`) take their positions in the held-out split (``eval_dataset``),
-decode greedily (temperature 0) or with the run's sampling, and return ``response_ids`` only:
-nothing of them is trained on.
+decode greedily (temperature 0) or with the run's sampling, and return the same fields;
+the controller only scores them.
 """
 
 from __future__ import annotations
@@ -158,11 +158,9 @@ class RolloutRole:
                 clipped += g.finish_reason == "length"
         lengths = [int(t.numel()) for t in out_resp]
         tokens = float(sum(lengths))
-        fields = ({"response_ids": out_resp} if split is not None else
-                  {"prompt_ids": out_prompt, "response_ids": out_resp,
-                   "rollout_logprobs": out_lps})
         return RoleOutput(
-            fields=fields,
+            fields={"prompt_ids": out_prompt, "response_ids": out_resp,
+                    "rollout_logprobs": out_lps},
             lengths=lengths,
             version=version,
             metrics={"tokens": tokens, "gen_s": gen_s,
