@@ -23,6 +23,12 @@ __all__ = ["NoChatTemplate", "check_chat_template", "encode_prompt", "prompt_mes
 class NoChatTemplate(ValueError):
     """``data.chat_template`` is on but the tokenizer has no chat template."""
 
+    field = "data.chat_template"
+
+    def __init__(self, detail: str) -> None:
+        self.detail = detail
+        super().__init__(f"{self.field}: {detail}")
+
 
 def check_chat_template(tokenizer: Any) -> None:
     """Raise `NoChatTemplate` when ``tokenizer`` has no chat template."""
@@ -31,7 +37,7 @@ def check_chat_template(tokenizer: Any) -> None:
     where = getattr(tokenizer, "name_or_path", "") or "the model directory"
     config = Path(where) / "tokenizer_config.json"
     raise NoChatTemplate(
-        f"data.chat_template: the tokenizer of {where} has no chat template (no "
+        f"the tokenizer of {where} has no chat template (no "
         f"'chat_template' in {config}, no chat_template.jinja beside it); set "
         "data.chat_template = false, or use a model whose tokenizer has one")
 

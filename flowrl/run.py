@@ -156,6 +156,7 @@ async def run_recipe(
     steps: int | None = None, monitor: bool = True,
     on_start: Callable[[Controller], None] | None = None, resume: Path | None = None,
     run_id: str | None = None, overwrite: bool = False,
+    on_eval: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Train until version ``steps`` (default: the recipe's; given, it replaces the recipe's
     ``steps`` as ``--steps`` does); SIGTERM stops cleanly.
@@ -173,9 +174,10 @@ async def run_recipe(
     recipe that changed what resumption cannot change is refused
     (`flowrl.run_output.ResumeMismatch`); other changes are logged.
 
-    ``monitor`` starts the recipe's HTTP monitor; ``on_start`` is called once the controller
-    and its workers are up (the launcher prints the monitor's URL there). ``run_id`` names the
-    run (default: a fresh one).
+    ``on_eval`` is called with each evaluation round's line (``eval``), as ``on_step`` with
+    each step's. ``monitor`` starts the recipe's HTTP monitor; ``on_start`` is called once the
+    controller and its workers are up (the launcher prints the monitor's URL there). ``run_id``
+    names the run (default: a fresh one).
 
     Before any process starts, what the workers will load is checked
     (`flowrl.recipe.inputs.check_inputs`: reward function, data file, model directories);
@@ -219,8 +221,11 @@ async def run_recipe(
                 on_start(ctl)
             if record is not None:  # before the caller's: a line is kept before it is shown
                 ctl.on_step.append(record.step)
+                ctl.on_eval.append(record.eval)
             if on_step is not None:
                 ctl.on_step.append(on_step)
+            if on_eval is not None:
+                ctl.on_eval.append(on_eval)
             summary = await ctl.run(total - ctl.version)
             if record is not None:
                 summary = record.finish(summary, ctl.step_log)

@@ -3,7 +3,8 @@
 Layout (``Recipe.output``)::
 
     recipe.json     the resolved recipe (every field, defaults included; monitor.token left out)
-    metrics.jsonl   the step log, one JSON line per committed step, written as the step commits
+    metrics.jsonl   the step log, one JSON line per committed step, written as the step commits,
+                    and one per evaluation round (``eval/...`` figures of the step it evaluated)
     summary.json    the run's summary, when it ends
     final/          the final model: weights, config and tokenizer (``from_pretrained`` loads it)
     step_N/         checkpoints (``checkpoint_every``; the newest ``keep_last`` of them)
@@ -267,6 +268,10 @@ class RunRecord:
         self._guarded("metrics", self._write_line, entry)
         if self.keep_last is not None:
             self._guarded("keep_last", self._prune)
+
+    def eval(self, line: dict[str, Any]) -> None:
+        """Append an evaluation round's line (an ``on_eval`` callback of the controller)."""
+        self._guarded("metrics", self._write_line, line)
 
     def _write_line(self, entry: dict[str, Any]) -> None:
         if self._metrics is not None:

@@ -1,4 +1,5 @@
-"""Periodic evaluation (``eval``): the held-out split, the rounds the controller schedules as
+"""Prompts through the chat template (``data.chat_template``, ``data.system_prompt``) and
+periodic evaluation (``eval``): the held-out split, the rounds the controller schedules as
 rollout and reward work, and what a run records of them."""
 
 from __future__ import annotations
@@ -16,10 +17,25 @@ from flowrl.controller import Controller
 from flowrl.data import Dataset, Example, arithmetic, hold_out, jsonl
 from flowrl.graph import StageSpec
 from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages
-from flowrl.recipe import EvalConfig
+from flowrl.prompts import NoChatTemplate, prompt_messages
+from flowrl.recipe import (
+    AlgorithmConfig,
+    ArithmeticConfig,
+    DataConfig,
+    EvalConfig,
+    ModelConfig,
+    Recipe,
+    RolloutConfig,
+    TrainerConfig,
+)
+from flowrl.recipe.inputs import InputError, check_inputs
 from flowrl.recipe_file import RecipeError, load_recipe
+from flowrl.run import run_recipe
+from flowrl.tiny_model import build_tiny_model
 from transport.codec import HANDLE_EXT
 from transport.handles import Handle, handle_to_wire
+from workers.roles.factory import data_splits, make_hf_role
+from workers.roles.rollout import RolloutRole
 
 # ---- the held-out split ---------------------------------------------------------------------
 
@@ -50,7 +66,7 @@ def test_a_held_out_file_removes_its_prompts_from_training(tmp_path: Path) -> No
     assert [e.prompt for e in held.examples] == ["question 3", "new"]
     assert "question 3" not in {e.prompt for e in train.examples}
     assert len(train) == 9
-    with pytest.raises(ValueError, match="eval.prompts = 3, but eval.path has 2 distinct"):
+    with pytest.raises(ValueError, match=r"eval\.prompts = 3, but eval\.path has 2 distinct"):
         hold_out(train_file, 3, source=test_file)
 
 
@@ -129,7 +145,8 @@ def test_rounds_come_every_n_steps_and_at_the_last_and_score_as_configured() -> 
     lines: list[dict[str, Any]] = []
     ev.on_record.append(lines.append)
     ev.committed(1, now=0.0)
-    assert ev.idle and ev.next_job(EVAL_STAGE) is None
+    assert ev.idle
+    assert ev.next_job(EVAL_STAGE) is None
     ev.committed(2, now=0.0)
     assert not ev.idle
     jobs = []
@@ -155,7 +172,8 @@ def test_rounds_come_every_n_steps_and_at_the_last_and_score_as_configured() -> 
     assert line["eval/sampled_accuracy"] == pytest.approx(3 / 6)
     assert line["eval/sampled_reward"] == pytest.approx(3.7 / 6)
     assert line["eval/versions"] == [2]
-    assert line["eval/prompts"] == 3 and line["eval/samples"] == 2
+    assert line["eval/prompts"] == 3
+    assert line["eval/samples"] == 2
     ev.committed(4, now=0.0)
     ev.committed(5, now=0.0)  # the last step, though not a multiple of every
     assert {j.round.step for j in ev._queues[EVAL_STAGE]} == {4, 5}
@@ -178,7 +196,8 @@ def test_a_job_that_keeps_failing_gives_its_round_up_and_frees_what_it_holds() -
         task, _ = ev.start(job, "rollout-0")
         freed = ev.failed(task.id)
     assert repr(freed) == repr([hs["response_ids"][0]])  # the scored job's responses
-    assert ev.idle and ev.next_job(SCORE_STAGE) is None
+    assert ev.idle
+    assert ev.next_job(SCORE_STAGE) is None
     assert lines == [{"step": 1, "eval/prompts": 2,
                       "eval/failed": "eval failed 3 times: task failed"}]
 
@@ -219,7 +238,8 @@ async def test_a_run_evaluates_every_n_steps_and_at_its_end_as_rollout_work() ->
         await ctl.wait_for(lambda: ctl.version >= 6)
         ctl.stop()
         assert (await more)["version"] < 105
-        assert ctl.evaluation is not None and ctl.evaluation.idle
+        assert ctl.evaluation is not None
+        assert ctl.evaluation.idle
     assert [line["step"] for line in log] == [2, 4, 5]
     for line in log:  # the simulated reward is 1/(1 + length): never correct
         assert line["eval/greedy_accuracy"] == 0.0
@@ -236,3 +256,115 @@ async def test_a_run_evaluates_every_n_steps_and_at_its_end_as_rollout_work() ->
     assert roles == {(EVAL_STAGE, "rollout"), (SCORE_STAGE, "reward")}
     trained = {s.task for s in spans if s.role == "train"}
     assert not trained & {s.task for s in spans if s.stage in (EVAL_STAGE, SCORE_STAGE)}
+
+
+# ---- prompts through the chat template, and a real run that evaluates ------------------------
+
+SYSTEM = "Answer with the number only."
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("eval") / "tiny", vocab_size=300, hidden=32,
+                            layers=1, heads=2, kv_heads=1, max_positions=96)  # 80 + 4 tokens
+
+
+def _recipe(model: Path, **changes: Any) -> Recipe:
+    return Recipe(
+        steps=4, model=ModelConfig(path=str(model)),
+        data=DataConfig(arithmetic=ArithmeticConfig(max_operand=5), max_prompt_tokens=80,
+                        chat_template=True, system_prompt=SYSTEM),
+        algorithm=AlgorithmConfig(group_size=2), rollout=RolloutConfig(max_new_tokens=4),
+        trainer=TrainerConfig(lr=1e-4, groups_per_step=2),
+        eval=EvalConfig(every=2, prompts=4, sampled=2, prompts_per_task=2), **changes)
+
+
+async def test_prompts_are_the_tokenizers_chat_template_with_the_system_prompt(
+    tiny: Path,
+) -> None:
+    config = _recipe(tiny).engine_config()
+    role = make_hf_role("rollout", config, seed=0)
+    assert isinstance(role, RolloutRole)
+    tok = role.tokenizer
+    train, held = data_splits(config)
+    assert held is not None
+    out = await role.run(_task(2, [7, 7]), {"prompt": [3, 3]})
+    prompt = train.at(3).prompt
+    want = tok.apply_chat_template(
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}],
+        add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert [t.tolist() for t in out.fields["prompt_ids"]] == [list(want)] * 2
+    text = tok.decode(want)
+    assert text.startswith(f"system: {SYSTEM}\nuser: {prompt}\n")
+    assert text.endswith("assistant: ")
+    assert prompt_messages(prompt, None) == [{"role": "user", "content": prompt}]
+    # An evaluation task answers a held-out prompt greedily: the same answer every time.
+    greedy = [await role.run(_task(1, [0], {"eval": "greedy"}), {"prompt": [1]})
+              for _ in range(2)]
+    assert tok.decode(greedy[0].fields["prompt_ids"][0].tolist()).startswith(
+        f"system: {SYSTEM}\nuser: {held.at(1).prompt}\n")
+    first, again = (g.fields["response_ids"][0].tolist() for g in greedy)
+    assert first == again
+
+
+def _task(rows: int, row_groups: list[int], params: dict[str, Any] | None = None) -> Any:
+    return {"task_id": 1, "stage": "rollout", "rows": list(range(rows)),
+            "groups": sorted(set(row_groups)), "row_groups": row_groups, "inputs": {},
+            "params": params or {}}
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused_naming_the_field(
+    tiny: Path, tmp_path: Path,
+) -> None:
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in tiny.iterdir():
+        if f.name != "chat_template.jinja":
+            (bare / f.name).write_bytes(f.read_bytes())
+    recipe = _recipe(bare)
+    with pytest.raises(NoChatTemplate, match=(
+            rf"data\.chat_template: the tokenizer of {bare} has no chat template \(no "
+            rf"'chat_template' in {bare}/tokenizer_config\.json")):
+        make_hf_role("rollout", recipe.engine_config(), seed=0)
+    with pytest.raises(InputError) as found:  # the launcher's check, before any process
+        check_inputs(recipe)
+    assert found.value.field == "data.chat_template"
+    with pytest.raises(ValueError, match=r"system_prompt: needs chat_template = true"):
+        DataConfig(system_prompt=SYSTEM)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+async def test_a_run_records_its_evaluations_in_the_step_log_and_summary(
+    tiny: Path, tmp_path: Path,
+) -> None:
+    recipe = _recipe(tiny, output=tmp_path / "run", max_staleness=1)
+    shown: list[dict[str, Any]] = []
+    held_prompts: set[str] = set()
+    trained: list[str] = []
+
+    def watch(ctl: Controller) -> None:
+        ctl.on_step.append(lambda e: trained.extend(
+            train.at(p).prompt for p in range(4 * 2) if p in ctl.ledger.trained_positions))
+
+    train, held = data_splits(recipe.engine_config())
+    assert held is not None
+    held_prompts = {e.prompt for e in held.examples}
+    summary = await run_recipe(recipe, monitor=False, on_eval=shown.append, on_start=watch)
+    assert summary["version"] == 4
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [x for x in lines if "eval/prompts" in x]
+    assert [x["step"] for x in evals] == [2, 4]
+    assert evals == shown
+    for x in evals:
+        assert 0.0 <= x["eval/greedy_accuracy"] <= 1.0
+        assert 0.0 <= x["eval/sampled_accuracy"] <= 1.0
+        assert x["eval/prompts"] == 4
+        assert x["eval/samples"] == 2
+        assert min(x["eval/versions"]) >= x["step"]
+    assert [x["step"] for x in lines if "eval/prompts" not in x] == [1, 2, 3, 4]
+    saved = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert saved["eval/step"] == 4
+    assert saved["eval/greedy_accuracy"] == evals[-1]["eval/greedy_accuracy"]
+    assert trained  # positions were trained, none of them a held-out prompt
+    assert not set(trained) & held_prompts
