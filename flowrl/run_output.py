@@ -21,7 +21,8 @@ Guarantees:
   that run (``--resume``) or is told to replace them (``--overwrite``, which removes only what
   a run writes, listed above).
 - ``--resume`` is refused when the recipe changed a field that resumption cannot change
-  (`RESUME_FIXED`: the model, the data, the seed, the algorithm's name and group size), naming
+  (`RESUME_FIXED`: the model, the data and its held-out split, the seed, the algorithm's name
+  and group size), naming
   every such field with its old and new value; other changes are allowed and listed
   (`resume_changes`).
 - The step log is appended and flushed line by line, so a run that crashes keeps the lines of
@@ -71,9 +72,11 @@ METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 _RESULT_NAMES = (FINAL_DIR, "critic", RECIPE_FILE, METRICS_FILE, SUMMARY_FILE)
 #: recipe fields (and their subfields) a resumed run may not change: the checkpoint's weights
-#: are of this model, its trained dataset positions index this data in this seed's order, and
-#: its optimizer state and rows are shaped by this objective and group size.
-RESUME_FIXED = ("model", "data", "seed", "algorithm.name", "algorithm.group_size")
+#: are of this model, its trained dataset positions index this data (less its held-out
+#: evaluation prompts) in this seed's order, and its optimizer state and rows are shaped by
+#: this objective and group size.
+RESUME_FIXED = ("model", "data", "seed", "algorithm.name", "algorithm.group_size",
+                "eval.prompts", "eval.path")
 # Not compared on resume: where results go, the monitor, and the run's length (which may grow;
 # `flowrl.run.run_recipe` refuses a total the checkpoint already reached).
 _RESUME_IGNORED = ("output", "monitor", "steps", "checkpoint_every", "keep_last")

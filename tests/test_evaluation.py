@@ -31,6 +31,7 @@ from flowrl.recipe import (
 from flowrl.recipe.inputs import InputError, check_inputs
 from flowrl.recipe_file import RecipeError, load_recipe
 from flowrl.run import run_recipe
+from flowrl.run_output import recipe_record, resume_changes
 from flowrl.tiny_model import build_tiny_model
 from transport.codec import HANDLE_EXT
 from transport.handles import Handle, handle_to_wire
@@ -90,6 +91,19 @@ def test_the_eval_section_is_checked_naming_the_field(tmp_path: Path) -> None:
     ok = load_recipe(recipe, ["eval.every=2", "eval.prompts=4", "eval.sampled=3"])
     assert ok.eval == EvalConfig(every=2, prompts=4, sampled=3)
     assert ok.to_pipeline().eval == ok.eval.model_dump(mode="json")
+
+
+def test_resume_refuses_a_changed_held_out_split(tmp_path: Path) -> None:
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "tiny_cpu.py"
+    plain = load_recipe(recipe, [])
+    held = load_recipe(recipe, ["eval.every=50", "eval.prompts=8"])
+    fixed, other = resume_changes(recipe_record(plain), recipe_record(held))
+    # the training data would change
+    assert fixed == ["eval.path ((absent) → null)", "eval.prompts ((absent) → 8)"]
+    fixed, other = resume_changes(recipe_record(held), recipe_record(
+        load_recipe(recipe, ["eval.every=20", "eval.prompts=8", "eval.sampled=2"])))
+    assert fixed == []
+    assert other == ["eval.every (50 → 20)", "eval.sampled (4 → 2)"]
 
 
 # ---- rounds (the pure part) -----------------------------------------------------------------
