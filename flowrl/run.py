@@ -61,12 +61,13 @@ def prepare_reward_model(recipe: Recipe) -> Path | None:
 
 def tiny_model_dir(tiny: TinyModelConfig, *, head: HeadKind = "lm") -> Path:
     """A tiny model of these settings in the cache, built on first use."""
-    from flowrl.tiny_model import build_tiny_model, build_versions
+    from flowrl.tiny_model import BUILD_FORMAT, build_tiny_model, build_versions
 
     settings = tiny.model_dump(mode="json")
-    # Another install (other torch/transformers/tokenizers) builds other bytes: its own entry.
-    keyed = {**settings, "libraries": build_versions()}
-    if head != "lm":  # a causal LM's key is as it always was, so its cache entry stays valid
+    # Another install (other torch/transformers/tokenizers) or build procedure builds other
+    # bytes: its own entry (a checkout with another procedure never rebuilds this one in place).
+    keyed = {**settings, "libraries": build_versions(), "format": BUILD_FORMAT}
+    if head != "lm":  # a causal LM's key names no head
         keyed["head"] = head
     key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:12]
     out = cache_dir() / "models" / f"tiny-{key}"

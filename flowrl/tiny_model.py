@@ -54,9 +54,10 @@ CORPORA: tuple[CorpusKind, ...] = ("mixed", "arithmetic")
 HeadKind = Literal["lm", "score"]
 HEADS: tuple[HeadKind, ...] = ("lm", "score")
 """What sits on the transformer body: the language-modelling head or one scalar score."""
-# Bump when the build procedure changes so cached directories are rebuilt.
-# 2: the tokenizer has a chat template.
-_FORMAT = 2
+#: the build procedure's version: bumped when it changes, so cached directories are rebuilt
+#: (and `flowrl.run.tiny_model_dir` keys its cache with it from 2 on). 2: the tokenizer has a
+#: chat template.
+BUILD_FORMAT = 2
 # The libraries whose versions the built bytes may depend on (tokenizer training, weight
 # initialisation, the warm-up's kernels).
 _BUILD_LIBRARIES = ("torch", "transformers", "tokenizers")
@@ -104,7 +105,7 @@ class TinySpec:
     corpus_sha256: str
     pretrain_steps: int
     libraries: dict[str, str]
-    format: int = _FORMAT
+    format: int = BUILD_FORMAT
     head: HeadKind = "lm"
 
     def manifest(self) -> dict[str, Any]:
