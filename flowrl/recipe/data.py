@@ -48,7 +48,8 @@ class DataConfig(_Section):
     chat_template: bool = False
     """Give each prompt to the model through its tokenizer's chat template (a user message,
     then the assistant's cue: ``apply_chat_template(..., add_generation_prompt=True)``); the
-    model's tokenizer must have a template."""
+    model's tokenizer must have a template. ``max_prompt_tokens`` counts the template's tokens
+    too."""
     system_prompt: str | None = Field(default=None, min_length=1)
     """A system message before each prompt; needs ``chat_template``."""
     arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig)
