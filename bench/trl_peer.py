@@ -75,6 +75,11 @@ def check_matchable(recipe: Recipe) -> None:
         ("loss_agg", a.loss_agg_resolved, "token_mean"),
         ("entropy_coef", a.entropy_coef, 0.0), ("dynamic_sampling", a.dynamic_sampling, False),
     ) if v != same]
+    if a.kl_in_reward:
+        differ.append("algorithm.kl_in_reward = True")
+    if t.updates_per_step > 1:
+        differ.append(f"trainer.ppo_epochs = {t.ppo_epochs}, {t.mini_batches} mini-batches "
+                      "(one update per step)")
     if t.groups_per_step % t.micro_batch_groups:
         differ.append(f"trainer.groups_per_step = {t.groups_per_step}, no multiple of "
                       f"trainer.micro_batch_groups = {t.micro_batch_groups}")

@@ -689,7 +689,8 @@ class Controller:
             step_log=self.step_log, steps_target=self._steps_target, paused=self._paused,
             stale_dropped=self.stale_dropped, store_stats=self.store_stats,
             counters=self._counters, restarts=self.restarts, errors=list(self.errors),
-            lag=self._lag, events=self.events, monitor_url=self.monitor_url)
+            lag=self._lag, events=self.events, monitor_url=self.monitor_url,
+            eval_log=self.eval_log)
 
     def kill_worker_process(self, pid: int) -> None:
         """SIGKILL one child (tests and chaos use this)."""

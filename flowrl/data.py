@@ -26,7 +26,7 @@ import contextlib
 import json
 import random
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -150,19 +150,49 @@ def first_example(path: str | Path, *, kind: str, prompt_key: str = "prompt",
     check_template(template)
     shown: list[str] = []
     with contextlib.ExitStack() as stack:
-        if kind == "jsonl":
-            rows: Iterable[object] = _json_lines(stack.enter_context(open(path, "rb")))
-        elif kind == "parquet":
-            rows = _parquet_rows(path, prompt_key, answer_key)
-        else:
-            raise ValueError(f"no file kind {kind!r}; have 'jsonl' and 'parquet'")
-        for row in rows:
+        for row in _rows_of(stack, path, kind, prompt_key, answer_key):
             example = _example(row, prompt_key, answer_key, template)
             if example is not None:
                 return example
             if len(shown) < SHOWN_ROWS:
                 shown.append(_show_row(row, prompt_key, answer_key))
     raise _no_usable_row(path, prompt_key, answer_key, shown)
+
+
+def scan(path: str | Path, *, kind: str, prompt_key: str = "prompt", answer_key: str = "answer",
+         template: str = PROMPT_PLACEHOLDER, every: int = 10_000,
+         seen: Callable[[int], None] | None = None) -> tuple[int, int]:
+    """The usable examples and the skipped rows of a ``jsonl`` or ``parquet`` file, read through
+    without keeping them (what the launcher says before the workers load it); ``seen(rows)``
+    is called every ``every`` rows read (it may raise to stop the scan). The errors of
+    `jsonl` and `parquet` when there is no usable row."""
+    check_template(template)
+    usable = skipped = 0
+    shown: list[str] = []
+    with contextlib.ExitStack() as stack:
+        for n, row in enumerate(_rows_of(stack, path, kind, prompt_key, answer_key), 1):
+            if _example(row, prompt_key, answer_key, template) is not None:
+                usable += 1
+            else:
+                skipped += 1
+                if len(shown) < SHOWN_ROWS:
+                    shown.append(_show_row(row, prompt_key, answer_key))
+            if seen is not None and n % every == 0:
+                seen(n)
+    if not usable:
+        raise _no_usable_row(path, prompt_key, answer_key, shown)
+    return usable, skipped
+
+
+def _rows_of(stack: contextlib.ExitStack, path: str | Path, kind: str, prompt_key: str,
+             answer_key: str) -> Iterable[object]:
+    """The rows of a ``jsonl`` or ``parquet`` file (a JSON-lines file is closed with
+    ``stack``)."""
+    if kind == "jsonl":
+        return _json_lines(stack.enter_context(open(path, "rb")))
+    if kind == "parquet":
+        return _parquet_rows(path, prompt_key, answer_key)
+    raise ValueError(f"no file kind {kind!r}; have 'jsonl' and 'parquet'")
 
 
 def _parquet_rows(path: str | Path, prompt_key: str, answer_key: str) -> Iterator[object]:

@@ -17,8 +17,14 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
+from flowrl.staleness import describe_staleness
+
 if TYPE_CHECKING:
+    from collections.abc import Coroutine
+
     from flowrl.controller import Controller
+    from flowrl.interrupts import Interrupts
+    from flowrl.progress import Progress
     from flowrl.recipe import Recipe
 
 EXIT_RECIPE = 2
@@ -57,10 +63,12 @@ def _format_step(entry: dict[str, Any]) -> str:
     served = ",".join(str(v) for v in entry.get("served_versions", []))
     loss = entry.get("train_loss")
     failed = int(entry.get("reward_failed") or 0)
+    staleness = describe_staleness(entry["staleness_mean"], entry["staleness_max"],
+                                   entry.get("max_staleness"))
     return (
         f"step {entry['step']:>4}  reward {'   -  ' if reward is None else f'{reward:6.3f}'}"
         f"  samples/s {entry['samples_per_s']:7.1f}"
-        f"  staleness {entry['staleness_mean']:.2f} (max {entry['staleness_max']})"
+        f"  {staleness}"
         f"  served v{served}"
         + ("" if loss is None else f"  loss {loss:+.4f}")
         + (f"  reward failed {failed}" if failed else "")
@@ -107,7 +115,70 @@ def _outcome(summary: dict[str, Any], recipe: Recipe) -> tuple[str, int]:
     return f"error: the final model was not saved to {out} (the log says why)", EXIT_RUN
 
 
+async def _stoppable(run: Coroutine[Any, Any, dict[str, Any]], progress: Progress,
+                     interrupts: Interrupts, recipe: Recipe) -> dict[str, Any]:
+    """``run``, stopped in order on Ctrl-C (its task cancelled: the controller stops its
+    workers, then the node agent and its shared memory go); a second Ctrl-C stops at once
+    (`Interrupts.force`) and exits with the last line."""
+    import asyncio
+    import os
+    import signal
+
+    me = asyncio.current_task()
+    assert me is not None
+    loop = asyncio.get_running_loop()
+
+    def interrupted() -> None:
+        if interrupts.stopping:
+            interrupts.force()
+            print(_interrupted(progress, recipe, interrupts), file=sys.stderr, flush=True)
+            os._exit(EXIT_INTERRUPTED)
+        interrupts.stopping = True
+        progress.line("stop", "stopping while " + (progress.doing or "starting")
+                      + "; press Ctrl-C again to stop at once")
+        me.cancel()
+
+    loop.add_signal_handler(signal.SIGINT, interrupted)
+    try:
+        return await run
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+
+
+def _interrupted(progress: Progress, recipe: Recipe, interrupts: Interrupts) -> str:
+    """The last line of a run stopped by a signal: what it did, what it saved and where."""
+    from flowrl.resume import STATE_FILE, checkpoint_dirs
+
+    how = ("stopped at once" if interrupts.forced else "interrupted" if interrupts.stopping
+           else "terminated")
+    out = recipe.output
+    if progress.doing != "training":
+        return (f"{how} while {progress.doing or 'starting'}: nothing was trained or saved"
+                + ("" if out is None or not out.is_dir() else f"; results in {out}"))
+    said = f"{how} at step {progress.step} of {progress.steps}"
+    if out is None:
+        return f"{said}: nothing saved"
+    complete = [p for _, p in checkpoint_dirs(out) if (p / STATE_FILE).is_file()]
+    final = [s.path for s in progress.saves if s.what == "final model"]
+    if final:
+        return f"{said}: final model saved to {final[-1]}; results in {out}"
+    if complete:
+        return (f"{said}: newest checkpoint {complete[0]} (continue with --resume {out}); "
+                f"results in {out}")
+    return f"{said}: no checkpoint saved (checkpoint_every is {recipe.checkpoint_every}); " \
+           f"results in {out}"
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # before the run started (loading the recipe, imports)
+        print("interrupted before the run started: nothing was done", file=sys.stderr,
+              flush=True)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     from flowrl.recipe_file import RecipeError, apply_overrides, load_recipe
     from flowrl.run_output import OutputInUse, ResumeMismatch, default_output, run_dir_of
@@ -125,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides.append(f"output={run_dir_of(args.resume)}")
     run_id = new_run_id()
     try:
-        recipe = load_recipe(args.recipe, overrides)
+        recipe = load_recipe(args.recipe, overrides, on_note=lambda n: print(n, flush=True))
         if recipe.output is None:
             recipe = apply_overrides(
                 recipe, [(("output",), str(default_output(args.recipe, run_id)))],
@@ -148,27 +219,36 @@ def main(argv: list[str] | None = None) -> int:
     import asyncio
     import json
 
+    from flowrl.interrupts import Interrupts
     from flowrl.logs import configure
+    from flowrl.progress import Progress
 
     configure()
 
     from flowrl.recipe.inputs import InputError
     from flowrl.run import run_recipe
 
+    progress, interrupts = Progress(), Interrupts()
+    progress.steps = recipe.steps
+
+    def show_step(entry: dict[str, Any]) -> None:
+        print(_format_step(entry), flush=True)
+
+    def show_eval(line: dict[str, Any]) -> None:
+        print(_format_eval(line), flush=True)
+
     try:
-        summary = asyncio.run(run_recipe(
-            recipe, on_step=lambda e: print(_format_step(e), flush=True),
-            on_eval=lambda e: print(_format_eval(e), flush=True),
-            monitor=not args.no_monitor, on_start=_announce_monitor, resume=resume,
-            run_id=run_id, overwrite=args.overwrite))
+        summary = asyncio.run(_stoppable(run_recipe(
+            recipe, on_step=show_step, monitor=not args.no_monitor,
+            on_start=_announce_monitor, resume=resume, run_id=run_id,
+            overwrite=args.overwrite, progress=progress, interrupts=interrupts,
+            on_eval=show_eval),
+            progress, interrupts, recipe))
     except (OutputInUse, ResumeMismatch) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_RECIPE
-    except KeyboardInterrupt:
-        print("interrupted; workers stopped", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except asyncio.CancelledError:  # SIGTERM: run_recipe cancelled itself and shut down
-        print("terminated; workers stopped", file=sys.stderr)
+    except (KeyboardInterrupt, asyncio.CancelledError):  # Ctrl-C; SIGTERM cancels the run
+        print(_interrupted(progress, recipe, interrupts), file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     except InputError as exc:  # found before any process started, like a recipe error
         print(f"error: {args.recipe}: {exc}", file=sys.stderr)

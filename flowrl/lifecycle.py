@@ -20,6 +20,8 @@ _PR_SET_PDEATHSIG = 1
 #: set by whoever starts a flowrl child process (`flowrl.procs.Supervisor`, a Ray agent's
 #: actor) to its own pid: the child can tell that its parent died before it asked to die with it
 PARENT_ENV: Final = "FLOWRL_PARENT_PID"
+#: whether a flowrl process started this one (`die_with_parent` found `PARENT_ENV`)
+_managed = False
 
 
 def die_with_parent() -> None:
@@ -28,7 +30,17 @@ def die_with_parent() -> None:
 
     A parent that died before this call sends no signal: when ``$FLOWRL_PARENT_PID`` names a
     process that is no longer the parent, this process SIGTERMs itself at once. The variable is
-    removed, so that this process's own children never mistake it for theirs."""
+    removed, so that this process's own children never mistake it for theirs.
+
+    Such a process ignores SIGINT from then on (`stop_signals`). Call it from the main thread.
+    """
+    global _managed
+    if PARENT_ENV in os.environ:
+        _managed = True
+        # Ctrl-C in a terminal reaches the whole foreground process group; the parent stops its
+        # children itself, in order (workers before the node agent whose shared memory they
+        # read), and says what it does.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(None, use_errno=True)
@@ -36,6 +48,12 @@ def die_with_parent() -> None:
     parent = os.environ.pop(PARENT_ENV, None)
     if parent is not None and parent != str(os.getppid()):
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """The signals that stop this process in order: SIGTERM, and SIGINT unless a flowrl
+    process started it (`die_with_parent`), which stops it itself."""
+    return (signal.SIGTERM,) if _managed else (signal.SIGTERM, signal.SIGINT)
 
 
 def take_niceness(niceness: int) -> int:

@@ -31,7 +31,13 @@ With the ``plaintext`` data plane (``ClusterSettings.data_plane``), every agent'
 server also serves reads unencrypted, their requests authenticated with the run's keys
 (`transport.store_server`); readers find that endpoint themselves.
 
-Lifetime guarantees: an agent exits on SIGTERM/SIGINT, when the controller broadcasts ``stop``
+An agent on another node that cannot use its keys says so in one line and exits with code 2:
+a key file it cannot read (missing, unreadable, not 0600, not keys), no keys at all, or keys
+the controller refuses (another run's: told within a second of reaching the controller, by its
+failed curve handshakes, not after ``--orphan-s``).
+
+Lifetime guarantees: an agent exits on SIGTERM, on SIGINT (unless a flowrl process started it:
+that one stops it, `flowrl.lifecycle.stop_signals`), when the controller broadcasts ``stop``
 or answers a poll with stop, when its parent dies (beside the controller, or started by a flowrl
 process that sets ``FLOWRL_PARENT_PID``: Linux parent-death signal, armed before the heavy
 imports, so also while it is starting), and — orphaned — when the controller has not answered
@@ -44,7 +50,7 @@ from __future__ import annotations
 
 import os
 
-from flowrl.lifecycle import PARENT_ENV, die_with_parent, run_main
+from flowrl.lifecycle import PARENT_ENV, die_with_parent, run_main, stop_signals
 
 if __name__ == "__main__" and PARENT_ENV in os.environ:
     # Started by a flowrl process (the controller, a Ray agent's actor): armed first thing,
@@ -58,7 +64,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -77,9 +83,10 @@ from flowrl.node_hub import (
 )
 from flowrl.worker_launch import worker_command
 from flowrl.worker_spec import Endpoints, ProcessSpec, WorkerSpec
+from transport.curve import ENV as KEYS_ENV
 from transport.curve import CurveKeys, for_endpoint
 from transport.endpoints import ipc_endpoint, tcp_endpoint
-from transport.errors import DeadlineExceeded, SharedMemoryTooSmall, TransportError
+from transport.errors import DeadlineExceeded, KeysRefused, SharedMemoryTooSmall, TransportError
 from transport.pubsub import Subscriber
 from transport.rpc import RpcClient
 from transport.store import SampleStore
@@ -88,6 +95,12 @@ from transport.store_server import StoreServer
 __all__ = ["main"]
 
 log = structlog.get_logger("flowrl.node")
+
+#: exit code of an agent that cannot use its keys (the operator's to fix, like a recipe error).
+EXIT_KEYS = 2
+_GET_KEYS = ("copy the key file the controller wrote for this run (placement.cluster.keys_file; "
+             "the controller logs it as keys_file when it starts) to this node and pass it with "
+             "--keys")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -122,9 +135,31 @@ def _keys(args: argparse.Namespace) -> CurveKeys | None:
     return CurveKeys.load(args.keys) if args.keys is not None else CurveKeys.from_env()
 
 
+def agent_keys(path: Path | None, controller: str,
+               environ: Mapping[str, str] | None = None) -> CurveKeys | None:
+    """The keys of an agent on another node: from the file `path`, else from
+    ``$FLOWRL_CURVE_KEYS``; None only for a controller reached without curve (ipc).
+    ValueError, in one line that says how to get the right keys, when there are none to use."""
+    if path is not None:
+        try:
+            return CurveKeys.load(path)
+        except (OSError, ValueError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ValueError(f"cannot read the run's keys from {path}: {why}; "
+                             f"{_GET_KEYS}") from None
+    try:
+        keys = CurveKeys.from_env(environ)
+    except ValueError as exc:
+        raise ValueError(f"${KEYS_ENV} holds no usable keys ({exc}); {_GET_KEYS}") from None
+    if keys is None and not controller.startswith(("ipc://", "inproc://")):
+        raise ValueError(f"no keys: the controller at {controller} admits only agents that "
+                         f"hold its run's keys; {_GET_KEYS} (or set ${KEYS_ENV})")
+    return keys
+
+
 def _stop_on_signals(stop: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in stop_signals():
         loop.add_signal_handler(sig, stop.set)
 
 
@@ -237,6 +272,12 @@ class _Agent:
         while True:
             try:
                 reply = await self.ctl.call(op, payload, timeout=wait_s + CALL_SLACK_S)
+            except KeysRefused as exc:
+                if not self.run_id:
+                    raise  # the join: these keys are not the run's (`main` says so)
+                # Joined with these keys: the endpoint now serves another run.
+                log.warning("controller gone; exiting", node=self.node, error=str(exc))
+                return None
             except DeadlineExceeded as exc:  # any other error is a refusal: raised as is
                 if self.stop.is_set():  # SIGTERM while the controller does not answer
                     return None
@@ -313,11 +354,22 @@ def main(argv: list[str] | None = None) -> None:
         _run_agent(serve_beside(args))
         return
     bind(role="node", node=args.node)
+    try:
+        keys = agent_keys(args.keys, args.controller)
+    except ValueError as exc:
+        log.error(str(exc))
+        raise SystemExit(EXIT_KEYS) from None
 
     async def agent() -> None:
-        await _Agent(args, _keys(args)).run()
+        await _Agent(args, keys).run()
 
-    _run_agent(agent())
+    try:
+        _run_agent(agent())
+    except KeysRefused as exc:
+        held = f"the keys in {args.keys}" if args.keys is not None else f"${KEYS_ENV}"
+        log.error(f"the controller at {exc.endpoint} refused {held} ({exc.reason}): they are "
+                  f"not this run's keys; {_GET_KEYS}")
+        raise SystemExit(EXIT_KEYS) from None
 
 
 def _run_agent(main: Coroutine[Any, Any, None]) -> None:

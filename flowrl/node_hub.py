@@ -26,6 +26,7 @@ from transport.curve import CurveKeys
 from transport.endpoints import tcp_endpoint
 from transport.errors import MalformedMessage
 from transport.handles import Handle
+from transport.key_file import HeldKeyFile, hold
 from transport.pubsub import DroppedSubscriber, Publisher
 from transport.rpc import Handler, RpcClient, RpcServer
 
@@ -47,6 +48,9 @@ CALL_SLACK_S: Final = 3.0
 _ANSWER_POLLS_S: Final = 2.0
 # Beyond a poll's round trip: how long an agent may take to kill processes (SIGKILL, reaped).
 _KILL_S: Final = 10.0
+# After a refused agent is logged, further refusals within this long are only counted (an
+# agent with wrong keys reconnects every 100 ms).
+_REFUSALS_QUIET_S: Final = 60.0
 
 
 class ClusterConfig(ClusterSettings):
@@ -199,6 +203,9 @@ class NodeHub:
         self._orders: dict[int, tuple[str, asyncio.Future[None]]] = {}
         self._order_ids = 0
         self.endpoint = ""
+        self._key_file: HeldKeyFile | None = None
+        self._refusals = 0  # refused handshakes since the last line that said so
+        self._refusal_logged = -_REFUSALS_QUIET_S
 
     @property
     def nodes(self) -> list[str]:
@@ -217,18 +224,45 @@ class NodeHub:
                 "--data-plane", self.config.data_plane]
 
     async def start(self, handlers: Mapping[str, Handler]) -> str:
-        """Bind the request endpoint (the controller's `handlers` and the agents' ops)."""
+        """Bind the request endpoint (the controller's `handlers` and the agents' ops); with
+        ``keys_file``, write the run's keys there and hold the file until the hub closes
+        (`transport.key_file`)."""
         if self.config.keys_file is not None:
-            self.keys.save(self.config.keys_file)
+            self._key_file = hold(self.keys, self.config.keys_file)
         ops: dict[str, Handler] = {**handlers, OP_JOIN: self._join, OP_READY: self._ready_op,
                                    OP_POLL: self._poll, OP_EXIT: self._exit,
                                    OP_STOPPED: self._stopped}
         self._server = RpcServer(tcp_endpoint(self.config.host, self.config.port), ops,
                                  long_polls={OP_POLL, *(m.LONG_POLLS & ops.keys())},
-                                 curve=self.keys, allow_remote=True)
-        self.endpoint = await self._server.start()
+                                 curve=self.keys, allow_remote=True,
+                                 on_refused=self._refused)
+        try:
+            self.endpoint = await self._server.start()
+        except BaseException:
+            self._release_key_file()
+            raise
         self._listening.set()
         return self.endpoint
+
+    def _refused(self, reason: str) -> None:
+        """A client's handshake failed: its keys are not this run's. Said once, then counted
+        (`_REFUSALS_QUIET_S`)."""
+        self._refusals += 1
+        now = time.monotonic()
+        if now - self._refusal_logged < _REFUSALS_QUIET_S:
+            return
+        keys_file = self.config.keys_file
+        log.warning("refused a connection: its curve keys are not this run's", reason=reason,
+                    endpoint=self.endpoint, refused=self._refusals,
+                    use=f"the key file {keys_file}" if keys_file is not None
+                    else "the run's keys (FLOWRL_CURVE_KEYS)")
+        self._refusals = 0
+        self._refusal_logged = now
+
+    def _release_key_file(self) -> None:
+        if self._key_file is not None:
+            self._key_file.release()
+            self._key_file = None
 
     async def wait_listening(self) -> str:
         """The request endpoint agents connect to, once bound."""
@@ -383,3 +417,4 @@ class NodeHub:
                     await self._polls_done.wait()
         if self._server is not None:
             await self._server.aclose()
+        self._release_key_file()

@@ -83,24 +83,34 @@ class PipelineSpec:
         return next((p for p in self.pools if p.role == role), None)
 
 
+#: what a rollout of episodes produces besides a completion's fields: per token (aligned with
+#: ``response_ids``) the loss mask, the policy version and the turn rewards; the reward, inline.
+EPISODE_FIELDS = ("loss_mask", "token_versions", "token_rewards", "reward")
+
+
 def grpo_stages(
     *, group_size: int, train_micro_groups: int = 1, rollout_micro_groups: int = 1,
-    reward_micro_batch: int | None = None, reference: bool = False,
+    reward_micro_batch: int | None = None, reference: bool = False, episode: bool = False,
 ) -> tuple[StageSpec, ...]:
     """rollout (per group) → reward (per row) → [reference] → train (per group, streamed).
 
     A rollout task samples ``rollout_micro_groups`` whole groups; reward and reference tasks
-    default to one rollout task's rows.
+    default to one rollout task's rows. With ``episode``, rollout runs episodes, which score
+    themselves: it produces `EPISODE_FIELDS` and there is no reward stage.
     """
     rmb = reward_micro_batch or group_size * rollout_micro_groups
+    produced = ("prompt_ids", "response_ids", "rollout_logprobs")
     stages = [
         StageSpec("rollout", needs=("prompt",),
-                  produces=("prompt_ids", "response_ids", "rollout_logprobs"),
+                  produces=produced + (EPISODE_FIELDS if episode else ()),
                   micro_batch=rollout_micro_groups, group_level=True),
-        StageSpec("reward", needs=("prompt", "response_ids"), produces=("reward",),
-                  micro_batch=rmb),
     ]
+    if not episode:
+        stages.append(StageSpec("reward", needs=("prompt", "response_ids"), produces=("reward",),
+                                micro_batch=rmb))
     train_needs = ["prompt_ids", "response_ids", "rollout_logprobs", "reward"]
+    if episode:
+        train_needs += ["loss_mask", "token_versions"]
     if reference:
         stages.append(StageSpec("reference", needs=("prompt_ids", "response_ids"),
                                 produces=("ref_logprobs",), micro_batch=rmb))
@@ -117,19 +127,29 @@ CRITIC_FIELDS = ("values", "advantages", "returns")
 def ppo_stages(
     *, group_size: int, train_micro_groups: int = 1, rollout_micro_groups: int = 1,
     reward_micro_batch: int | None = None, reference: bool = False,
-    critic_micro_batch: int | None = None,
+    critic_micro_batch: int | None = None, kl_in_reward: bool = False, episode: bool = False,
 ) -> tuple[StageSpec, ...]:
     """`grpo_stages` with a critic before train: rollout → reward → [reference] → critic → train.
 
     The critic (per row) turns ``prompt_ids``, ``response_ids`` and ``reward`` into
     `CRITIC_FIELDS` and learns from them; train also needs ``advantages`` and uses them as
-    they are. Critic tasks default to one rollout task's rows.
+    they are. Critic tasks default to one rollout task's rows. With ``kl_in_reward`` (and the
+    reference stage) the critic also needs ``rollout_logprobs`` and ``ref_logprobs``: it puts
+    the KL into the rewards. With ``episode`` the critic also reads each row's ``loss_mask``
+    and ``token_rewards``.
     """
+    if kl_in_reward and not reference:
+        raise ValueError("kl_in_reward needs the reference stage (reference=True)")
     *head, train = grpo_stages(
         group_size=group_size, train_micro_groups=train_micro_groups,
         rollout_micro_groups=rollout_micro_groups, reward_micro_batch=reward_micro_batch,
-        reference=reference)
-    critic = StageSpec("critic", needs=("prompt_ids", "response_ids", "reward"),
+        reference=reference, episode=episode)
+    critic_needs: tuple[str, ...] = ("prompt_ids", "response_ids", "reward")
+    if kl_in_reward:
+        critic_needs += ("rollout_logprobs", "ref_logprobs")
+    if episode:
+        critic_needs += ("loss_mask", "token_rewards")
+    critic = StageSpec("critic", needs=critic_needs,
                        produces=CRITIC_FIELDS,
                        micro_batch=critic_micro_batch or group_size * rollout_micro_groups)
     return (*head, critic, replace(train, needs=(*train.needs, "advantages")))

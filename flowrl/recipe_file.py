@@ -14,6 +14,10 @@ Covered: unknown fields (with a suggestion), wrong types and bounds, missing req
 cross-field rules, exceptions raised while running the file, a file that defines no recipe, bad
 override syntax and overrides of unknown fields. Values of the monitor token never appear.
 
+An override that switches a section's ``kind`` (``--set data.kind=jsonl`` on a recipe with
+``arithmetic`` settings) drops the recipe's settings of the other kinds, saying so in one line;
+the section is then the new kind's defaults, the settings every kind shares, and the overrides.
+
 Inputs without a sensible default (a model directory, a data file) are read with `given`::
 
     model_path = given("model.path", env="FLOWRL_MODEL", what="a local model directory")
@@ -34,7 +38,7 @@ import runpy
 import traceback
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,8 +78,12 @@ _LOADING: contextvars.ContextVar[tuple[str, dict[str, Any]] | None] = contextvar
     "flowrl_recipe_loading", default=None)
 
 
-def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
-    """Run the recipe file at ``path``, apply ``overrides`` (``"a.b=value"``) and return it."""
+def load_recipe(
+    path: str | Path, overrides: Sequence[str] = (), *,
+    on_note: Callable[[str], None] | None = None,
+) -> Recipe:
+    """Run the recipe file at ``path``, apply ``overrides`` (``"a.b=value"``) and return it;
+    ``on_note`` as in `apply_overrides`."""
     shown = str(path)
     file = Path(path)
     if not file.is_file():
@@ -86,7 +94,7 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
         recipe = _run(file, shown)
     finally:
         _LOADING.reset(token)
-    return apply_overrides(recipe, parsed, file=shown) if parsed else recipe
+    return apply_overrides(recipe, parsed, file=shown, on_note=on_note) if parsed else recipe
 
 
 def given(field: str, *, env: str, what: str = "a value") -> str:
@@ -170,11 +178,21 @@ def parse_override(text: str, *, file: str = "<overrides>") -> tuple[tuple[str, 
 
 def apply_overrides(
     recipe: Recipe, overrides: Sequence[tuple[tuple[str, ...], Any]], *, file: str = "<recipe>",
+    on_note: Callable[[str], None] | None = None,
 ) -> Recipe:
-    """A new recipe with ``overrides`` (from `parse_override`) applied and validated."""
+    """A new recipe with ``overrides`` (from `parse_override`) applied and validated.
+
+    An override of a section's ``kind`` that switches it (``data.kind=jsonl`` on an
+    ``arithmetic`` recipe) first drops the recipe's settings of that section's other kinds
+    (`_Section.kind_fields`), so the section is the new kind's defaults plus the recipe's
+    settings shared by every kind plus the overrides; ``on_note`` is told what was dropped, one
+    line per section."""
     # Only fields set explicitly are carried over, so rules that ask "was this given?" (e.g. sim
     # costs with a real engine) judge the recipe as written plus the overrides.
     data = recipe.model_dump(exclude_unset=True)
+    for note in _switch_kinds(recipe, data, overrides):
+        if on_note is not None:
+            on_note(f"{file}: {note}")
     for keys, value in overrides:
         node: dict[str, Any] = data
         for i, k in enumerate(keys[:-1]):
@@ -190,6 +208,40 @@ def apply_overrides(
     except ValidationError as e:
         shown = ", ".join(_show(k, v) for k, v in overrides)
         raise _from_validation(e, file, note=f"after --set {shown}") from e
+
+
+def _switch_kinds(
+    recipe: Recipe, data: dict[str, Any], overrides: Sequence[tuple[tuple[str, ...], Any]],
+) -> list[str]:
+    """Drop from ``data`` (the recipe's set fields) the settings of the kinds a ``kind``
+    override switches away from; one note per switched section."""
+    notes = []
+    for keys, value in overrides:
+        if keys[-1] != "kind" or len(keys) < 2:
+            continue
+        section: Any = recipe
+        for k in keys[:-1]:
+            section = getattr(section, k, None)
+        old_kind = getattr(section, "kind", None)
+        if not isinstance(section, BaseModel) or old_kind is None or old_kind == value:
+            continue
+        node: Any = data
+        for k in keys[:-1]:
+            node = node.get(k) if isinstance(node, dict) else None
+        if not isinstance(node, dict):
+            continue
+        by_kind: Mapping[str, frozenset[str]] = getattr(section, "kind_fields", {})
+        keep = by_kind.get(str(value), frozenset())
+        dropped = sorted(f for fields in by_kind.values() for f in fields
+                         if f in node and f not in keep)
+        for f in dropped:
+            del node[f]
+        if dropped:
+            where = ".".join(keys[:-1])
+            notes.append(f"--set {'.'.join(keys)}={value}: {where} switches from kind "
+                         f"{old_kind!r}, dropping the recipe's "
+                         f"{', '.join(f'{where}.{f}' for f in dropped)}")
+    return notes
 
 
 def _show(keys: tuple[str, ...], value: Any) -> str:

@@ -1,6 +1,6 @@
-"""Resolving a reward function reference (``module:function`` or ``path/to/file.py:function``)
-to the callable, the same way in the launcher (its check before workers start) and in reward
-workers.
+"""Resolving a reward (or episode) function reference (``module:function`` or
+``path/to/file.py:function``) to the callable, the same way in the launcher (its check before
+workers start) and in reward (or rollout) workers.
 
 Resolving runs the user's code: a module is imported, a file executed once per process as a
 module (not as ``__main__``) and cached in ``sys.modules``. Imports only the standard library.
@@ -42,11 +42,12 @@ def describe_error(e: BaseException) -> str:
     return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
 
 
-def resolve_reward_fn(ref: str) -> Callable[..., Any]:
+def resolve_reward_fn(ref: str, *, what: str = "reward function") -> Callable[..., Any]:
     """The callable named by ``"module:function"`` or ``"path/to/file.py:function"``.
 
     A file is executed once per process as a module (not as ``__main__``) and cached in
-    ``sys.modules``. Every failure raises `RewardFnError` naming the reference.
+    ``sys.modules``. Every failure raises `RewardFnError` naming the reference (``what``: what
+    the errors call it, such as an episode function).
     """
     target, sep, name = ref.rpartition(":")
     if not sep or not target or not all(p.isidentifier() for p in name.split(".")):
@@ -57,16 +58,16 @@ def resolve_reward_fn(ref: str) -> Callable[..., Any]:
     except RewardFnError:
         raise
     except Exception as e:
-        raise RewardFnError(f"reward function {ref!r}: cannot load {target!r}: "
+        raise RewardFnError(f"{what} {ref!r}: cannot load {target!r}: "
                             f"{describe_error(e)}") from e
     obj: Any = module
     for part in name.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise RewardFnError(f"reward function {ref!r}: {target!r} has no {part!r}") from None
+            raise RewardFnError(f"{what} {ref!r}: {target!r} has no {part!r}") from None
     if not callable(obj):
-        raise RewardFnError(f"reward function {ref!r} is a {type(obj).__name__}, not callable")
+        raise RewardFnError(f"{what} {ref!r} is a {type(obj).__name__}, not callable")
     return obj  # type: ignore[no-any-return]
 
 

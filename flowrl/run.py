@@ -7,6 +7,7 @@ running loop works: nothing here calls ``asyncio.run`` or installs an event-loop
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -21,16 +22,22 @@ from typing import Any
 import structlog
 
 from flowrl.controller import Controller
+from flowrl.data import scan
+from flowrl.interrupts import Interrupts
+from flowrl.model_build import build_in_child
 from flowrl.node_hub import ClusterConfig
 from flowrl.pipeline import PipelineSpec
+from flowrl.progress import Progress, seconds
 from flowrl.recipe import CONTROLLER_NODE, TINY_MODEL, ClusterSettings, Recipe, TinyModelConfig
 from flowrl.recipe.inputs import check_inputs
 from flowrl.recipe_file import apply_overrides
-from flowrl.resume import RunState, latest_checkpoint
-from flowrl.run_output import RunRecord, check_resume, claim, run_dir_of
+from flowrl.resume import STATE_FILE, RunState, latest_checkpoint
+from flowrl.run_output import FINAL_DIR, RunRecord, check_resume, claim, run_dir_of
 from flowrl.tiny_model import HeadKind
-from flowrl.worker_spec import ModelSpec, ResumeSpec
+from flowrl.tracking import Tracking, check_installed
+from flowrl.worker_spec import ResumeSpec
 from transport import shm
+from transport.endpoints import new_run_id
 from transport.errors import SharedMemoryTooSmall
 
 log = structlog.get_logger("flowrl.run")
@@ -61,7 +68,16 @@ def prepare_reward_model(recipe: Recipe) -> Path | None:
 
 def tiny_model_dir(tiny: TinyModelConfig, *, head: HeadKind = "lm") -> Path:
     """A tiny model of these settings in the cache, built on first use."""
-    from flowrl.tiny_model import BUILD_FORMAT, build_tiny_model, build_versions
+    from flowrl.tiny_model import build_tiny_model
+
+    out, settings = tiny_build(tiny, head=head)
+    return build_tiny_model(out, **settings)
+
+
+def tiny_build(tiny: TinyModelConfig, *, head: HeadKind = "lm") -> tuple[Path, dict[str, Any]]:
+    """Where a tiny model of these settings is cached, and `build_tiny_model`'s keyword
+    arguments that build it."""
+    from flowrl.tiny_model import BUILD_FORMAT, build_versions
 
     settings = tiny.model_dump(mode="json")
     # Another install (other torch/transformers/tokenizers) or build procedure builds other
@@ -71,12 +87,74 @@ def tiny_model_dir(tiny: TinyModelConfig, *, head: HeadKind = "lm") -> Path:
         keyed["head"] = head
     key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:12]
     out = cache_dir() / "models" / f"tiny-{key}"
-    return build_tiny_model(
-        out, vocab_size=settings["vocab_size"], hidden=settings["hidden"],
-        layers=settings["layers"], heads=settings["heads"], kv_heads=settings["kv_heads"],
-        max_positions=settings["max_positions"], pretrain_steps=settings["pretrain_steps"],
-        seed=settings["seed"], corpus_kind=settings["corpus"], head=head,
-    )
+    return out, {
+        "vocab_size": settings["vocab_size"], "hidden": settings["hidden"],
+        "layers": settings["layers"], "heads": settings["heads"],
+        "kv_heads": settings["kv_heads"], "max_positions": settings["max_positions"],
+        "pretrain_steps": settings["pretrain_steps"], "seed": settings["seed"],
+        "corpus_kind": settings["corpus"], "head": head,
+    }
+
+
+def tiny_models(recipe: Recipe) -> list[tuple[str, TinyModelConfig, HeadKind]]:
+    """The tiny models a recipe's workers load (each named, with its settings and head)."""
+    if recipe.rollout.engine == "sim":
+        return []
+    found: list[tuple[str, TinyModelConfig, HeadKind]] = []
+    if recipe.model.path == TINY_MODEL:
+        found.append(("tiny model", recipe.model.tiny, "lm"))
+    rm = recipe.reward.model
+    if rm is not None and rm.path == TINY_MODEL:
+        found.append(("tiny reward model", rm.tiny, "score"))
+    return found
+
+
+async def build_tiny_models(recipe: Recipe, progress: Progress,
+                            interrupts: Interrupts) -> None:
+    """Build the recipe's tiny models that the cache lacks, each in a child process that says
+    how it goes and stops when cancelled (`flowrl.model_build`); a cached one is said."""
+    from flowrl.tiny_model import is_built
+
+    for what, tiny, head in tiny_models(recipe):
+        out, settings = tiny_build(tiny, head=head)
+        if await asyncio.to_thread(is_built, out, **settings):
+            progress.line("model", f"the {what} from the cache: {out}")
+        else:
+            await build_in_child(out, settings, what=what, progress=progress,
+                                 interrupts=interrupts)
+
+
+async def say_data(recipe: Recipe, progress: Progress) -> None:
+    """Say how many prompts the workers will load: a data file is read through (its rows
+    counted, not kept) with a line every `Progress.every_s` on the way; stopped when
+    cancelled. Nothing is said of data read on other nodes."""
+    data = recipe.data
+    if not recipe.inputs_are_local or not progress.enabled:
+        return
+    if data.kind == "arithmetic":
+        a = data.arithmetic
+        progress.line("data", f"{a.count} arithmetic prompts (a+b= with a, b in "
+                              f"0..{a.max_operand})")
+        return
+    assert data.path is not None  # DataConfig: a file kind has a path
+    path = data.path
+    progress.begin("data", "reading the data", f"reading {path}")
+    cancelled = threading.Event()
+
+    def seen(rows: int) -> None:
+        if cancelled.is_set():
+            raise asyncio.CancelledError
+        progress.update(lambda: f"{rows} rows read ({seconds(progress.elapsed())})")
+
+    try:
+        usable, skipped = await asyncio.to_thread(
+            scan, path, kind=data.kind, prompt_key=data.prompt_key,
+            answer_key=data.answer_key, template=data.prompt_template, seen=seen)
+    finally:
+        cancelled.set()
+    progress.end(f"{usable} prompts in {path}" + (f" ({skipped} malformed rows skipped)"
+                                                  if skipped else "")
+                 + f" ({seconds(progress.elapsed())})")
 
 
 def compile_recipe(
@@ -91,10 +169,11 @@ def compile_recipe(
     if model is None:
         return spec
     engine = recipe.engine_spec()
-    placed = ModelSpec(path=str(model))
+    placed = engine.model.model_copy(update={"path": str(model)})
     if resume is not None:
         checkpoint, state = resume
-        placed = ModelSpec(path=str(checkpoint), reference_path=str(model))
+        placed = engine.model.model_copy(update={"path": str(checkpoint),
+                                                 "reference_path": str(model)})
         engine = engine.model_copy(update={
             "resume": ResumeSpec(checkpoint=str(checkpoint), version=state.version)})
     update: dict[str, Any] = {"model": placed}
@@ -118,11 +197,14 @@ def cluster_config(recipe: Recipe, *, host: str | None = None) -> ClusterConfig 
 @contextlib.asynccontextmanager
 async def placed_controller(
     recipe: Recipe, spec: PipelineSpec, *, monitor: bool = True, resume: RunState | None = None,
-    run_id: str | None = None,
+    run_id: str | None = None, progress: Progress | None = None,
+    interrupts: Interrupts | None = None,
 ) -> AsyncIterator[Controller]:
     """The recipe's controller, started with its workers placed as ``placement`` says; with
     Ray placement, the other nodes' agents run as Ray actors (`flowrl.ray_placement`), which
-    go after the controller has closed (its stop broadcast lets them leave on their own)."""
+    go after the controller has closed (its stop broadcast lets them leave on their own).
+    ``progress`` is told how the workers' start goes; ``interrupts`` learns the run's
+    processes and shared memory, for a forced stop."""
     async with contextlib.AsyncExitStack() as stack:
         agents = None
         if recipe.placement.kind == "ray" and recipe.placement.remote_nodes:
@@ -134,11 +216,51 @@ async def placed_controller(
                          resume=resume, cluster=cluster_config(
                              recipe, host=None if agents is None else agents.host))
         stack.push_async_callback(ctl.aclose)  # also when the start fails half-way
-        if agents is None:
-            await ctl.start()
-        else:
-            await agents.start_controller(ctl)
+        if interrupts is not None:
+            interrupts.run_ids.add(ctl.run_id)
+            stack.callback(interrupts.track(
+                lambda: [c.pid for c in ctl.workforce.supervisor.children]))
+        told = progress or Progress(enabled=False)
+        wanted = {p.role: p.count for p in spec.pools}
+        total = sum(wanted.values())
+        told.begin("workers", "starting the workers",
+                   f"starting {total} workers ({', '.join(_counted(wanted))})")
+        ticking = asyncio.create_task(told.ticks(lambda: _starting(ctl, wanted, told)))
+        try:
+            if agents is None:
+                await ctl.start()
+            else:
+                await agents.start_controller(ctl)
+        finally:
+            ticking.cancel()
+        told.end(f"{total} of {total} up in {seconds(told.elapsed())}")
         yield ctl
+
+
+def _counted(roles: dict[str, int]) -> list[str]:
+    return [role if n == 1 else f"{role} ×{n}" for role, n in roles.items()]
+
+
+def _starting(ctl: Controller, wanted: dict[str, int], progress: Progress) -> str:
+    """How the workers' start goes: how many are up, and which roles are still starting."""
+    up = collections.Counter(w.role for w in ctl.registry.all())
+    waiting = {role: n - up[role] for role, n in wanted.items() if up[role] < n}
+    return (f"{sum(up.values())} of {sum(wanted.values())} up ({seconds(progress.elapsed())});"
+            f" still starting: {', '.join(_counted(waiting)) or 'none'}")
+
+
+def say_saves(entry: dict[str, Any], out: Path, progress: Progress) -> None:
+    """Say the checkpoint and final model a committed step saved (an ``on_step`` callback):
+    the trainer's figures (``checkpoint_bytes``, ``checkpoint_s``, ``final_bytes``,
+    ``final_s``), a checkpoint only once complete (its run state written)."""
+    step = int(entry["step"])
+    checkpoint = out / f"step_{step}"
+    if "train_checkpoint_s" in entry and (checkpoint / STATE_FILE).is_file():
+        progress.saved("checkpoint", step, checkpoint, entry.get("train_checkpoint_bytes"),
+                       entry["train_checkpoint_s"])
+    if entry.get("train_final_saved") and (out / FINAL_DIR).is_dir():
+        progress.saved("final model", step, out / FINAL_DIR, entry.get("train_final_bytes"),
+                       entry.get("train_final_s"))
 
 
 def check_store_room(recipe: Recipe) -> None:
@@ -156,7 +278,8 @@ async def run_recipe(
     recipe: Recipe, *, on_step: Callable[[dict[str, Any]], None] | None = None,
     steps: int | None = None, monitor: bool = True,
     on_start: Callable[[Controller], None] | None = None, resume: Path | None = None,
-    run_id: str | None = None, overwrite: bool = False,
+    run_id: str | None = None, overwrite: bool = False, progress: Progress | None = None,
+    interrupts: Interrupts | None = None,
     on_eval: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Train until version ``steps`` (default: the recipe's; given, it replaces the recipe's
@@ -175,6 +298,11 @@ async def run_recipe(
     recipe that changed what resumption cannot change is refused
     (`flowrl.run_output.ResumeMismatch`); other changes are logged.
 
+    ``recipe.tracking``: each step's line, each evaluation round's, the recipe and the summary
+    also go to the trackers it names (`flowrl.tracking`), which end with the run however it
+    ends; one whose library is not installed raises `flowrl.recipe.inputs.InputError` before
+    anything starts.
+
     ``on_eval`` is called with each evaluation round's line (``eval``), as ``on_step`` with
     each step's. ``monitor`` starts the recipe's HTTP monitor; ``on_start`` is called once the
     controller and its workers are up (the launcher prints the monitor's URL there). ``run_id``
@@ -183,6 +311,12 @@ async def run_recipe(
     Before any process starts, what the workers will load is checked
     (`flowrl.recipe.inputs.check_inputs`: reward function, data file, model directories);
     an input they could not use raises `flowrl.recipe.inputs.InputError` naming its field.
+
+    ``progress`` is told how the long stages go (`flowrl.progress`: the tiny model's build,
+    reading the data, the workers' start, each save) and what the run did so far; a tiny model
+    the cache lacks is built in a child process that stops when the run is cancelled.
+    ``interrupts`` learns the run's processes and shared memory, for a forced stop
+    (`flowrl.interrupts`).
     """
     if steps is not None and steps != recipe.steps:
         # The trainer's schedule ends, and its final model is written, at the recipe's steps.
@@ -193,6 +327,7 @@ async def run_recipe(
     if found is not None and found[1].version >= total:
         raise ValueError(f"--resume: {found[0]} is at step {found[1].version} of {total}: "
                          "nothing left to train (raise --steps to train further)")
+    check_installed(recipe.tracking)
     if resume is not None:
         for change in check_resume(resume, recipe):
             log.warning("resumed with a changed recipe field", change=change)
@@ -201,6 +336,10 @@ async def run_recipe(
         claim(out, resume=resume, overwrite=overwrite)
     check_store_room(recipe)
     await asyncio.to_thread(check_inputs, recipe)
+    told = progress or Progress(enabled=False)
+    told.steps = total
+    await say_data(recipe, told)
+    await build_tiny_models(recipe, told, interrupts or Interrupts())
     spec = await asyncio.to_thread(compile_recipe, recipe, resume=found)
     record = None
     if out is not None:
@@ -208,6 +347,10 @@ async def run_recipe(
         if found is not None and run_dir_of(found[0]).resolve() == out.resolve():
             resumed_at = found[1].version
         record = RunRecord(out, recipe, resumed_at=resumed_at)
+    run_id = run_id or new_run_id()  # the trackers name their runs by it
+    tracking = Tracking.of(recipe, run_id,
+                           resumed_at=None if record is None else record.resumed_at)
+    error: BaseException | None = None
     me = asyncio.current_task()
     loop = asyncio.get_running_loop()
     handled = False
@@ -217,23 +360,35 @@ async def run_recipe(
         handled = True
     try:
         async with placed_controller(recipe, spec, monitor=monitor, resume=state,
-                                     run_id=run_id) as ctl:
+                                     run_id=run_id, progress=told,
+                                     interrupts=interrupts) as ctl:
+            told.doing, told.step = "training", ctl.version
             if on_start is not None:
                 on_start(ctl)
             if record is not None:  # before the caller's: a line is kept before it is shown
                 ctl.on_step.append(record.step)
                 ctl.on_eval.append(record.eval)
+            ctl.on_step.append(tracking.step)
+            ctl.on_eval.append(tracking.eval)
+            ctl.on_step.append(told.on_step)
             if on_step is not None:
                 ctl.on_step.append(on_step)
             if on_eval is not None:
                 ctl.on_eval.append(on_eval)
+            if out is not None:  # after the step's line: what it saved
+                ctl.on_step.append(lambda entry: say_saves(entry, out, told))
             summary = await ctl.run(total - ctl.version)
             if record is not None:
                 summary = record.finish(summary, ctl.step_log)
+            tracking.summary(summary)
             return summary
+    except BaseException as exc:
+        error = exc
+        raise
     finally:
         if record is not None:
             record.close()
         if handled:
             loop.remove_signal_handler(signal.SIGTERM)
+        await tracking.aclose(error)  # last: what else ends cannot wait on a tracker
 

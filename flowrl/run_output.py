@@ -6,6 +6,8 @@ Layout (``Recipe.output``)::
     metrics.jsonl   the step log, one JSON line per committed step, written as the step commits,
                     and one per evaluation round (``eval/...`` figures of the step it evaluated)
     summary.json    the run's summary, when it ends
+    tensorboard/    TensorBoard's event files, with ``tracking`` (`flowrl.tracking`)
+    wandb/          W&B's run files, with ``tracking``
     final/          the final model: weights, config and tokenizer (``from_pretrained`` loads it)
     step_N/         checkpoints (``checkpoint_every``; the newest ``keep_last`` of them)
     critic/         PPO's critic save (with checkpoints)
@@ -53,12 +55,15 @@ __all__ = [
     "RECIPE_FILE",
     "RESUME_FIXED",
     "SUMMARY_FILE",
+    "TENSORBOARD_DIR",
+    "WANDB_DIR",
     "OutputInUse",
     "ResumeMismatch",
     "RunRecord",
     "check_resume",
     "claim",
     "default_output",
+    "flat_fields",
     "recipe_record",
     "resume_changes",
     "run_dir_of",
@@ -70,16 +75,22 @@ FINAL_DIR = "final"
 RECIPE_FILE = "recipe.json"
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
-_RESULT_NAMES = (FINAL_DIR, "critic", RECIPE_FILE, METRICS_FILE, SUMMARY_FILE)
+#: what trackers write there (`flowrl.tracking`): TensorBoard's event files, and W&B's run
+#: files (W&B names its directory ``wandb``; not there when ``WANDB_DIR`` says elsewhere)
+TENSORBOARD_DIR = "tensorboard"
+WANDB_DIR = "wandb"
+_RESULT_NAMES = (FINAL_DIR, "critic", RECIPE_FILE, METRICS_FILE, SUMMARY_FILE, TENSORBOARD_DIR,
+                 WANDB_DIR)
 #: recipe fields (and their subfields) a resumed run may not change: the checkpoint's weights
 #: are of this model, its trained dataset positions index this data (less its held-out
 #: evaluation prompts) in this seed's order, and its optimizer state and rows are shaped by
 #: this objective and group size.
 RESUME_FIXED = ("model", "data", "seed", "algorithm.name", "algorithm.group_size",
                 "eval.prompts", "eval.path")
-# Not compared on resume: where results go, the monitor, and the run's length (which may grow;
-# `flowrl.run.run_recipe` refuses a total the checkpoint already reached).
-_RESUME_IGNORED = ("output", "monitor", "steps", "checkpoint_every", "keep_last")
+# Not compared on resume: where results go and are watched (monitor, trackers), and the run's
+# length (which may grow; `flowrl.run.run_recipe` refuses a total the checkpoint already
+# reached).
+_RESUME_IGNORED = ("output", "monitor", "steps", "checkpoint_every", "keep_last", "tracking")
 
 
 class OutputInUse(ValueError):
@@ -157,13 +168,13 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
+def flat_fields(data: Any, prefix: str = "") -> dict[str, Any]:
     """``{"a": {"b": 1}}`` → ``{"a.b": 1}`` (lists are values)."""
     if not isinstance(data, Mapping) or not data:
         return {prefix: data}
     out: dict[str, Any] = {}
     for key, value in data.items():
-        out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+        out.update(flat_fields(value, f"{prefix}.{key}" if prefix else str(key)))
     return out
 
 
@@ -184,7 +195,7 @@ def resume_changes(saved: Mapping[str, Any],
     """The fields where ``recipe`` differs from the ``saved`` one (both as `recipe_record`
     gives them), each as ``"field (old → new)"``: those resumption cannot change
     (`RESUME_FIXED`), and the others (not counting `_RESUME_IGNORED`)."""
-    old, new = _flat(saved), _flat(recipe)
+    old, new = flat_fields(saved), flat_fields(recipe)
     fixed: list[str] = []
     other: list[str] = []
     for path in sorted(old.keys() | new.keys()):
@@ -254,6 +265,7 @@ class RunRecord:
     def __init__(self, out: Path, recipe: Recipe, *, resumed_at: int | None = None) -> None:
         self.out = out
         self.keep_last = recipe.keep_last
+        self.resumed_at = resumed_at
         out.mkdir(parents=True, exist_ok=True)
         _write_json(out / RECIPE_FILE, recipe_record(recipe))
         metrics = out / METRICS_FILE

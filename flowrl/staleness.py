@@ -26,7 +26,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["StalenessGate"]
+__all__ = ["StalenessGate", "describe_staleness"]
+
+
+def describe_staleness(mean: float, observed_max: int, bound: int | None) -> str:
+    """A step's staleness as the progress line and the terminal view show it: the mean and the
+    largest staleness observed among its samples, then the bound (``max_staleness``) apart, so
+    the one is not read as the other. ``bound`` None: not known (it is left out)."""
+    text = f"staleness avg {mean:.2f} max {observed_max}"
+    return text if bound is None else f"{text} (bound {bound})"
 
 
 class StalenessGate:

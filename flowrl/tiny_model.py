@@ -25,7 +25,9 @@ Corpora (`CORPORA`): ``mixed`` (the default) as above; ``arithmetic`` holds only
 of small arithmetic prompts quickly (short lines) while leaving most answers unknown.
 
 CLI: ``python -m flowrl.tiny_model OUT_DIR [--seed N] [--pretrain-steps N] [--corpus KIND]
-[--head lm|score]``.
+[--head lm|score] [--json-progress]`` (and the shape: ``--vocab-size``, ``--hidden``,
+``--layers``, ``--heads``, ``--kv-heads``, ``--max-positions``). It says what it builds on
+stderr; SIGINT or SIGTERM stop it with exit code 130, leaving nothing that looks built.
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ import json
 import os
 import random
 import shutil
+import signal
 import sys
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
@@ -51,6 +54,12 @@ PAD_TOKEN = "<|pad|>"
 CorpusKind = Literal["mixed", "arithmetic"]
 CORPORA: tuple[CorpusKind, ...] = ("mixed", "arithmetic")
 """The built-in corpora `synthetic_corpus` generates (see the module docstring)."""
+#: called with what a build is doing (`BUILD_STAGES`) and its figures, e.g.
+#: ``("warmup", {"step": 3, "steps": 200})``
+BuildProgress = Callable[[str, dict[str, Any]], None]
+BUILD_STAGES = ("tokenizer", "model", "warmup", "save")
+"""What a build reports, in order: ``tokenizer`` (trained; ``tokens``), ``model`` (made;
+``parameters``), ``warmup`` (each warm-up step done; ``step``, ``steps``), ``save`` (writing)."""
 HeadKind = Literal["lm", "score"]
 HEADS: tuple[HeadKind, ...] = ("lm", "score")
 """What sits on the transformer body: the language-modelling head or one scalar score."""
@@ -201,7 +210,8 @@ def _train_tokenizer(corpus: Sequence[str], vocab_size: int) -> Any:
     return tok
 
 
-def _pretrain(model: Any, tokenizer: Any, corpus: Sequence[str], steps: int, seed: int) -> None:
+def _pretrain(model: Any, tokenizer: Any, corpus: Sequence[str], steps: int, seed: int,
+              progress: BuildProgress) -> None:
     """A short language-modelling warm-up on the corpus, so the model knows its formats."""
     import torch
 
@@ -209,7 +219,7 @@ def _pretrain(model: Any, tokenizer: Any, corpus: Sequence[str], steps: int, see
     encoded = [[*tokenizer(line).input_ids, tokenizer.eos_token_id] for line in corpus]
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     model.train()
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         rows = [rng.choice(encoded) for _ in range(32)]
         width = max(len(r) for r in rows)
         ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
@@ -223,6 +233,7 @@ def _pretrain(model: Any, tokenizer: Any, corpus: Sequence[str], steps: int, see
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        progress("warmup", {"step": step, "steps": steps})
     model.eval()
 
 
@@ -248,13 +259,19 @@ def build_tokenizer(corpus: Sequence[str], vocab_size: int) -> Any:
     return tokenizer
 
 
-def _write(dest: Path, spec: TinySpec, corpus: Sequence[str]) -> None:
+def _quiet(stage: str, figures: dict[str, Any]) -> None:
+    """A `BuildProgress` that says nothing."""
+
+
+def _write(dest: Path, spec: TinySpec, corpus: Sequence[str],
+           progress: BuildProgress = _quiet) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
     hf_logging: Any = importlib.import_module("transformers.utils.logging")
     hf_logging.disable_progress_bar()  # build logs stay line-oriented
     tokenizer = build_tokenizer(corpus, spec.vocab_size)
+    progress("tokenizer", {"tokens": tokenizer.backend_tokenizer.get_vocab_size()})
     lm = spec.head == "lm"
     # The score head: one output and no vocabulary head to tie (a causal LM's config is as it
     # always was, so its files stay byte-identical).
@@ -278,8 +295,10 @@ def _write(dest: Path, spec: TinySpec, corpus: Sequence[str]) -> None:
         torch.manual_seed(spec.seed)
         model_cls: Any = Qwen2ForCausalLM if lm else Qwen2ForSequenceClassification
         model: Any = model_cls(config)
+        progress("model", {"parameters": sum(p.numel() for p in model.parameters())})
         if spec.pretrain_steps:
-            _pretrain(model, tokenizer, corpus, spec.pretrain_steps, spec.seed)
+            _pretrain(model, tokenizer, corpus, spec.pretrain_steps, spec.seed, progress)
+    progress("save", {})
     model.eval()
     model.save_pretrained(dest)
     tokenizer.save_pretrained(dest)
@@ -295,8 +314,7 @@ def _read_manifest(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def build_tiny_model(
-    out_dir: str | os.PathLike[str],
+def tiny_spec(
     *,
     vocab_size: int = 1024,
     hidden: int = 128,
@@ -310,17 +328,9 @@ def build_tiny_model(
     pretrain_steps: int = 0,
     corpus_kind: CorpusKind = "mixed",
     head: HeadKind = "lm",
-) -> Path:
-    """Build (or reuse) a tiny Qwen2 model and tokenizer in ``out_dir``; return its path.
-
-    ``corpus`` defaults to `synthetic_corpus(seed, kind=corpus_kind)`. ``pretrain_steps`` > 0
-    runs that many language-modelling steps (batch 32) on the corpus before saving; 0 keeps
-    random weights.
-    The tokenizer's vocabulary is at most ``vocab_size`` (fewer if the corpus has too few
-    merges); the model's vocabulary equals the tokenizer's.
-    ``head="score"`` builds a reward model (one scalar per sequence) with random weights
-    instead of a causal LM; it has no language-modelling warm-up.
-    """
+) -> tuple[TinySpec, list[str]]:
+    """The spec `build_tiny_model` builds with these settings, and its corpus; ValueError for
+    settings it cannot build."""
     if hidden % heads or heads % kv_heads:
         raise ValueError("hidden must divide by heads and heads by kv_heads")
     if head not in HEADS:
@@ -345,14 +355,58 @@ def build_tiny_model(
         libraries=build_versions(),
         head=head,
     )
+    return spec, lines
+
+
+def is_built(out_dir: str | os.PathLike[str], **settings: Any) -> bool:
+    """Whether ``out_dir`` holds what `build_tiny_model` with ``settings`` (its keyword
+    arguments) builds, so that it would be reused as is."""
+    spec, _ = tiny_spec(**settings)
+    return _read_manifest(Path(out_dir)) == spec.manifest()
+
+
+def build_tiny_model(
+    out_dir: str | os.PathLike[str],
+    *,
+    vocab_size: int = 1024,
+    hidden: int = 128,
+    layers: int = 4,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int | None = None,
+    max_positions: int = 512,
+    seed: int = 0,
+    corpus: Iterable[str] | None = None,
+    pretrain_steps: int = 0,
+    corpus_kind: CorpusKind = "mixed",
+    head: HeadKind = "lm",
+    progress: BuildProgress | None = None,
+) -> Path:
+    """Build (or reuse) a tiny Qwen2 model and tokenizer in ``out_dir``; return its path.
+
+    ``corpus`` defaults to `synthetic_corpus(seed, kind=corpus_kind)`. ``pretrain_steps`` > 0
+    runs that many language-modelling steps (batch 32) on the corpus before saving; 0 keeps
+    random weights.
+    The tokenizer's vocabulary is at most ``vocab_size`` (fewer if the corpus has too few
+    merges); the model's vocabulary equals the tokenizer's.
+    ``head="score"`` builds a reward model (one scalar per sequence) with random weights
+    instead of a causal LM; it has no language-modelling warm-up.
+    ``progress`` is told what the build does (`BuildProgress`); a model that is reused says
+    nothing. An exception (KeyboardInterrupt included) leaves no directory that looks built.
+    """
+    spec, lines = tiny_spec(
+        vocab_size=vocab_size, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
+        intermediate=intermediate, max_positions=max_positions, seed=seed, corpus=corpus,
+        pretrain_steps=pretrain_steps, corpus_kind=corpus_kind, head=head)
     out = Path(out_dir)
     if _read_manifest(out) == spec.manifest():
         return out
+    told = progress or _quiet
     out.parent.mkdir(parents=True, exist_ok=True)
     if not out.exists():
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
         try:
-            _write(tmp, spec, lines)
+            _write(tmp, spec, lines, told)
             try:
                 tmp.rename(out)
                 return out
@@ -364,31 +418,71 @@ def build_tiny_model(
             shutil.rmtree(tmp, ignore_errors=True)
     # An existing directory with another spec (or none): rebuild in place, manifest last.
     (out / MANIFEST).unlink(missing_ok=True)
-    _write(out, spec, lines)
+    _write(out, spec, lines, told)
     return out
 
 
+def _interrupt_once(signum: int, frame: object) -> None:
+    """SIGINT or SIGTERM: stop the build (its temporary directory is removed on the way out);
+    a second signal must not cut that short."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def _say(json_lines: bool) -> BuildProgress:
+    """Progress on stderr: JSON lines (``{"stage": ..., **figures}``) for the launcher, which
+    reads them, else one plain line per stage and every 10th warm-up step."""
+
+    def say(stage: str, figures: dict[str, Any]) -> None:
+        if json_lines:
+            print(json.dumps({"stage": stage, **figures}), file=sys.stderr, flush=True)
+        elif stage != "warmup" or figures["step"] % 10 == 0:
+            shown = " ".join(f"{k}={v}" for k, v in figures.items())
+            print(f"{stage} {shown}".rstrip(), file=sys.stderr, flush=True)
+
+    return say
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    from flowrl.lifecycle import die_with_parent
+
+    die_with_parent()  # when the launcher builds the model in this process (`flowrl.run`)
+    signal.signal(signal.SIGINT, _interrupt_once)
+    signal.signal(signal.SIGTERM, _interrupt_once)
     parser = argparse.ArgumentParser(prog="python -m flowrl.tiny_model", description=__doc__)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vocab-size", type=int, default=1024)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--max-positions", type=int, default=512)
     parser.add_argument("--pretrain-steps", type=int, default=0)
     parser.add_argument("--corpus", choices=CORPORA, default="mixed")
     parser.add_argument("--head", choices=HEADS, default="lm")
+    parser.add_argument("--json-progress", action="store_true",
+                        help="say the build's progress as JSON lines on stderr")
     args = parser.parse_args(argv)
-    path = build_tiny_model(
-        args.out_dir,
-        seed=args.seed,
-        vocab_size=args.vocab_size,
-        hidden=args.hidden,
-        layers=args.layers,
-        pretrain_steps=args.pretrain_steps,
-        corpus_kind=args.corpus,
-        head=args.head,
-    )
+    try:
+        path = build_tiny_model(
+            args.out_dir,
+            seed=args.seed,
+            vocab_size=args.vocab_size,
+            hidden=args.hidden,
+            layers=args.layers,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            max_positions=args.max_positions,
+            pretrain_steps=args.pretrain_steps,
+            corpus_kind=args.corpus,
+            head=args.head,
+            progress=_say(args.json_progress),
+        )
+    except KeyboardInterrupt:
+        print("interrupted: nothing was built", file=sys.stderr, flush=True)
+        return 130
     print(path)
     return 0
 

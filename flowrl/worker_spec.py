@@ -38,6 +38,7 @@ __all__ = [
     "EvalDataSpec",
     "FileDataSpec",
     "JudgeSpec",
+    "LoraSpec",
     "ModelSpec",
     "PolicyLossAgg",
     "PolicyLossName",
@@ -73,11 +74,27 @@ class _Spec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
 
+class LoraSpec(_Spec):
+    """Low-rank adapters on the policy (`workers.engines.lora`)."""
+
+    rank: int = Field(ge=1)
+    alpha: int = Field(ge=1)
+    dropout: float = Field(ge=0.0, lt=1.0)
+    #: module names or suffixes, or ``all-linear``.
+    target_modules: tuple[str, ...] | Literal["all-linear"]
+    #: what a new version publishes: ``adapter`` (the adapters alone: the rollout engine
+    #: merges them into its copy of the base weights) or ``merged`` (whole weights, for an
+    #: engine that loads only those; the adapters ride along for trainers that join).
+    sync: Literal["adapter", "merged"]
+
+
 class ModelSpec(_Spec):
     #: a local model directory (the launcher resolves ``tiny`` before workers start).
     path: str
     #: resuming: the initial policy, which the reference and the critic start from.
     reference_path: str | None = None
+    #: None: full fine-tuning.
+    lora: LoraSpec | None = None
 
 
 class ArithmeticDataSpec(_Spec):
@@ -114,6 +131,8 @@ class AlgorithmSpec(_Spec):
     name: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo"]
     kl_coef: float
     kl_estimator: Literal["k1", "k2", "k3"]
+    #: the KL in the rewards (before the advantages) instead of a loss term.
+    kl_in_reward: bool
     entropy_coef: float
     policy_loss: PolicyLossName
     clip_low: float
@@ -135,6 +154,9 @@ class SamplingSpec(_Spec):
 
 class RolloutSpec(_Spec):
     dtype: Dtype
+    #: the episode function (``module:function`` or ``/path/file.py:function``); None: one
+    #: completion per response.
+    episode: str | None = None
 
 
 class RewardModelSpec(_Spec):
@@ -186,6 +208,10 @@ class TrainerSpec(_Spec):
     warmup_steps: int
     lr_schedule: Literal["constant", "cosine"]
     min_lr_ratio: float
+    #: passes over each global batch, and optimizer updates per pass.
+    ppo_epochs: int = Field(ge=1)
+    mini_batches: int = Field(ge=1)
+    gradient_checkpointing: bool = False
 
 
 class CriticSpec(_Spec):

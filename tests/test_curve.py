@@ -13,7 +13,7 @@ import zmq.asyncio
 
 from transport.curve import ENV, CurveKeys, for_endpoint
 from transport.endpoints import check_bind
-from transport.errors import BindRefused, DeadlineExceeded
+from transport.errors import BindRefused, DeadlineExceeded, KeysRefused
 from transport.pubsub import Publisher, Subscriber
 from transport.rpc import RpcClient, RpcServer
 from transport.store import SampleStore
@@ -23,6 +23,7 @@ from transport.store_server import StoreServer
 pytestmark = pytest.mark.timeout(60)
 
 REFUSED_WAIT = 1.0  # a refused peer's call must still be unanswered after this long
+TOLD_S = 10.0  # a curve client whose keys are refused is told long before this
 
 
 class Counter:
@@ -73,19 +74,32 @@ async def test_rpc_admits_only_the_runs_clients(zmq_ctx: zmq.asyncio.Context) ->
     wrong_client = CurveKeys(keys.server_public, keys.server_secret,
                              other.client_public, other.client_secret)
     service = Counter()
+    refusals: list[str] = []
     async with RpcServer("tcp://127.0.0.1:0", {"echo": service.echo}, ctx=zmq_ctx,
-                         curve=keys) as server:
+                         curve=keys, on_refused=refusals.append) as server:
         assert server._auth is not None
         async with RpcClient(server.endpoint, ctx=zmq_ctx, curve=keys) as good:
             tensor = torch.arange(1000, dtype=torch.float32)
             reply = await good.call("echo", {"t": tensor}, timeout=20)
             assert torch.equal(reply["t"], tensor)
-        for bad_keys in (None, wrong_client, other):
+        async with RpcClient(server.endpoint, ctx=zmq_ctx) as plain:
+            with pytest.raises(DeadlineExceeded):
+                await plain.call("echo", "let me in", timeout=REFUSED_WAIT)
+        # A curve client learns from its failed handshakes that its keys are refused, at once
+        # rather than at its deadline, and so does every later call until one succeeds.
+        told = {wrong_client: "does not admit this client's key", other: "holds other keys"}
+        for bad_keys, why in told.items():
             async with RpcClient(server.endpoint, ctx=zmq_ctx, curve=bad_keys) as bad:
-                with pytest.raises(DeadlineExceeded):
-                    await bad.call("echo", "let me in", timeout=REFUSED_WAIT)
+                for _ in range(2):
+                    with pytest.raises(KeysRefused, match=why) as info:
+                        await bad.call("echo", "let me in", timeout=TOLD_S)
+                    assert info.value.endpoint == server.endpoint
         assert service.calls == 1
         assert server.statistics().requests == 1
+        # The server heard of each kind of refusal, in words.
+        assert {"it connected without curve keys", "its client key is not admitted",
+                "it encrypts for another server key"} <= set(refusals)
+        assert server.statistics().handshakes_refused == len(refusals)
         # The wrong client key reached ZAP and was denied there (the wrong server key and the
         # plaintext peer fail the handshake before ZAP is asked).
         assert server._auth.statistics().denied >= 1
@@ -105,8 +119,8 @@ async def test_two_runs_in_one_context_do_not_admit_each_other(
         # b's client, told a's server key: ZAP checks it against a's domain and refuses.
         crossed = CurveKeys(a.server_public, a.server_secret, b.client_public, b.client_secret)
         async with RpcClient(sa.endpoint, ctx=zmq_ctx, curve=crossed) as bad:
-            with pytest.raises(DeadlineExceeded):
-                await bad.call("echo", 1, timeout=REFUSED_WAIT)
+            with pytest.raises(KeysRefused, match="does not admit this client's key"):
+                await bad.call("echo", 1, timeout=TOLD_S)
         async with (
             RpcClient(sa.endpoint, ctx=zmq_ctx, curve=a) as ca,
             RpcClient(sb.endpoint, ctx=zmq_ctx, curve=b) as cb,

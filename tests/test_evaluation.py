@@ -10,12 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from flowrl.control.evaluation import EVAL_STAGE, SCORE_STAGE, EvalJob, Evaluation
 from flowrl.control.reports import TaskReport
 from flowrl.controller import Controller
 from flowrl.data import Dataset, Example, arithmetic, hold_out, jsonl
 from flowrl.graph import StageSpec
+from flowrl.monitor.metrics import ControllerMetrics
 from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages
 from flowrl.prompts import NoChatTemplate, prompt_messages
 from flowrl.recipe import (
@@ -247,6 +249,8 @@ async def test_a_run_evaluates_every_n_steps_and_at_its_end_as_rollout_work() ->
         status = ctl.status()
         log = list(ctl.eval_log)
         assert seen == log
+        scraped = {s.name: s.value for f in text_string_to_metric_families(
+            ControllerMetrics(ctl).render().decode()) for s in f.samples}
         # A run stopped early does not wait for the round of its last step.
         more = asyncio.ensure_future(ctl.run(steps=100, timeout_s=60))
         await ctl.wait_for(lambda: ctl.version >= 6)
@@ -262,6 +266,10 @@ async def test_a_run_evaluates_every_n_steps_and_at_its_end_as_rollout_work() ->
         assert min(line["eval/versions"]) >= line["step"]
     assert out["eval/step"] == 5
     assert out["eval/greedy_accuracy"] == 0.0
+    # /metrics: the last round's accuracies
+    assert status["last_eval"] == log[-1]
+    assert scraped["flowrl_eval_greedy_accuracy_ratio"] == 0.0
+    assert scraped["flowrl_eval_sampled_accuracy_ratio"] == log[-1]["eval/sampled_accuracy"]
     # nothing of the evaluation was trained, and its memory is all given back
     assert out["samples"] == 5 * 2 * 2
     assert out["rows_trained_twice"] == 0
@@ -352,7 +360,7 @@ def test_a_tokenizer_without_a_chat_template_is_refused_naming_the_field(
 async def test_a_run_records_its_evaluations_in_the_step_log_and_summary(
     tiny: Path, tmp_path: Path,
 ) -> None:
-    recipe = _recipe(tiny, output=tmp_path / "run", max_staleness=1)
+    recipe = _recipe(tiny, output=tmp_path / "run", max_staleness=1, tracking=("tensorboard",))
     shown: list[dict[str, Any]] = []
     held_prompts: set[str] = set()
     trained: list[str] = []
@@ -379,6 +387,13 @@ async def test_a_run_records_its_evaluations_in_the_step_log_and_summary(
     assert [x["step"] for x in lines if "eval/prompts" not in x] == [1, 2, 3, 4]
     saved = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert saved["eval/step"] == 4
+    # the trackers get each round at the step it evaluated
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("eval/greedy_accuracy")] == [
+        (x["step"], pytest.approx(x["eval/greedy_accuracy"])) for x in evals]
     assert saved["eval/greedy_accuracy"] == evals[-1]["eval/greedy_accuracy"]
     assert trained  # positions were trained, none of them a held-out prompt
     assert not set(trained) & held_prompts

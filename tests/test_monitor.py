@@ -192,6 +192,21 @@ async def test_metrics_parse_and_are_labelled_by_stage_and_worker(live: Live) ->
     values = [s.value for s in staleness]
     assert values == sorted(values)
     assert values[-1] > 0
+    # The last step's figures, next to the bound (simulated workers report no trainer figures).
+    def gauge(name: str) -> float:
+        family = families[name]
+        assert family.type == "gauge", name
+        assert family.documentation, name
+        (sample,) = family.samples
+        return float(sample.value)
+
+    assert gauge("flowrl_response_length_tokens") >= 1
+    assert gauge("flowrl_reward_std") >= 0
+    assert 0 <= gauge("flowrl_step_staleness_mean") <= gauge("flowrl_step_staleness_max")
+    assert gauge("flowrl_step_staleness_max") <= gauge("flowrl_max_staleness")
+    assert families["flowrl_failed_samples"].type == "counter"
+    assert families["flowrl_failed_samples"].samples == []  # no sample failed
+    assert "flowrl_train_loss" not in families
     # A second scrape only adds the spans finished since the first.
     async with live.http.get(live.url + "metrics") as r:
         again = {f.name: f for f in text_string_to_metric_families(await r.text())}
@@ -290,6 +305,10 @@ async def test_control_without_the_token_is_refused(live: Live, path: str,
                               headers=headers) as r:
         assert r.status == 401
         assert r.headers["WWW-Authenticate"].startswith("Bearer")
+        # A wrong token is told apart from none (a Basic header names no bearer token).
+        wrong = auth is not None and auth.startswith("Bearer")
+        assert await r.text() == ("invalid token" if wrong else "a bearer token is required")
+        assert ('error="invalid_token"' in r.headers["WWW-Authenticate"]) == wrong
     assert not live.ctl.paused
     assert live.ctl.gate.max_staleness == 1
     assert not live.run.done()
@@ -390,6 +409,11 @@ async def test_off_loopback_every_data_endpoint_needs_the_token(live: Live) -> N
         for path in ("status", "metrics", "trace", "events"):
             async with live.http.get(local + path) as r:
                 assert r.status == 401, path
+                assert await r.text() == "a bearer token is required"
+            async with live.http.get(local + path,
+                                     headers={"Authorization": "Bearer not-the-token"}) as r:
+                assert r.status == 401, path
+                assert await r.text() == "invalid token"
         async with live.http.get(local + "status", headers=live.auth) as r:
             assert r.status == 200
         async with live.http.get(local) as r:  # the page itself holds no data
@@ -463,6 +487,25 @@ async def test_terminal_view_redraws_until_ctrl_c_then_exits_cleanly(live: Live)
             await proc.wait()
     assert proc.returncode == 0, err.decode()
     assert b"Traceback" not in err
+
+
+@pytest.mark.timeout(30)
+async def test_terminal_view_stops_at_a_wrong_token_naming_it(live: Live) -> None:
+    config = MonitorConfig(host="0.0.0.0", token=SecretStr(TOKEN))
+    async with MonitorServer(live.ctl, config) as mon:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "flowrl.monitor", mon.url.replace("0.0.0.0", "127.0.0.1"),
+            "--interval", "0.2", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "FLOWRL_MONITOR_TOKEN": "not-the-token"})
+        try:
+            _, err = await asyncio.wait_for(proc.communicate(), 20)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    assert proc.returncode == 1
+    assert b"HTTP 401: invalid token" in err
+    assert b"FLOWRL_MONITOR_TOKEN" in err
 
 
 @pytest.mark.timeout(30)

@@ -24,7 +24,7 @@ PUBLIC = [
     "PlacementConfig", "PoolSpec", "RayConfig", "RayResources", "Recipe", "RecipeError",
     "RewardConfig", "RewardModelConfig", "RolloutConfig", "RunError", "SimConfig",
     "StabilityActions", "StabilityConfig",
-    "TinyModelConfig", "TrainerConfig",
+    "TinyModelConfig", "TrainerConfig", "LoraConfig",
     "compile_recipe", "given", "load_recipe", "run_recipe",
 ]
 

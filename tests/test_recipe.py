@@ -18,6 +18,7 @@ import flowrl.recipe as recipe_mod
 from flowrl.pipeline import PipelineSpec
 from flowrl.recipe import (
     AlgorithmConfig,
+    ArithmeticConfig,
     DataConfig,
     JudgeConfig,
     ModelConfig,
@@ -62,7 +63,7 @@ def test_public_api_is_pinned() -> None:
         "ClusterSettings", "CriticConfig", "DataConfig", "EvalConfig", "JudgeConfig", "ModelConfig",
         "MonitorConfig", "PlacementConfig", "RayConfig", "RayResources", "Recipe",
         "RewardConfig", "RewardModelConfig", "RolloutConfig", "SimConfig", "StabilityActions",
-        "StabilityConfig", "TinyModelConfig",
+        "StabilityConfig", "TinyModelConfig", "LoraConfig",
         "TrainerConfig", "callable_ref", "check_fn_ref",
     }
 
@@ -508,6 +509,55 @@ def test_numbers_given_to_text_fields_become_text(tmp_path: Path) -> None:
     path = write(tmp_path, "from flowrl.recipe import Recipe\nrecipe = Recipe(steps=1)\n")
     r = load_recipe(path, ["data.prompt_key=123"])
     assert r.data.prompt_key == "123"
+
+
+def test_set_kind_switches_a_section_and_drops_the_old_kinds_settings(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        from flowrl.recipe import ArithmeticConfig, DataConfig, Recipe
+
+        recipe = Recipe(steps=1, data=DataConfig(max_prompt_tokens=64,
+                                                 arithmetic=ArithmeticConfig(max_operand=5)))
+    """)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"question": "1+1=", "answer": "2"}\n')
+    notes: list[str] = []
+    r = load_recipe(path, ["data.kind=jsonl", f"data.path={rows}", "data.prompt_key=question"],
+                    on_note=notes.append)
+    assert (r.data.kind, r.data.path, r.data.prompt_key) == ("jsonl", str(rows), "question")
+    assert r.data.max_prompt_tokens == 64  # a setting every kind shares is kept
+    assert r.data.arithmetic == ArithmeticConfig()
+    assert notes == [f"{path}: --set data.kind=jsonl: data switches from kind 'arithmetic', "
+                     "dropping the recipe's data.arithmetic"]
+    # Other bad values still fail, naming the field and the file.
+    with pytest.raises(RecipeError) as ei:
+        load_recipe(path, ["data.kind=jsonl"])
+    assert str(ei.value).startswith(f"{path}: data.path: required when kind is 'jsonl'")
+    with pytest.raises(RecipeError) as ei:
+        load_recipe(path, ["data.kind=jsonl", f"data.path={rows}", "data.arithmetic.count=3"])
+    assert problems_of(ei)["data.arithmetic"].startswith("settings given but kind is 'jsonl'")
+    with pytest.raises(RecipeError) as ei:
+        load_recipe(path, ["data.kind=csv"])
+    assert "data.kind" in problems_of(ei)
+    # The same kind is no switch: nothing dropped, nothing said.
+    same = load_recipe(path, ["data.kind=arithmetic"], on_note=notes.append)
+    assert same.data.arithmetic.max_operand == 5
+    assert len(notes) == 1
+
+
+def test_set_kind_switches_placement(tmp_path: Path) -> None:
+    path = write(tmp_path, """
+        from flowrl.recipe import PlacementConfig, RayConfig, Recipe
+
+        recipe = Recipe(steps=1, placement=PlacementConfig(
+            kind="ray", ray=RayConfig(address="auto"), max_restarts=7))
+    """)
+    notes: list[str] = []
+    r = load_recipe(path, ["placement.kind=local"], on_note=notes.append)
+    assert r.placement.kind == "local"
+    assert r.placement.ray.address is None
+    assert r.placement.max_restarts == 7
+    assert notes == [f"{path}: --set placement.kind=local: placement switches from kind 'ray', "
+                     "dropping the recipe's placement.ray"]
 
 
 # ---- the shipped recipe and the import cost ----------------------------------------------------

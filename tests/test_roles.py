@@ -580,6 +580,10 @@ async def test_the_last_step_writes_the_final_model_also_without_checkpoints(
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (final / name).is_file(), name
     assert not (final / "optimizer.safetensors").exists()
+    # What the launcher's progress line says of the save.
+    assert last.metrics["final_bytes"] == sum(p.stat().st_size for p in final.iterdir())
+    assert last.metrics["final_s"] > 0
+    assert "checkpoint_s" not in last.metrics
     saved = load_causal_lm(final, device=torch.device("cpu"), dtype=torch.float32)
     assert params_equal(saved, role.engine.model)
 

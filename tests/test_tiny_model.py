@@ -167,3 +167,25 @@ def test_cli_builds_a_model(tmp_path: Path) -> None:
     assert proc.stdout.strip() == str(out)
     assert (out / "model.safetensors").is_file()
     assert (out / MANIFEST).is_file()
+
+
+def test_a_build_says_its_stages_and_an_interrupted_one_leaves_nothing_that_looks_built(
+        tmp_path: Path) -> None:
+    said: list[tuple[str, dict[str, Any]]] = []
+    build_tiny_model(tmp_path / "m", **SMALL, pretrain_steps=2,
+                     progress=lambda stage, figures: said.append((stage, figures)))
+    assert [stage for stage, _ in said] == ["tokenizer", "model", "warmup", "warmup", "save"]
+    assert said[0][1]["tokens"] <= SMALL["vocab_size"]
+    assert said[3][1] == {"step": 2, "steps": 2}
+    said.clear()
+    build_tiny_model(tmp_path / "m", **SMALL, pretrain_steps=2,  # reused: nothing to say
+                     progress=lambda stage, figures: said.append((stage, figures)))
+    assert said == []
+
+    def ctrl_c(stage: str, figures: dict[str, Any]) -> None:
+        if stage == "warmup":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        build_tiny_model(tmp_path / "cut", **SMALL, pretrain_steps=2, progress=ctrl_c)
+    assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no model, no temporary directory

@@ -22,6 +22,7 @@ from flowrl.recipe import (
     DataConfig,
     EvalConfig,
     JudgeConfig,
+    LoraConfig,
     ModelConfig,
     Recipe,
     RewardConfig,
@@ -150,6 +151,8 @@ async def test_every_field_of_the_spec_is_read_by_the_worker_side(
                      reward=RewardConfig(**source)).engine_spec()
               for source in ({"model": RewardModelConfig(path=str(scorer), max_length=32)},
                              {"judge": JudgeConfig(max_prompt_tokens=32)})]
+    lora = Recipe(steps=1, model=ModelConfig(path=str(model), lora=LoraConfig(rank=2)),
+                  trainer=TrainerConfig(gradient_checkpointing=True)).engine_spec()
     threads = torch.get_num_threads()
     try:
         # What a worker process does with its spec (`workers.main.main` and `serve`) ...
@@ -162,6 +165,7 @@ async def test_every_field_of_the_spec_is_read_by_the_worker_side(
         # ... and what the real engines' factory reads, every role of each variant.
         for config, roles in ((ppo, ("rollout", "reward", "reference", "critic", "train")),
                               (resumed, ("rollout", "reference", "critic")),
+                              (lora, ("rollout", "train")),
                               *((g, ("reward",)) for g in graded)):
             for role in roles:
                 process = spec.process.model_copy(update={

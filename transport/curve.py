@@ -10,7 +10,8 @@ Guarantees:
 - A server socket configured here (`server_options`) is encrypted and authenticated: the
   handshake fails unless the peer knows the server's public key, and the ZAP handler admits only
   the run's client public key. A peer without keys, or with other keys, never gets a message to
-  the application: its requests time out; denials are counted (`Authorizer.statistics`).
+  the application: its requests time out; denials are counted (`Authorizer.statistics`), and
+  each refused client key is logged once (not at every reconnection).
 - The ZAP handler of a zmq context runs on the event loop (no thread, no polling) while at least
   one curve server of that context is open, and is bound before any of them binds: there is no
   window in which libzmq accepts a connection unchecked. Several runs may share a context; each
@@ -54,6 +55,9 @@ ENV: Final = "FLOWRL_CURVE_KEYS"
 _ZAP_ENDPOINT: Final = "inproc://zeromq.zap.01"
 _ZAP_VERSION: Final = b"1.0"
 _FIELDS: Final = ("server_public", "server_secret", "client_public", "client_secret")
+# Refused client keys remembered per domain, to log each once; bounded against a peer that
+# makes up keys.
+_REFUSED_KEYS_LOGGED: Final = 64
 
 
 def _z85_key(value: Any, name: str) -> bytes:
@@ -187,6 +191,7 @@ class _Domain:
         self.users = 0
         self.allowed = 0
         self.denied = 0
+        self.refused_keys: set[bytes] = set()
 
 
 class _ZapHandler:
@@ -216,7 +221,11 @@ class _ZapHandler:
                 status, text, user = b"200", b"OK", key
             elif domain is not None:
                 domain.denied += 1
-                log.warning("curve: refused a client key on %s", parts[3].decode(errors="replace"))
+                seen = domain.refused_keys
+                if key not in seen and len(seen) < _REFUSED_KEYS_LOGGED:
+                    seen.add(key)
+                    log.warning("curve: refused client key %s from %s (logged once per key)",
+                                key.decode(), parts[3].decode(errors="replace"))
         try:
             self._sock.send_nowait([_ZAP_VERSION, request_id, status, text, user, b""])
         except zmq.ZMQError:  # libzmq's own inproc peer: cannot be full or gone while it waits

@@ -56,3 +56,13 @@ class UnknownSegment(TransportError):
 class SharedMemoryTooSmall(TransportError):
     """The shared-memory filesystem has less room than a store's capacity: segments written
     past its free space would kill their writers and readers with SIGBUS."""
+
+
+class KeysRefused(TransportError):
+    """A curve server refused this client's keys (they are not the server's run's): calls fail
+    with this at once instead of waiting for their deadline."""
+
+    def __init__(self, endpoint: str, reason: str) -> None:
+        super().__init__(f"{endpoint} refused this client's curve keys ({reason})")
+        self.endpoint = endpoint
+        self.reason = reason

@@ -25,7 +25,9 @@ Guarantees:
 - Client: any number of calls in flight on one socket, matched by request id. Each call has a
   deadline (DeadlineExceeded); a reply that arrives after it is discarded and counted. Closing
   fails pending calls with ClosedError. No background task: replies are dispatched from the
-  socket's reader callback. A reply that does not decode fails its call at once
+  socket's reader callback. A curve client whose server refuses its keys (its handshakes fail:
+  `transport.handshake`) fails its pending and new calls at once with KeysRefused, until a
+  handshake succeeds. A reply that does not decode fails its call at once
   (MalformedMessage) when its request id can be read, else is dropped and counted.
 """
 
@@ -49,6 +51,7 @@ from transport.endpoints import check_bind
 from transport.errors import (
     ClosedError,
     DeadlineExceeded,
+    KeysRefused,
     MalformedMessage,
     MessageTooLarge,
     Overloaded,
@@ -56,6 +59,7 @@ from transport.errors import (
     TransportError,
     UnknownOperation,
 )
+from transport.handshake import FAILED, HandshakeWatch, client_refusal, server_refusal
 from transport.request_auth import RequestAuth
 
 __all__ = ["Handler", "RpcClient", "RpcClientStats", "RpcServer", "RpcServerStats"]
@@ -77,6 +81,10 @@ OVERLOADED: Final = 4
 # server replies are dropped and counted.
 _HWM: Final = 10_000
 _MAX_ERROR_TEXT: Final = 2_000
+# Failed handshakes in a row after which a close without detail counts as a refusal of the
+# client's keys (a server with other keys says nothing more); more than one, so a server that
+# closes during one handshake (stopping) is not taken for one that refuses.
+_CLOSES_TO_REFUSE: Final = 2
 
 
 def _is_int(value: Any) -> bool:
@@ -93,6 +101,7 @@ class RpcServerStats:
     refused: int  # failed the authenticator's check (by reason: `RequestAuth.statistics`)
     long_polls: int  # long-poll handlers running
     overloaded: int  # long polls answered OVERLOADED
+    handshakes_refused: int = 0  # failed curve handshakes (counted with `on_refused` only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,9 +129,12 @@ class RpcServer(Service):
         max_long_polls_per_peer: int = 1024,
         curve: CurveKeys | None = None,
         authenticator: RequestAuth | None = None,
+        on_refused: Callable[[str], None] | None = None,
     ) -> None:
         """`curve`: serve encrypted and admit only the run's clients (needed to bind a
-        non-loopback address, with `allow_remote`). `authenticator`: serve only requests
+        non-loopback address, with `allow_remote`). `on_refused`: with `curve`, called with
+        the reason, in words, of every client handshake that fails (a client whose keys are
+        not the run's). `authenticator`: serve only requests
         it admits; without `curve`, the requests and replies travel in clear (it also
         allows a non-loopback bind, with `allow_remote`). `long_polls`: the operations of
         `handlers` that wait for work to appear, served on their own budgets (module
@@ -159,6 +171,9 @@ class RpcServer(Service):
         self._rejected = 0
         self._dropped = 0
         self._refused = 0
+        self._on_refused = on_refused
+        self._handshakes: HandshakeWatch | None = None
+        self._handshakes_refused = 0
 
     @property
     def endpoint(self) -> str:
@@ -183,12 +198,21 @@ class RpcServer(Service):
             self._auth = authorize(self._ctx, self._curve)  # before the bind: none unchecked
         try:
             sock = new_socket(self._ctx, zmq.ROUTER, options)
+            if self._curve is not None and self._on_refused is not None:
+                self._handshakes = HandshakeWatch(sock, self._on_handshake)  # before the bind
             self._endpoint = bind(sock, self._endpoint)
         except BaseException:
+            if self._handshakes is not None:
+                self._handshakes.close()
             self._release_auth()
             raise
         self._sock = AsyncSocket(sock, self._on_request)
         return self._endpoint
+
+    def _on_handshake(self, event: int, value: int) -> None:
+        if event in FAILED and self._on_refused is not None:
+            self._handshakes_refused += 1
+            self._on_refused(server_refusal(event, value))
 
     def _release_auth(self) -> None:
         if self._auth is not None:
@@ -203,6 +227,8 @@ class RpcServer(Service):
         if self._sock is not None:
             self._sock.pause()
         await cancel_and_wait([*self._tasks, *self._polls])
+        if self._handshakes is not None:
+            self._handshakes.close()
         if self._sock is not None:
             self._sock.close()
         self._release_auth()
@@ -217,6 +243,7 @@ class RpcServer(Service):
             refused=self._refused,
             long_polls=len(self._polls),
             overloaded=self._overloaded,
+            handshakes_refused=self._handshakes_refused,
         )
 
     def _on_request(self, frames: list[zmq.Frame]) -> None:
@@ -360,6 +387,9 @@ class RpcClient(Closeable):
         self._closed = False
         self._late = 0
         self._malformed = 0
+        self._handshakes: HandshakeWatch | None = None
+        self._failed_handshakes = 0  # in a row
+        self._refused = ""  # why the server refuses this client's keys; "" when it does not
 
     def _open(self) -> AsyncSocket:
         if self._closed:
@@ -374,9 +404,32 @@ class RpcClient(Closeable):
         if self._curve is not None:
             options += self._curve.client_options()
         sock = new_socket(self._ctx, zmq.DEALER, options)
-        sock.connect(self._endpoint)
+        try:
+            if self._curve is not None:  # before the connect: no handshake goes unseen
+                self._handshakes = HandshakeWatch(sock, self._on_handshake)
+            sock.connect(self._endpoint)
+        except BaseException:
+            if self._handshakes is not None:
+                self._handshakes.close()
+            sock.close(linger=0)
+            raise
         self._sock = AsyncSocket(sock, self._on_reply)
         return self._sock
+
+    def _on_handshake(self, event: int, value: int) -> None:
+        if event not in FAILED:
+            self._failed_handshakes = 0
+            self._refused = ""
+            return
+        self._failed_handshakes += 1
+        if (event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                and self._failed_handshakes < _CLOSES_TO_REFUSE):
+            return
+        self._refused = client_refusal(event, value)
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(KeysRefused(self._endpoint, self._refused))
 
     async def call(
         self,
@@ -389,9 +442,11 @@ class RpcClient(Closeable):
 
         Raises DeadlineExceeded, RemoteError, UnknownOperation, MessageTooLarge (request over
         the limit, here or at the server), Overloaded (a long poll over the server's
-        budget), ClosedError.
+        budget), KeysRefused (a curve server refuses this client's keys), ClosedError.
         """
         sock = self._sock or self._open()
+        if self._refused:
+            raise KeysRefused(self._endpoint, self._refused)
         rid = self._next_id
         self._next_id = rid + 1
         frames = encode([rid, op, payload])
@@ -445,6 +500,8 @@ class RpcClient(Closeable):
         if self._closed:
             return
         self._closed = True
+        if self._handshakes is not None:
+            self._handshakes.close()
         if self._sock is not None:
             self._sock.close()
         pending, self._pending = self._pending, {}

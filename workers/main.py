@@ -3,15 +3,16 @@
 ``FILE`` holds the process's `flowrl.worker_spec.WorkerSpec` (written by
 `flowrl.worker_launch.worker_command`, mode 0600, removed once read). The process hosts the
 spec's ``count`` workers of one role (real engines use one; simulated workers are cheap and
-many share a process). It exits when the controller broadcasts ``stop``, on SIGTERM/SIGINT, or
-when its parent dies (Linux parent-death signal), so a killed controller never leaves orphans
-behind. A process whose roles cannot be built (a model, dataset or reward function that fails to
-load) tells the controller why (``start_failed``) before it exits with the traceback.
+many share a process). It exits when the controller broadcasts ``stop``, on SIGTERM (SIGINT is
+left to the controller that started it: `flowrl.lifecycle.stop_signals`), or when its parent
+dies (Linux parent-death signal), so a killed controller never leaves orphans behind. A process
+whose roles cannot be built (a model, dataset or reward function that fails to load) tells the
+controller why (``start_failed``) before it exits with the traceback.
 """
 
 from __future__ import annotations
 
-from flowrl.lifecycle import die_with_parent, run_main
+from flowrl.lifecycle import die_with_parent, run_main, stop_signals
 
 if __name__ == "__main__":
     # First thing: the imports below take seconds (torch), and a parent killed meanwhile must
@@ -22,7 +23,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import signal
 from pathlib import Path
 
 import structlog
@@ -139,7 +139,7 @@ async def serve(spec: WorkerSpec) -> None:
                 w.stop()
 
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in stop_signals():
             loop.add_signal_handler(sig, stop_all)
         async with asyncio.TaskGroup() as tg:
             for w in workers:

@@ -22,10 +22,11 @@ Policy objectives (``policy_loss``), with ``ρ_t = π_θ(y_t)/π_old(y_t)`` and 
   gradient, the clipped ones with a bounded weight. Default ε: 1.0 / 0.28 (no lower bound, as
   the paper; its tuned upper bound is not published, 0.28 is DAPO's clip-higher).
 
-With one update per batch (``old_logprobs = logprobs.detach()``, as the trainer does) every ρ is
+With one update per batch (``old_logprobs = logprobs.detach()``, the trainer's default) every ρ is
 1, no clip binds, and the three give every token the same gradient ``−A·∇log π_θ`` before
 aggregation (GSPO's default aggregation is then its only difference); they differ once π_θ has
-moved away from π_old, as in several updates per batch.
+moved away from π_old, as in several updates per batch (``trainer.ppo_epochs``,
+``mini_batch_groups``).
 
 Rollout corrections (``correction`` or ``tis_cap``) multiply every token's loss by a detached
 weight for the gap between π_old and the policy that generated the sample (stale rows, the

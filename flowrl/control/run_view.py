@@ -6,13 +6,15 @@ flight); holds no secret (the monitor token is not in it).
 
 from __future__ import annotations
 
+import collections
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from flowrl.control.admission import Admission
 from flowrl.control.assignments import Assignments
 from flowrl.control.ledger import StepLedger
+from flowrl.control.step_metrics import StepFailures
 from flowrl.events import EventBus
 from flowrl.graph import StageGraph
 from flowrl.index import Index
@@ -30,6 +32,12 @@ class RunCounters:
 
     worker_deaths: int = 0
     started_at: float = 0.0  # perf_counter at the current run()'s start (0: not running)
+    #: trained samples a stage failed on, by stage and kind (`StepFailures`), for the whole run
+    failed_samples: dict[str, collections.Counter[str]] = field(default_factory=dict)
+
+    def count_failures(self, failures: dict[str, StepFailures]) -> None:
+        for stage, f in failures.items():
+            self.failed_samples.setdefault(stage, collections.Counter()).update(f.counts)
 
 
 def status_snapshot(*, run_id: str, graph: StageGraph, index: Index, registry: Registry,
@@ -37,7 +45,8 @@ def status_snapshot(*, run_id: str, graph: StageGraph, index: Index, registry: R
                     step_log: list[dict[str, Any]], steps_target: int, paused: bool,
                     stale_dropped: int, store_stats: dict[str, Any], counters: RunCounters,
                     restarts: int, errors: list[dict[str, Any]], lag: LoopLag | None,
-                    events: EventBus, monitor_url: str | None) -> dict[str, Any]:
+                    events: EventBus, monitor_url: str | None,
+                    eval_log: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     stats = index.statistics()
     wall = (time.perf_counter() - counters.started_at) if counters.started_at else 0.0
     now = time.time()
@@ -82,6 +91,10 @@ def status_snapshot(*, run_id: str, graph: StageGraph, index: Index, registry: R
                        "last_step_samples_per_s": last.get("samples_per_s", 0.0),
                        "steps": len(step_log)},
         "reward_mean": last.get("reward_mean"),
+        "last_step": last or None,
+        "last_eval": eval_log[-1] if eval_log else None,
+        "failed_samples": {stage: dict(kinds) for stage, kinds in
+                           counters.failed_samples.items()},
         "stale_dropped": stale_dropped,
         "store": store_stats,
         "admission_paused_for_store": backpressure.paused,

@@ -124,16 +124,30 @@ class FailureBudget:
                 f"{f.errors[kind]}")
 
 
+def _std(values: Sequence[float]) -> float:
+    """Population standard deviation; NaN (not an error, as `statistics.pstdev` raises) when a
+    value is not finite."""
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+
+
 def step_entry(commit: StepCommit, *, served_versions: list[int], wall_s: float,
-               since_last_s: float | None, stages: dict[str, float]) -> dict[str, Any]:
+               since_last_s: float | None, stages: dict[str, float], response_tokens: int = 0,
+               max_staleness: int | None = None) -> dict[str, Any]:
+    """``response_tokens``: the step's samples' response tokens (their mean length is on the
+    line); ``max_staleness``: the staleness bound in force when the step committed, so the line
+    tells the bound from the staleness it observed (``staleness_max``)."""
     rewards, staleness = commit.rewards, commit.staleness
     return {
         "step": commit.version,
         "reward_mean": sum(rewards) / len(rewards) if rewards else None,
+        "reward_std": _std(rewards) if rewards else None,
         "samples": commit.samples,
         "samples_per_s": commit.samples / since_last_s if since_last_s else 0.0,
+        "response_length_mean": response_tokens / commit.samples if commit.samples else 0.0,
         "staleness_max": max(staleness, default=0),
         "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
+        "max_staleness": max_staleness,
         "served_versions": served_versions,
         "wall_s": wall_s,
         "reward_failed": 0.0,

@@ -90,7 +90,9 @@ class Versions:
             commit, served_versions=sorted(self._served()),
             wall_s=now - self.counters.started_at,
             since_last_s=(now - self.last_step_at) if self.last_step_at else None,
-            stages=stages)
+            stages=stages, response_tokens=sum(t.tokens for t in tasks),
+            max_staleness=self.ledger.admission.gate.max_staleness)
+        self.counters.count_failures(failures)
         self.last_step_at = now
         if self._output is not None:
             try:  # completes the trainer's checkpoint of this version, when it wrote one

@@ -163,7 +163,8 @@ class Workforce:
         hub = self.hub
         assert hub is not None
         await hub.start(handlers)
-        log.info("listening for node agents", endpoint=hub.endpoint, nodes=hub.nodes)
+        log.info("listening for node agents", endpoint=hub.endpoint, nodes=hub.nodes,
+                 **({} if hub.config.keys_file is None else {"keys_file": hub.config.keys_file}))
         if self.rendezvous is not None:
             log.warning("trainer ranks meet across nodes in an unauthenticated store; their "
                         "collectives are unencrypted", store=self.rendezvous.start())

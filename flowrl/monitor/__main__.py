@@ -1,11 +1,14 @@
 """``python -m flowrl.monitor URL [--once] [--interval S]`` — a live terminal view of a run.
 
 Reads the monitor's ``/status`` once per interval (default 1 s) and redraws a compact view:
-trainer version and throughput, stages with queue depths, workers with their state, the
-staleness histogram, store usage and recent errors. ``--once`` prints one snapshot and exits.
-Ctrl-C exits cleanly (status 0). A monitor bound off loopback needs its token: pass it in the
-``FLOWRL_MONITOR_TOKEN`` environment variable (a command-line argument would show in ``ps``).
-Exit status: 0, or 1 when the monitor cannot be read.
+trainer version and throughput, the last step's training figures, stages with queue depths,
+workers with their state, the staleness histogram, store usage and recent errors. ``--once``
+prints one snapshot and exits. Ctrl-C exits cleanly (status 0), and so does the view when the
+run ends: once it has read the run, a monitor that refuses connections has closed with its run,
+and the view says at which step (other read errors are shown and retried). A monitor bound off
+loopback needs its token: pass it in the ``FLOWRL_MONITOR_TOKEN`` environment variable (a
+command-line argument would show in ``ps``). Exit status: 0, or 1 when the monitor cannot be
+read (``--once``) or refuses the token.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 import signal
 import sys
 import time
+import urllib.error
 import urllib.request
 from typing import Any
 
@@ -23,6 +27,8 @@ from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
+
+from flowrl.staleness import describe_staleness
 
 TOKEN_ENV = "FLOWRL_MONITOR_TOKEN"
 _STATE_STYLE = {"busy": "green", "queued": "yellow", "idle": "dim"}
@@ -43,13 +49,45 @@ def status_url(url: str) -> str:
     return base if base.endswith("/status") else base + "/status"
 
 
+class ErrorAnswer(OSError):
+    """The monitor answered with an HTTP error; ``str`` says which and the monitor's reason."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(f"HTTP {status}: {reason}")
+        self.status = status
+
+
 def fetch(url: str, *, token: str | None, timeout: float) -> dict[str, Any]:
     request = urllib.request.Request(status_url(url), headers={"Accept": "application/json"})
     if token:
         request.add_header("Authorization", f"Bearer {token}")
-    with urllib.request.urlopen(request, timeout=timeout) as reply:
-        data: dict[str, Any] = json.loads(reply.read())
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            data: dict[str, Any] = json.loads(reply.read())
+    except urllib.error.HTTPError as exc:  # the monitor's own words ("invalid token"), if any
+        with exc:
+            reason = exc.read(200).decode(errors="replace").strip()
+        raise ErrorAnswer(exc.code, reason or str(exc.reason)) from None
     return data
+
+
+def closed(exc: BaseException) -> bool:
+    """Whether a read failed because nothing listens at the monitor's address any more."""
+    reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+    return isinstance(reason, ConnectionRefusedError)
+
+
+def ended_line(st: dict[str, Any]) -> str:
+    """What the view prints when the run it watched is gone; ``st``: its last status."""
+    trainer = st.get("trainer") or {}
+    version, target = int(st.get("version") or 0), int(trainer.get("steps_target") or 0)
+    run = f"run {st.get('run_id', '?')}"
+    if target and version >= target:
+        return f"{run} finished: step {version} of {target}; its monitor closed"
+    # The last read may predate the last steps (the monitor closes as the run returns).
+    of = f" of {target}" if target else ""
+    return (f"{run} ended (last seen at step {version}{of}); its monitor closed; the "
+            "launcher's output says how it ended")
 
 
 def _bytes(n: Any) -> str:
@@ -107,11 +145,35 @@ def render(st: dict[str, Any]) -> RenderableType:
         staleness.append(f"{k}: {v} ({100 * v / total:.0f}%)  ")
     if not hist:
         staleness.append("no sample trained yet", style="dim")
-    parts: list[RenderableType] = [head, stages, workers, staleness]
+    parts: list[RenderableType] = [head]
+    if st.get("last_step"):
+        parts.append(_last_step(st["last_step"]))
+    parts += [stages, workers, staleness]
     for e in list(st.get("errors") or [])[-3:]:
         parts.append(Text(f"error {e.get('worker', '')}: {e.get('error', '')}"[:200],
                           style="red"))
     return Group(*parts)
+
+
+def _last_step(e: dict[str, Any]) -> Text:
+    """The last committed step's training figures (those its line has)."""
+    line = Text(f"step {e.get('step', '?')}  ", style="bold")
+    for key, label, fmt in (("train_loss", "loss", "+.4f"), ("train_kl", "kl", ".4f"),
+                            ("train_mismatch_kl", "mismatch kl", ".4f"),
+                            ("train_entropy", "entropy", ".3f"),
+                            ("train_grad_norm", "grad norm", ".3f"), ("train_lr", "lr", ".2e"),
+                            ("train_clip_frac", "clipped", ".3f"),
+                            ("reward_std", "reward std", ".3f"),
+                            ("response_length_mean", "length", ".1f")):
+        value = e.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            line.append(f"{label} {value:{fmt}}  ")
+    if "staleness_mean" in e:
+        line.append(describe_staleness(float(e["staleness_mean"]), int(e["staleness_max"]),
+                                       e.get("max_staleness")))
+    if e.get("reward_failed"):
+        line.append(f"  reward failed {int(e['reward_failed'])}", style="red")
+    return line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,18 +190,29 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: cannot read {status_url(args.url)}: {exc}", file=sys.stderr)
             return 1
         return 0
+    last: dict[str, Any] | None = None  # the run's last status read
     try:
         with Live(Text("connecting…"), console=console, auto_refresh=False) as live:
             while True:
                 try:
-                    view = render(fetch(args.url, token=token, timeout=args.timeout))
+                    last = fetch(args.url, token=token, timeout=args.timeout)
+                    view = render(last)
                 except (OSError, ValueError) as exc:
+                    if last is not None and closed(exc):
+                        break
+                    if isinstance(exc, ErrorAnswer) and exc.status == 401:  # no retry helps
+                        print(f"error: {status_url(args.url)}: {exc} (the token is read from "
+                              f"{TOKEN_ENV})", file=sys.stderr)
+                        return 1
                     view = Text(f"cannot read {status_url(args.url)}: {exc}", style="red")
                 live.update(view, refresh=True)
                 # A plain CLI reading a remote endpoint: the interval is the point, not a wait.
                 time.sleep(args.interval)
     except KeyboardInterrupt:
         return 0
+    assert last is not None
+    print(ended_line(last), flush=True)
+    return 0
 
 
 if __name__ == "__main__":

@@ -9,9 +9,17 @@ Families (labels in braces):
 
 - ``flowrl_version``, ``flowrl_paused``, ``flowrl_max_staleness``, ``flowrl_reward_mean``,
   ``flowrl_samples_per_second``, ``flowrl_event_loop_lag_seconds`` — gauges;
+- the last committed step's figures (`STEP_GAUGES`: loss, KL, entropy, grad norm, learning
+  rate, clipped-token share, reward spread, response length, observed staleness): gauges
+  that appear with the first step; one whose figure the step's line lacks (``flowrl_train_kl``
+  without a KL penalty, the trainer's figures in simulation) is left out;
+- the last evaluation round's accuracies (`EVAL_GAUGES`): gauges that appear with the first
+  round that has them;
 - ``flowrl_samples_trained_total``, ``flowrl_stale_dropped_total``,
   ``flowrl_worker_deaths_total``, ``flowrl_steps_total``, ``flowrl_events_dropped_total`` —
   counters;
+- ``flowrl_failed_samples_total{stage,kind}`` — trained samples a stage failed on (a reward
+  function that raised, ...): they trained with a fallback value (a reward of 0);
 - ``flowrl_stage_queue_depth{stage}``, ``flowrl_stage_tasks_in_flight{stage}``,
   ``flowrl_stage_rows{stage,state}`` — gauges;
 - ``flowrl_worker_tasks_in_flight{worker,role,node}``,
@@ -43,7 +51,8 @@ from flowrl.events import Span
 if TYPE_CHECKING:
     from flowrl.monitor.view import RunView
 
-__all__ = ["CONTENT_TYPE", "DURATION_BUCKETS", "ControllerMetrics"]
+__all__ = ["CONTENT_TYPE", "DURATION_BUCKETS", "EVAL_GAUGES", "STEP_GAUGES",
+           "ControllerMetrics"]
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -52,6 +61,44 @@ DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
                     10.0, 30.0, 60.0, 120.0, 300.0)
 
 _ROW_STATES = ("waiting", "ready", "in_flight_rows", "done", "stale")
+
+#: (key of the step's line, gauge, help) of the last committed step's figures.
+STEP_GAUGES = (
+    ("train_loss", "flowrl_train_loss", "Training loss of the last step."),
+    ("train_kl", "flowrl_train_kl",
+     "KL of the policy from the reference model, last step (with a KL penalty only)."),
+    ("train_mismatch_kl", "flowrl_train_mismatch_kl",
+     "KL of the trained policy from the sampling engine's on the sampled tokens, per token "
+     "(k3 estimate), last step."),
+    ("train_approx_kl", "flowrl_train_approx_kl",
+     "KL of the policy after the update from before it, per token (k3 estimate), last step."),
+    ("train_entropy", "flowrl_train_entropy_nats",
+     "Entropy of the policy on the sampled tokens, nats per token, last step."),
+    ("train_grad_norm", "flowrl_train_grad_norm",
+     "Gradient L2 norm before clipping, last optimizer step."),
+    ("train_lr", "flowrl_train_learning_rate", "Learning rate of the last optimizer step."),
+    ("train_clip_frac", "flowrl_train_clipped_tokens_ratio",
+     "Share of response tokens whose clipped policy term was the active one, last step."),
+    ("critic_loss", "flowrl_critic_loss", "Value loss of the critic's last step."),
+    ("reward_std", "flowrl_reward_std", "Standard deviation of the last step's rewards."),
+    ("response_length_mean", "flowrl_response_length_tokens",
+     "Mean response length of the last step's samples, in tokens."),
+    ("staleness_max", "flowrl_step_staleness_max",
+     "Largest staleness (versions) among the last step's samples; the bound is "
+     "flowrl_max_staleness."),
+    ("staleness_mean", "flowrl_step_staleness_mean",
+     "Mean staleness (versions) of the last step's samples."),
+)
+
+#: (key of an evaluation round's line, gauge, help) of the last round
+#: (`flowrl.control.evaluation`); a failed round's line has neither.
+EVAL_GAUGES = (
+    ("eval/greedy_accuracy", "flowrl_eval_greedy_accuracy_ratio",
+     "Share of the held-out prompts answered correctly greedily, last evaluation round."),
+    ("eval/sampled_accuracy", "flowrl_eval_sampled_accuracy_ratio",
+     "Share of the sampled answers to the held-out prompts that are correct, last evaluation "
+     "round."),
+)
 
 
 class _Durations:
@@ -98,6 +145,15 @@ def _num(value: Any) -> float:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
 
 
+def _line_gauges(line: dict[str, Any],
+                 gauges: tuple[tuple[str, str, str], ...]) -> Iterator[GaugeMetricFamily]:
+    for key, name, doc in gauges:
+        value = line.get(key)
+        # NaN and infinities pass as such (a diverging loss must show); absent is no sample
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            yield GaugeMetricFamily(name, doc, value=float(value))
+
+
 class _Collector:
     def __init__(self, run: RunView) -> None:
         self._run = run
@@ -130,6 +186,15 @@ class _Collector:
         yield counter("flowrl_worker_deaths", "Workers lost.", st["worker_deaths"])
         yield counter("flowrl_events_dropped", "Events a slow watcher lost.",
                       st["events"]["dropped"])
+        yield from _line_gauges(st["last_step"] or {}, STEP_GAUGES)
+        yield from _line_gauges(st.get("last_eval") or {}, EVAL_GAUGES)
+        failed = CounterMetricFamily(
+            "flowrl_failed_samples", "Trained samples a stage failed on, which trained with a "
+            "fallback value (a reward of 0), by stage and failure kind.", labels=["stage", "kind"])
+        for stage, kinds in sorted(st["failed_samples"].items()):
+            for kind, n in sorted(kinds.items()):
+                failed.add_metric([stage, kind], _num(n))
+        yield failed
 
         depth = GaugeMetricFamily("flowrl_stage_queue_depth",
                                   "Ready units (rows or groups) queued for a stage.",

@@ -14,7 +14,8 @@ Endpoints (all in the controller's own event loop; every handler is O(snapshot),
   in the last ``S`` seconds and after ``US`` (a ``ts`` in microseconds, e.g. the previous
   answer's ``otherData.now_us``, so a poller fetches only what is new);
 - ``POST /pause``, ``POST /resume``, ``POST /stop``, ``POST /staleness`` (JSON
-  ``{"max_staleness": n}``) — require ``Authorization: Bearer <token>``; 401 without it.
+  ``{"max_staleness": n}``) — require ``Authorization: Bearer <token>``; 401 without it
+  ("a bearer token is required") or with another token ("invalid token").
 
 Security. The token comes from the recipe (``monitor.token``) or is generated at start with
 `secrets.token_urlsafe`; it is compared in constant time and never logged, never in `/status`.
@@ -245,10 +246,11 @@ class MonitorServer:
 
     # ---- access --------------------------------------------------------------------------------
 
-    def authorized(self, request: web.Request) -> bool:
+    def _bearer(self, request: web.Request) -> bool | None:
+        """Whether the request's bearer token is this monitor's; None when it names none."""
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not given:
-            return False
+        if scheme.lower() != "bearer" or not given.strip():
+            return None
         return hmac.compare_digest(given.strip().encode(),
                                    self.token.get_secret_value().encode())
 
@@ -258,9 +260,16 @@ class MonitorServer:
             raise web.HTTPMisdirectedRequest(text="this monitor answers loopback host names only")
         read = request.method in ("GET", "HEAD")
         public = request.path == "/" or request.path.startswith("/static/")
-        if not (public or (read and self.loopback) or self.authorized(request)):
-            raise web.HTTPUnauthorized(headers={"WWW-Authenticate": 'Bearer realm="flowrl"'},
-                                       text="a bearer token is required")
+        if not (public or (read and self.loopback)):
+            bearer = self._bearer(request)
+            if bearer is None:
+                raise web.HTTPUnauthorized(
+                    headers={"WWW-Authenticate": 'Bearer realm="flowrl"'},
+                    text="a bearer token is required")
+            if not bearer:  # RFC 6750's error code, so a client can tell the two apart
+                raise web.HTTPUnauthorized(
+                    headers={"WWW-Authenticate": 'Bearer realm="flowrl", error="invalid_token"'},
+                    text="invalid token")
         conn = ConnectionLimits.of(request)
         if conn is None:  # the client is gone already
             raise web.HTTPBadRequest(text="the connection is closed")

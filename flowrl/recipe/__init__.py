@@ -44,7 +44,7 @@ from flowrl.recipe.algorithm import LossAggName as LossAggName
 from flowrl.recipe.critic import CriticConfig
 from flowrl.recipe.data import ArithmeticConfig, DataConfig
 from flowrl.recipe.evaluation import EvalConfig
-from flowrl.recipe.model import TINY_MODEL, ModelConfig, TinyModelConfig
+from flowrl.recipe.model import TINY_MODEL, LoraConfig, ModelConfig, TinyModelConfig
 from flowrl.recipe.monitor import MonitorConfig
 from flowrl.recipe.placement import CONTROLLER_NODE as CONTROLLER_NODE
 from flowrl.recipe.placement import ROLES as ROLES
@@ -77,6 +77,7 @@ __all__ = [
     "DataConfig",
     "EvalConfig",
     "JudgeConfig",
+    "LoraConfig",
     "ModelConfig",
     "MonitorConfig",
     "PlacementConfig",

@@ -53,6 +53,14 @@ class AlgorithmConfig(_Section):
     """Weight of the KL(π‖π_ref) loss term; 0 disables it and the reference stage."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """Per-token KL estimator (Schulman 2020); k3 is GRPO's."""
+    kl_in_reward: bool = False
+    """Where the KL to the reference goes. False: a loss term, ``kl_coef·KL(π_θ‖π_ref)``
+    (GRPO's). True: into the rewards before the advantage estimator (verl's
+    ``use_kl_in_reward``, PPO as in InstructGPT): every response token's reward gets
+    ``−kl_coef·KL_t(π_old‖π_ref)`` and there is no KL loss term; the group estimators see a
+    row's reward minus ``kl_coef·Σ_t KL_t``, REINFORCE++ and PPO's GAE the per-token rewards.
+    PPO's critic stage scores the rows before the trainer has, so there π_old is the policy that
+    sampled them (``rollout_logprobs``). Needs ``kl_coef > 0``."""
     policy_loss: PolicyLossName = "ppo_clip"
     """The policy objective: ``ppo_clip`` (PPO's clipped surrogate per token, with DAPO's
     clip-higher through `clip_high`), ``gspo`` (GSPO: one importance ratio per sequence, the
@@ -116,6 +124,8 @@ class AlgorithmConfig(_Section):
     def _groups(self) -> AlgorithmConfig:
         if self.name in ("grpo", "dr_grpo", "rloo") and self.group_size < 2:
             raise _rule("group_size", f"{self.name} needs groups of at least 2 responses")
+        if self.kl_in_reward and self.kl_coef == 0.0:
+            raise _rule("kl_in_reward", "folds kl_coef·KL into the rewards: set kl_coef > 0")
         if self.dynamic_sampling and self.group_size < 2:
             raise _rule("dynamic_sampling", "needs group_size >= 2 (a group of one is always "
                         "dropped)")

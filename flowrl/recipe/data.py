@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
-from typing import Literal
+from collections.abc import Mapping
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -29,8 +30,15 @@ def _importable(module: str) -> bool:
         return False
 
 
+_FILE_FIELDS = frozenset({"path", "prompt_key", "answer_key", "prompt_template"})
+"""The settings of the file kinds (``jsonl``, ``parquet``)."""
+
+
 class DataConfig(_Section):
     """Where prompts (and the answers the reward function checks) come from."""
+
+    kind_fields: ClassVar[Mapping[str, frozenset[str]]] = {
+        "arithmetic": frozenset({"arithmetic"}), "jsonl": _FILE_FIELDS, "parquet": _FILE_FIELDS}
 
     kind: Literal["arithmetic", "jsonl", "parquet"] = "arithmetic"
     """``arithmetic`` (built in, synthetic), or a ``jsonl`` / ``parquet`` file of rows."""

@@ -3,11 +3,12 @@
 `check_inputs` does in the launcher what the workers would do first, and fails the way they
 would, but at once and naming the recipe field: it resolves the reward function
 (`flowrl.reward_fn`, running the user's module as a reward worker does) and checks that it can
-be called as the reward role calls it; it reads the data file (and a held-out ``eval.path``) up
-to its first usable row; and it loads the config and tokenizer of each model directory
-(offline), checking the policy's chat template when ``data.chat_template`` asks for it. A
-failure raises `InputError` (the launcher exits with code 2) instead of a worker process dying
-over and over a minute later.
+be called as the reward role calls it (or the episode function: an async
+``fn(policy, example)``); it reads the data file (and a held-out ``eval.path``) up to its first
+usable row; and it loads the config and tokenizer of each model directory (offline), checking
+the policy's chat template when ``data.chat_template`` asks for it. A failure raises
+`InputError` (the launcher exits with code 2) instead of a worker process dying over and over a
+minute later.
 
 Only inputs on this machine are checked (`Recipe.inputs_are_local`): a simulated run loads
 none, and a run placed on other nodes reads its files there. transformers is imported only
@@ -16,10 +17,12 @@ when there is a model directory to check.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 from typing import Any
 
 from flowrl.data import first_example
+from flowrl.episode import resolve_episode_fn
 from flowrl.prompts import NoChatTemplate, check_chat_template
 from flowrl.recipe.data import DataConfig
 from flowrl.recipe.model import TINY_MODEL
@@ -27,7 +30,8 @@ from flowrl.recipe.recipe import Recipe
 from flowrl.recipe.reward import RewardConfig
 from flowrl.reward_fn import RewardFnError, describe_error, resolve_reward_fn
 
-__all__ = ["InputError", "check_data", "check_inputs", "check_model_dir", "check_reward_fn"]
+__all__ = ["InputError", "check_data", "check_episode_fn", "check_inputs", "check_model_dir",
+           "check_reward_fn"]
 
 
 class InputError(ValueError):
@@ -42,10 +46,16 @@ def check_inputs(recipe: Recipe) -> None:
     """Raise `InputError` for the first input of ``recipe`` its workers could not use."""
     if not recipe.inputs_are_local:
         return
-    check_reward_fn(recipe.reward)
+    if recipe.rollout.episode is not None:
+        check_episode_fn(recipe.rollout.episode_ref)
+    else:
+        check_reward_fn(recipe.reward)
     check_data(recipe.data)
     if recipe.eval is not None and recipe.eval.path is not None:
         check_data(recipe.data, path=recipe.eval.path, field="eval.path")
+    if recipe.model.lora is not None and importlib.util.find_spec("peft") is None:
+        raise InputError("model.lora", "adapters need the peft package: pip install "
+                         "'flowrl[lora]'")
     if recipe.model.path != TINY_MODEL:
         tokenizer = check_model_dir("model.path", recipe.model.path)
         if recipe.data.chat_template:
@@ -83,6 +93,16 @@ def check_reward_fn(reward: RewardConfig) -> None:
                 else "fn(prompt, response, answer=...)")
         raise InputError("reward.fn", f"{ref!r} cannot be called as {call}: {exc} (it is "
                          f"{getattr(fn, '__name__', 'fn')}{signature})") from None
+
+
+def check_episode_fn(ref: str | None) -> None:
+    """The episode function resolves to an async function taking ``(policy, example)``."""
+    if ref is None:
+        return
+    try:
+        resolve_episode_fn(ref)
+    except RewardFnError as exc:
+        raise InputError("rollout.episode", str(exc)) from None
 
 
 def check_data(data: DataConfig, *, path: str | None = None, field: str = "data.path") -> None:

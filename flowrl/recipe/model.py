@@ -44,6 +44,32 @@ class TinyModelConfig(_Section):
         return self
 
 
+LORA_ALL_LINEAR: Literal["all-linear"] = "all-linear"
+"""`LoraConfig.target_modules` value: every linear layer but the output head."""
+
+
+class LoraConfig(_Section):
+    """Low-rank adapters on the policy (the ``peft`` library, ``pip install 'flowrl[lora]'``):
+    only the adapters train; rollout engines get the adapter (HF) or merged weights (vLLM)."""
+
+    rank: int = Field(default=16, ge=1, le=4096)
+    """Rank ``r`` of each adapter's two matrices."""
+    alpha: int = Field(default=32, ge=1, le=1 << 20)
+    """Scale numerator: an adapter adds ``(alpha / rank) * B @ A`` to its weight."""
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapters' input in training passes (scoring never drops out)."""
+    target_modules: tuple[str, ...] | Literal["all-linear"] = LORA_ALL_LINEAR
+    """Module names (or name suffixes) that get adapters, e.g. ``("q_proj", "v_proj")``;
+    ``"all-linear"``: every linear layer but the output head."""
+
+    @model_validator(mode="after")
+    def _targets(self) -> LoraConfig:
+        if not isinstance(self.target_modules, str) and (
+                not self.target_modules or any(not t for t in self.target_modules)):
+            raise _rule("target_modules", "name at least one module (or 'all-linear')")
+        return self
+
+
 class ModelConfig(_Section):
     """The policy model (also the reference model when the KL term is on)."""
 
@@ -51,6 +77,8 @@ class ModelConfig(_Section):
     """A local Hugging Face model directory, or ``"tiny"`` to build a tiny Qwen2 model."""
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
     """Settings of the tiny model; only used when `path` is ``"tiny"``."""
+    lora: LoraConfig | None = None
+    """Train low-rank adapters instead of every weight; None: full fine-tuning."""
 
     @model_validator(mode="after")
     def _tiny_only_for_tiny(self) -> ModelConfig:

@@ -3,7 +3,8 @@ controller, Ray placement, and how the controller watches workers."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
@@ -53,8 +54,10 @@ class ClusterSettings(_Section):
     port: int = Field(default=0, ge=0, le=65535)
     """Port of the controller's endpoint; 0 picks a free one (logged at start)."""
     keys_file: _PathText | None = None
-    """Where the controller writes the run's fresh keys (mode 0600; the file must not exist) for
-    agents started by hand; Ray-placed agents get them from the controller directly."""
+    """Where the controller writes the run's fresh keys (mode 0600) for agents started by hand;
+    Ray-placed agents get them from the controller directly. The file is the run's while it
+    runs (another live run naming it is refused), removed when it ends, and simply rewritten
+    by the next run (also after a run that died)."""
     join_timeout_s: float = Field(default=120.0, gt=0.0, le=86400.0)
     """How long the start waits for every agent to join."""
     data_plane: DataPlane = "encrypted"
@@ -112,6 +115,8 @@ class RayConfig(_Section):
 
 class PlacementConfig(_Section):
     """Where processes run and how the controller watches them."""
+
+    kind_fields: ClassVar[Mapping[str, frozenset[str]]] = {"ray": frozenset({"ray"})}
 
     kind: Literal["local", "ray"] = "local"
     """``local``: the controller starts its own node's processes, and the agents of other nodes

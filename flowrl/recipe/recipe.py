@@ -29,6 +29,7 @@ from flowrl.recipe.rollout import RolloutConfig
 from flowrl.recipe.section import _rule, _Section
 from flowrl.recipe.sim import SimConfig
 from flowrl.recipe.stability import StabilityConfig
+from flowrl.recipe.tracking import Trackers
 from flowrl.recipe.trainer import TrainerConfig
 from flowrl.worker_spec import (
     AlgorithmSpec,
@@ -38,6 +39,7 @@ from flowrl.worker_spec import (
     EngineSpec,
     EvalDataSpec,
     FileDataSpec,
+    LoraSpec,
     ModelSpec,
     RolloutSpec,
     SamplingSpec,
@@ -112,6 +114,11 @@ class Recipe(_Section):
     """The guard that watches each step's training signals and acts on them."""
     eval: EvalConfig | None = None
     """Periodic validation on held-out prompts; None evaluates nothing."""
+    tracking: Trackers = ()
+    """Experiment trackers that get each step's metrics, the recipe and the summary
+    (`flowrl.tracking`): ``"tensorboard"`` (event files in ``<output>/tensorboard``),
+    ``"wandb"``, ``"mlflow"``; each needs its extra (``pip install 'flowrl[wandb]'``). Needs
+    `output`."""
 
     @model_validator(mode="after")
     def _cross_section(self) -> Recipe:
@@ -124,6 +131,9 @@ class Recipe(_Section):
                         f"{self.algorithm.name!r}, not 'ppo'")
         if self.checkpoint_every and self.output is None:
             raise _rule("checkpoint_every", "needs output (a directory to write checkpoints to)")
+        if self.tracking and self.output is None:
+            raise _rule("tracking", "needs output (a run directory: the trackers' files go "
+                        "there)")
         if self.keep_last is not None and not self.checkpoint_every:
             raise _rule("keep_last", "needs checkpoint_every > 0 (it says how many of the "
                         "checkpoints to keep)")
@@ -135,6 +145,9 @@ class Recipe(_Section):
         if sim and self.trainer.ranks > 1:
             raise _rule("trainer.ranks", "simulated trainers do not all-reduce; data-parallel "
                         "ranks need rollout.engine 'hf' or 'vllm'")
+        if self.model.lora is not None and self.trainer.sharding != "replicate":
+            raise _rule("model.lora", "adapters train on replicated ranks only: set "
+                        f"trainer.sharding='replicate' (got {self.trainer.sharding!r})")
         cluster = self.placement.cluster
         if (self.trainer.ranks > 1 and len(set(self.placement.roles.get("train", ()))) > 1
                 and (cluster is None or cluster.trainer_rendezvous != "cluster")):
@@ -157,6 +170,15 @@ class Recipe(_Section):
                             f"policy's) model.tiny.max_positions = "
                             f"{self.model.tiny.max_positions}")
         self._check_eval()
+        if self.rollout.episode is not None:
+            if self.rollout.engine != "hf":
+                raise _rule("rollout.episode", f"episodes run on the hf engine; "
+                            f"rollout.engine {self.rollout.engine!r} serves single completions "
+                            "only")
+            if "reward" in self.model_fields_set:
+                raise _rule("reward", "an episode scores itself (policy.finish(reward) or its "
+                            "return value): a run with rollout.episode has no reward section")
+            self._check_episode_prompts()
         unrun = sorted(set(self.placement.roles) - set(self.roles))
         if unrun:
             raise _rule(f"placement.roles.{unrun[0]}", f"this run has no {unrun[0]} workers "
@@ -179,6 +201,18 @@ class Recipe(_Section):
                             f"arithmetic task (at most {min(pairs, d.arithmetic.count)} "
                             "distinct)")
 
+    def _check_episode_prompts(self) -> None:
+        # An episode renders its own chat messages from each example and scores itself, so
+        # neither the prompt encoding nor the held-out rounds (single completions) apply.
+        episode = self.rollout.episode_ref
+        for field, is_set in (("eval", self.eval is not None),
+                              ("data.chat_template", self.data.chat_template),
+                              ("data.system_prompt", self.data.system_prompt is not None)):
+            if is_set:
+                raise _rule(field, f"not used with rollout.episode {episode!r}: an episode "
+                            "renders its own chat messages (policy.generate(messages)), and "
+                            "evaluation rounds are single completions scored by reward")
+
     @property
     def inputs_are_local(self) -> bool:
         """Whether its workers load their model, data and reward function on this machine
@@ -195,10 +229,12 @@ class Recipe(_Section):
         if (self.eval is not None and self.eval.path is not None
                 and not Path(self.eval.path).is_file()):
             raise _rule("eval.path", f"no such file: {self.eval.path!r}")
-        if isinstance(self.reward.fn, str):
-            target, _ = check_fn_ref(self.reward.fn)
-            if target.endswith(".py") and not Path(target).is_file():
-                raise _rule("reward.fn", f"no such file: {target!r}")
+        for name, ref in (("reward.fn", self.reward.fn), ("rollout.episode",
+                                                          self.rollout.episode)):
+            if isinstance(ref, str):
+                target, _ = check_fn_ref(ref)
+                if target.endswith(".py") and not Path(target).is_file():
+                    raise _rule(name, f"no such file: {target!r}")
         rm, judge = self.reward.model, self.reward.judge
         if rm is not None and rm.path != TINY_MODEL:
             labels = _num_labels(_model_config("reward.model.path", rm.path))
@@ -226,7 +262,8 @@ class Recipe(_Section):
     def roles(self) -> tuple[str, ...]:
         """The worker roles this run has (the pools of `to_pipeline`)."""
         return tuple(r for r in ROLES if (r != "reference" or self.uses_reference)
-                     and (r != "critic" or self.uses_critic))
+                     and (r != "critic" or self.uses_critic)
+                     and (r != "reward" or self.rollout.episode is None))
 
     @property
     def uses_critic(self) -> bool:
@@ -252,12 +289,15 @@ class Recipe(_Section):
         # `concurrency` calls busy.
         reward_rows = group * self.rollout.groups_per_task
         reward_capacity = max(1, math.ceil(self.reward.concurrency / reward_rows))
+        episode = self.rollout.episode is not None
         pools = [
             PoolSpec("rollout", count=self.rollout.workers, per_process=rollout_per_process,
                      threads=self.rollout.threads),
-            PoolSpec("reward", count=self.reward.workers, per_process=reward_per_process,
-                     capacity=reward_capacity, threads=self.reward.threads),
         ]
+        if not episode:  # an episode scores itself
+            pools.append(PoolSpec("reward", count=self.reward.workers,
+                                  per_process=reward_per_process, capacity=reward_capacity,
+                                  threads=self.reward.threads))
         if reference:
             pools.append(PoolSpec("reference", count=1, threads=self.rollout.threads))
         if self.uses_critic:
@@ -265,11 +305,13 @@ class Recipe(_Section):
         pools.append(PoolSpec("train", count=self.trainer.ranks, threads=self.trainer.threads))
         pools = [dataclasses.replace(p, nodes=self.placement.roles.get(p.role, ()))
                  for p in pools]
-        stages = ppo_stages if self.uses_critic else grpo_stages
+        shape: dict[str, Any] = dict(
+            group_size=group, train_micro_groups=self.trainer.micro_batch_groups,
+            rollout_micro_groups=self.rollout.groups_per_task, reward_micro_batch=reward_rows,
+            reference=reference, episode=episode)
         return PipelineSpec(
-            stages=stages(group_size=group, train_micro_groups=self.trainer.micro_batch_groups,
-                          rollout_micro_groups=self.rollout.groups_per_task,
-                          reward_micro_batch=reward_rows, reference=reference),
+            stages=(ppo_stages(**shape, kl_in_reward=self.algorithm.kl_in_reward)
+                    if self.uses_critic else grpo_stages(**shape)),
             pools=tuple(pools),
             group_size=group,
             groups_per_step=self.trainer.groups_per_step,
@@ -308,11 +350,16 @@ class Recipe(_Section):
                                 max_prompt_tokens=d.max_prompt_tokens,
                                 chat_template=d.chat_template, system_prompt=d.system_prompt)
         t = self.trainer
+        lora = self.model.lora
         return EngineSpec(
-            model=ModelSpec(path=self.model.path),
+            model=ModelSpec(path=self.model.path, lora=None if lora is None else LoraSpec(
+                **lora.model_dump(),
+                # vLLM's engine loads whole weights; ours merges the adapters itself.
+                sync="adapter" if self.rollout.engine == "hf" else "merged")),
             data=data,
             algorithm=AlgorithmSpec(
                 name=a.name, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
+                kl_in_reward=a.kl_in_reward,
                 entropy_coef=a.entropy_coef, policy_loss=a.policy_loss,
                 clip_low=a.clip_low_resolved, clip_high=a.clip_high_resolved,
                 loss_agg=LOSS_AGG_ALGORITHM_NAMES[a.loss_agg_resolved],
@@ -320,13 +367,15 @@ class Recipe(_Section):
             sampling=SamplingSpec(temperature=self.rollout.temperature, top_p=self.rollout.top_p,
                                   max_new_tokens=self.rollout.max_new_tokens,
                                   stop=self.rollout.stop),
-            rollout=RolloutSpec(dtype=self.rollout.dtype),
+            rollout=RolloutSpec(dtype=self.rollout.dtype, episode=self.rollout.episode_ref),
             reward=self.reward.spec(),
             eval=None if self.eval is None else EvalDataSpec(prompts=self.eval.prompts,
                                                              path=self.eval.path),
             trainer=TrainerSpec(lr=t.lr, weight_decay=t.weight_decay, betas=t.betas,
                                 grad_clip=t.grad_clip, warmup_steps=t.warmup_steps,
-                                lr_schedule=t.lr_schedule, min_lr_ratio=t.min_lr_ratio),
+                                lr_schedule=t.lr_schedule, min_lr_ratio=t.min_lr_ratio,
+                                ppo_epochs=t.ppo_epochs, mini_batches=t.mini_batches,
+                                gradient_checkpointing=t.gradient_checkpointing),
             critic=CriticSpec(
                 **self.critic.model_dump(exclude={"threads"}),
                 rows_per_step=t.groups_per_step * a.group_size) if self.uses_critic else None,

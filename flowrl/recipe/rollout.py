@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_serializer, field_validator
 
+from flowrl.recipe.reward import callable_ref, check_fn_ref
 from flowrl.recipe.section import _Section, _StopStrings
 
 
@@ -35,4 +37,32 @@ class RolloutConfig(_Section):
     """Weights and compute of the rollout engine; ``auto`` is bfloat16 where the worker's device
     supports it (CUDA with bf16, NPU), else float32. The trainer keeps float32 weights; they are
     cast when loaded into the engine."""
+    episode: str | Callable[..., Any] | None = None
+    """An episode function, ``"module:function"``, ``"path/to/file.py:function"`` or a
+    module-level ``async def episode(policy, example)``: each response of a group is one run of
+    it (a multi-turn agent loop against `flowrl.episode.Policy`), which scores itself, so the run
+    has no reward workers. None: one completion per response, scored by ``reward``. Needs
+    ``engine = "hf"``."""
 
+    @field_validator("episode")
+    @classmethod
+    def _locatable(cls, v: str | Callable[..., Any] | None) -> str | Callable[..., Any] | None:
+        try:
+            if isinstance(v, str):
+                check_fn_ref(v)
+            elif v is not None:
+                callable_ref(v)
+        except ValueError as e:
+            raise ValueError(str(e)) from None
+        return v
+
+    @field_serializer("episode", when_used="json")
+    def _episode_as_ref(self, v: str | Callable[..., Any] | None) -> str | None:
+        return self.episode_ref
+
+    @property
+    def episode_ref(self) -> str | None:
+        """`episode` as a reference worker processes resolve; None without one."""
+        if self.episode is None:
+            return None
+        return self.episode if isinstance(self.episode, str) else callable_ref(self.episode)

@@ -4,7 +4,8 @@ the error a cross-field rule raises, and paths kept as text."""
 from __future__ import annotations
 
 import os
-from typing import Annotated, Any
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict
 from pydantic_core import PydanticCustomError
@@ -46,3 +47,8 @@ class _Section(BaseModel):
         use_attribute_docstrings=True,
         coerce_numbers_to_str=True,
     )
+
+    #: A section with a ``kind``: the fields only some kinds use, by kind. ``--set
+    #: <section>.kind=...`` that switches the kind drops the recipe's fields of the other kinds
+    #: (`flowrl.recipe_file.apply_overrides`).
+    kind_fields: ClassVar[Mapping[str, frozenset[str]]] = {}

@@ -1,4 +1,5 @@
-"""The ``trainer`` section: the optimizer, batch sizes and data-parallel ranks."""
+"""The ``trainer`` section: the optimizer, batch sizes, PPO epochs and mini-batches, and
+data-parallel ranks."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ class TrainerConfig(_Section):
     grad_clip: float | None = Field(default=1.0, gt=0.0)
     """Global gradient-norm clip; None disables it."""
     warmup_steps: int = Field(default=0, ge=0)
-    """Linear learning-rate warm-up, in optimizer steps."""
+    """Linear learning-rate warm-up, in steps (global batches: every update of a step, see
+    `ppo_epochs`, runs at that step's rate)."""
     lr_schedule: Literal["constant", "cosine"] = "constant"
     """After the warm-up: ``constant``, or ``cosine`` decay to ``lr * min_lr_ratio`` at the
     run's last step (``steps``; a resumed run continues the same curve)."""
@@ -34,8 +36,23 @@ class TrainerConfig(_Section):
     group_size`` responses."""
     micro_batch_groups: int = Field(default=1, ge=1, le=1 << 20)
     """Groups per forward/backward pass (gradient accumulation within a step)."""
+    ppo_epochs: int = Field(default=1, ge=1, le=64)
+    """Passes over each global batch (PPO's epochs). With more than one pass or update, the
+    trainer keeps the step's micro-batches, scores them once under the policy before its first
+    update (π_old: the importance ratio's denominator, so later updates clip), and at the
+    step's end runs ``ppo_epochs`` passes of `mini_batch_groups` updates; the new weights are
+    published once, after the last."""
+    mini_batch_groups: int | None = Field(default=None, ge=1, le=1 << 20)
+    """Groups per optimizer update within a pass (PPO's mini-batch; verl's
+    ``ppo_mini_batch_size``, in prompts): a pass takes ``groups_per_step / mini_batch_groups``
+    updates. It must divide `groups_per_step` and be a multiple of `micro_batch_groups`. None:
+    the whole batch, one update per pass."""
     threads: int = Field(default=1, ge=1, le=1024)
     """torch threads per trainer rank."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping
+    them: less activation memory for about one more forward per micro-batch; the same loss
+    and gradients."""
     ranks: int = Field(default=1, ge=1, le=4096)
     """Data-parallel trainer processes on the controller's node (gloo on CPUs, NCCL/HCCL on
     devices): each trains a token-balanced share of every step and the ranks take each
@@ -61,6 +78,18 @@ class TrainerConfig(_Section):
                         f"on ranks={self.ranks} need groups_per_step >= "
                         f"{self.micro_batch_groups * self.ranks} (every rank trains a share of "
                         f"every step), got {self.groups_per_step}")
+        mini = self.mini_batch_groups
+        if mini is not None and (mini > self.groups_per_step or self.groups_per_step % mini):
+            raise _rule("mini_batch_groups", f"{mini} does not divide groups_per_step="
+                        f"{self.groups_per_step} (a pass is groups_per_step / mini_batch_groups "
+                        "updates)")
+        if mini is not None and mini % self.micro_batch_groups:
+            raise _rule("mini_batch_groups", f"{mini} is not a multiple of micro_batch_groups="
+                        f"{self.micro_batch_groups} (an update trains whole micro-batches)")
+        if self.updates_per_step > 1 and self.ranks > 1:
+            raise _rule("ppo_epochs" if self.ppo_epochs > 1 else "mini_batch_groups",
+                        f"several updates per step (ppo_epochs={self.ppo_epochs}, "
+                        f"{self.mini_batches} mini-batches) need ranks=1, got {self.ranks}")
         if self.compute_dtype != "float32" and self.sharding != "fsdp2":
             raise _rule("compute_dtype", f"{self.compute_dtype!r} is FSDP2 mixed precision: "
                         f"set sharding='fsdp2' (got {self.sharding!r})")
@@ -68,3 +97,13 @@ class TrainerConfig(_Section):
             raise _rule("sharding", f"{self.sharding!r} shards the model over trainer ranks; "
                         f"set ranks >= 2 (got {self.ranks})")
         return self
+
+    @property
+    def mini_batches(self) -> int:
+        """Optimizer updates per pass over a global batch."""
+        return self.groups_per_step // (self.mini_batch_groups or self.groups_per_step)
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer updates per step: `ppo_epochs` passes of `mini_batches`."""
+        return self.ppo_epochs * self.mini_batches

@@ -9,6 +9,10 @@ would see alone, and the trainer's right-padded recomputation matches it.
 
 It is the built-in engine that runs anywhere torch runs (CPU, CUDA, NPU); vLLM is the
 production engine. Not thread-safe: one call at a time, as the protocol says.
+
+It also loads adapter payloads (`workers.engines.lora`) of a policy trained with LoRA: it
+keeps a copy of the base weights of the adapted modules (the first payload takes it, from the
+weights the engine was built with) and serves each version's merged weights.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 from torch import Tensor
 
 from workers.devices import pick_device
+from workers.engines.lora import BaseCopy, is_adapter_payload
 from workers.engines.protocols import (
     FinishReason,
     Generation,
@@ -32,13 +37,14 @@ from workers.engines.protocols import (
     stream_keys_of,
     token_logprobs,
 )
+from workers.engines.tied_weights import tied_groups
 
 __all__ = [
     "HFRolloutEngine",
     "load_causal_lm",
     "load_pretrained",
+    "new_cache",
     "quiet_transformers",
-    "tied_groups",
 ]
 
 
@@ -94,14 +100,6 @@ def load_pretrained(
     return model
 
 
-def tied_groups(model: torch.nn.Module) -> list[list[str]]:
-    """State-dict names grouped by the tensor they share (a tied weight has several names)."""
-    groups: dict[tuple[int, tuple[int, ...]], list[str]] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        groups.setdefault((tensor.data_ptr(), tuple(tensor.shape)), []).append(name)
-    return list(groups.values())
-
-
 class _ForwardNames:
     """Keyword names of a model's forward, which moved between transformers releases."""
 
@@ -113,7 +111,8 @@ class _ForwardNames:
         )
 
 
-def _new_cache(model: Any) -> Any:
+def new_cache(model: Any) -> Any:
+    """An empty `DynamicCache` for ``model`` (its constructor changed across releases)."""
     from transformers import DynamicCache
 
     if "config" in inspect.signature(DynamicCache.__init__).parameters:
@@ -224,16 +223,48 @@ class HFRolloutEngine:
         self._known = {name for group in self._groups for name in group}
         self._version = version
         self._borrowing = False  # the weights are views of a shared version (load_weights)
+        #: base weights that adapter payloads merge into; None once whole weights were loaded
+        self._base: BaseCopy | None = BaseCopy(self._targets)
 
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def max_positions(self) -> int | None:
+        """The model's longest context (prompt and generated tokens), when its config says."""
+        return self._max_positions
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """The model's end-of-sequence ids: generation always stops at them."""
+        return frozenset(self._eos)
+
+    @property
+    def pad_id(self) -> int:
+        return self._pad
+
+    @property
+    def forward_names(self) -> _ForwardNames:
+        """The cache and logits-to-keep keyword names of the model's forward."""
+        return self._names
+
+    def text_tokenizer(self) -> Any:
+        """The model directory's tokenizer (loaded on first use: only stop strings need it)."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
+        return self._tokenizer
 
     # -- weights ---------------------------------------------------------------------------
 
     def load_weights(
         self, state: Mapping[str, Tensor], version: int, *, shared: bool = False
     ) -> None:
+        if is_adapter_payload(state):
+            self._load_adapter(state, version)
+            return
         params = self._targets
         unknown = set(state) - self._known
         if unknown:
@@ -261,6 +292,14 @@ class HFRolloutEngine:
                 else:
                     target.copy_(source)
         self._borrowing = borrow
+        self._base = None
+        self._version = version
+
+    def _load_adapter(self, payload: Mapping[str, Tensor], version: int) -> None:
+        if self._base is None:
+            raise ValueError("an adapter payload needs the base weights this engine was built "
+                             "with, and it has loaded whole weights since")
+        self._base.apply(self._base.plan(payload))  # checked in full before anything changes
         self._version = version
 
     # -- generation ------------------------------------------------------------------------
@@ -290,7 +329,7 @@ class HFRolloutEngine:
             keys = stream_keys_of(params.prompt_seeds, params.n, self.device)
         stop = torch.tensor(sorted(self._eos | set(params.stop_token_ids)), dtype=torch.long,
                             device=self.device)
-        kwargs: dict[str, Any] = {self._names.cache: _new_cache(self.model), "use_cache": True}
+        kwargs: dict[str, Any] = {self._names.cache: new_cache(self.model), "use_cache": True}
         if self._names.keep is not None:
             kwargs[self._names.keep] = 1
         logits, mask, next_pos = self._prefill(prompts, width, params.n, kwargs)
@@ -350,14 +389,11 @@ class HFRolloutEngine:
     ) -> Tensor:
         """Rows whose response text now contains a stop string (checked every step, so the
         first hit is the token that completes it)."""
-        if self._tokenizer is None:
-            from transformers import AutoTokenizer
-
-            self._tokenizer = AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
+        tokenizer = self.text_tokenizer()
         # Every token decodes to at least one byte: this many tokens cover any stop string.
         window = max(len(s.encode()) for s in stops)
         tails = out_tokens[active, max(0, t + 1 - window) : t + 1].tolist()
-        texts = self._tokenizer.batch_decode(
+        texts = tokenizer.batch_decode(
             tails, skip_special_tokens=False, clean_up_tokenization_spaces=False
         )
         hits = [any(s in text for s in stops) for text in texts]

@@ -101,7 +101,8 @@ class Generation:
     ``response_ids`` (int64, 1-D) includes the stop token (or the token completing a stop
     string) when ``finish_reason == "stop"``, so training teaches the policy to stop.
     ``logprobs`` (float32, same length) follows the module's logprob contract. ``version`` is
-    the weight version that produced it.
+    the weight version that produced it (its last token); ``token_versions`` (int32, same
+    length), when the engine records it, the version that produced each token.
     """
 
     prompt_index: int
@@ -109,6 +110,7 @@ class Generation:
     logprobs: Tensor
     finish_reason: FinishReason
     version: int
+    token_versions: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -116,13 +118,18 @@ class SequenceBatch:
     """Prompt+response rows for scoring or training, right-padded to a common length.
 
     input_ids: [B, L] int64. attention_mask: [B, L], 1 on real tokens.
-    response_mask: [B, L] bool, True where ``input_ids[b, t]`` is a response token (to score).
+    response_mask: [B, L] bool, True where ``input_ids[b, t]`` is a response token to score
+    and train on. span_mask: [B, L] bool, True on every token after the prompt (the row's
+    ``response_ids``), None when it equals ``response_mask``. They differ for a multi-turn
+    trajectory: tokens inserted between the policy's turns (tool results, environment
+    messages) are in the span and in the context, but are not trained.
     Every row needs at least one token before its first response token.
     """
 
     input_ids: Tensor
     attention_mask: Tensor
     response_mask: Tensor
+    span_mask: Tensor | None = None
 
     def __post_init__(self) -> None:
         shape = self.input_ids.shape
@@ -130,6 +137,8 @@ class SequenceBatch:
             raise ValueError(f"input_ids must be [B, L], got {tuple(shape)}")
         if self.attention_mask.shape != shape or self.response_mask.shape != shape:
             raise ValueError("input_ids, attention_mask and response_mask shapes differ")
+        if self.span_mask is not None and self.span_mask.shape != shape:
+            raise ValueError("input_ids and span_mask shapes differ")
 
     @classmethod
     def from_rows(
@@ -138,10 +147,14 @@ class SequenceBatch:
         responses: Sequence[Sequence[int] | Tensor],
         *,
         pad_token_id: int = 0,
+        loss_masks: Sequence[Sequence[bool] | Tensor] | None = None,
     ) -> SequenceBatch:
-        """Concatenate each prompt with its response and right-pad."""
+        """Concatenate each prompt with its response and right-pad. ``loss_masks`` (one per
+        row, aligned with its response): which response tokens are trained; None: all."""
         if len(prompts) != len(responses):
             raise ValueError("prompts and responses differ in length")
+        if loss_masks is not None and len(loss_masks) != len(responses):
+            raise ValueError("loss_masks and responses differ in length")
         pairs = [(torch.as_tensor(p, dtype=torch.long), torch.as_tensor(r, dtype=torch.long))
                  for p, r in zip(prompts, responses, strict=True)]
         width = max((len(p) + len(r) for p, r in pairs), default=0)
@@ -155,16 +168,60 @@ class SequenceBatch:
             ids[i, len(p) : len(p) + len(r)] = r
             attn[i, : len(p) + len(r)] = 1
             resp[i, len(p) : len(p) + len(r)] = True
-        return cls(ids, attn, resp)
+        if loss_masks is None:
+            return cls(ids, attn, resp)
+        train = torch.zeros_like(resp)
+        for i, ((p, r), lm) in enumerate(zip(pairs, loss_masks, strict=True)):
+            lm_t = torch.as_tensor(lm, dtype=torch.bool)
+            if lm_t.shape != r.shape:
+                raise ValueError(f"row {i}: loss mask of {tuple(lm_t.shape)} for "
+                                 f"{len(r)} response tokens")
+            train[i, len(p) : len(p) + len(r)] = lm_t
+        return cls(ids, attn, train, resp)
 
     @property
     def num_response_tokens(self) -> int:
         return int(self.response_mask.sum())
 
+    @property
+    def span(self) -> Tensor:
+        """[B, L] bool: the tokens after each row's prompt (``span_mask`` or the response)."""
+        return self.response_mask if self.span_mask is None else self.span_mask
+
+    def to(self, device: torch.device) -> SequenceBatch:
+        return SequenceBatch(
+            self.input_ids.to(device), self.attention_mask.to(device),
+            self.response_mask.to(device),
+            None if self.span_mask is None else self.span_mask.to(device))
+
     def response_values(self, per_token: Tensor) -> list[Tensor]:
-        """Split a [B, L] per-token tensor into each row's response values (1-D, in order)."""
+        """Split a [B, L] per-token tensor into each row's values over its response span
+        (1-D, in order, aligned with ``response_ids``; 0 on tokens not trained)."""
         mask = self.response_mask.to(per_token.device)
-        return [per_token[b][mask[b]] for b in range(per_token.shape[0])]
+        if self.span_mask is None:
+            return [per_token[b][mask[b]] for b in range(per_token.shape[0])]
+        span = self.span_mask.to(per_token.device)
+        values = torch.where(mask, per_token, torch.zeros((), dtype=per_token.dtype,
+                                                          device=per_token.device))
+        return [values[b][span[b]] for b in range(per_token.shape[0])]
+
+    def per_token(self, values: Sequence[Tensor], name: str) -> Tensor:
+        """Per-row 1-D values aligned with each row's response span laid onto [B, L] float32
+        (0 off the span and on tokens not trained): the inverse of `response_values`."""
+        span = self.span
+        counts = span.sum(dim=-1).tolist()
+        for i, (v, n) in enumerate(zip(values, counts, strict=True)):
+            if v.numel() != n:
+                raise ValueError(f"row {i}: {name} has {v.numel()} values for {n} response "
+                                 "tokens")
+        out = torch.zeros(span.shape, dtype=torch.float32)
+        if values:
+            # Boolean-mask assignment fills row-major, and each row's span positions are in
+            # order, so the concatenated rows land exactly on their tokens.
+            out[span.cpu()] = torch.cat([v.reshape(-1).to(torch.float32) for v in values])
+        if self.span_mask is not None:
+            out = out.masked_fill(~self.response_mask.cpu(), 0.0)
+        return out
 
 
 LossFn = Callable[[Tensor, SequenceBatch], Tensor | tuple[Tensor, Mapping[str, float]]]
@@ -232,12 +289,13 @@ def _fmix32(h: Tensor) -> Tensor:
     return h ^ (h >> 16)
 
 
-def counter_uniforms(stream_keys: Tensor, step: int) -> Tensor:
+def counter_uniforms(stream_keys: Tensor, step: int | Tensor) -> Tensor:
     """Uniforms in (0, 1), shape [B, 1], float64: a pure function of each row's key and ``step``.
 
     ``stream_keys`` [B, 2] int64 holds each row's 64-bit stream key as two 32-bit halves
     (`stream_keys_of`). Counter-based, so a row's draws do not depend on the batch it is in;
-    32 bits per draw.
+    32 bits per draw. ``step``: one for all rows, or [B] int64, each row's own (rows that joined
+    a running batch at different times).
     """
     lo, hi = stream_keys[:, 0], stream_keys[:, 1]
     t = (step * 0x9E3779B9 + 0x7F4A7C15) & _M32
@@ -293,7 +351,11 @@ class RolloutEngine(Protocol):
 
         ``shared``: the tensors are a version published in the node store, read-only,
         unchanged and alive until this engine has loaded another version; an engine may serve
-        from them in place instead of copying them (and must not write into them)."""
+        from them in place instead of copying them (and must not write into them).
+
+        A policy trained with LoRA may publish adapters (`workers.engines.lora`): alone, to an
+        engine that merges them into its base weights (`HFRolloutEngine`), or beside merged
+        whole weights, which an engine that loads only those takes, leaving the adapters."""
         ...
 
 
@@ -303,7 +365,7 @@ class TrainerEngine(Protocol):
 
     @property
     def step(self) -> int:
-        """Optimizer steps applied so far."""
+        """Steps applied so far (the learning-rate schedule's place)."""
         ...
 
     def logprobs(self, batch: SequenceBatch, *, temperature: float = 1.0) -> Tensor:
@@ -322,8 +384,10 @@ class TrainerEngine(Protocol):
         gradients (``loss_scale`` is the micro-batch's share of the step, e.g. 1/k)."""
         ...
 
-    def optimizer_step(self) -> dict[str, float]:
-        """Clip, step, zero the gradients; returns grad_norm, lr, step, skipped."""
+    def optimizer_step(self, *, advance: bool = True) -> dict[str, float]:
+        """Clip, step, zero the gradients; returns grad_norm, lr, step, skipped. ``advance``
+        False keeps the schedule's place: an update before the last of a step's several
+        (PPO epochs and mini-batches) runs at the same rate as the last."""
         ...
 
     def join_at(self, steps: int) -> None:

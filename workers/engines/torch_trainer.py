@@ -13,6 +13,14 @@ Guarantees:
 - Checkpoints carry no pickle: `state_dict` is flat tensors plus JSON metadata
   (`TrainerState.save` writes safetensors + JSON); weights go through `save_pretrained`.
 
+With ``lora`` (`flowrl.worker_spec.LoraSpec`) only low-rank adapters train
+(`workers.engines.lora`): the optimizer holds only them, `export_weights` is the adapter
+payload (``sync="adapter"``) or the merged weights with the adapters beside them
+(``sync="merged"``), and `save_pretrained` writes merged weights, which plain transformers
+loads, with the adapter in peft's format in ``adapter/`` (`ADAPTER_DIR`). ``gradient_checkpointing``
+recomputes each decoder layer's activations in the backward pass
+(`workers.engines.activation_checkpointing`).
+
 Data parallelism over several ranks wraps this engine in `workers.roles.dp_trainer`: either
 every rank holds the whole model (one gradient all-reduce per step), or `shard` makes it FSDP2
 shards. Sharded, `export_weights`, `state_dict` and `save_pretrained` gather whole tensors and
@@ -22,6 +30,7 @@ tensors and keeps this rank's shards.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -34,10 +43,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from flowrl.worker_spec import LoraSpec
 from workers.devices import pick_device
 from workers.distributed import full_tensor, shard_like, shard_model
-from workers.engines.hf_rollout import _ForwardNames, load_causal_lm, tied_groups
+from workers.engines.activation_checkpointing import checkpoint_layers
+from workers.engines.hf_rollout import _ForwardNames, load_causal_lm
+from workers.engines.lora import ADAPTER_DIR, LoraPolicy, adapter_entries
 from workers.engines.protocols import LossFn, SequenceBatch, TrainerState, token_logprobs
+from workers.engines.tied_weights import tied_groups
 
 __all__ = ["TorchTrainerEngine", "adamw", "clip_and_step", "portable_tokenizer_config"]
 
@@ -106,6 +119,8 @@ class TorchTrainerEngine:
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
         attn_implementation: str | None = None,
+        lora: LoraSpec | None = None,
+        gradient_checkpointing: bool = False,
     ) -> None:
         if lr <= 0 or warmup_steps < 0 or (grad_clip is not None and grad_clip < 0):
             raise ValueError("need lr > 0, warmup_steps >= 0, grad_clip >= 0 or None")
@@ -120,7 +135,13 @@ class TorchTrainerEngine:
         self.model = load_causal_lm(
             model_dir, device=self.device, dtype=dtype, attn_implementation=attn_implementation
         )
-        self.model.requires_grad_(True)
+        if gradient_checkpointing:
+            checkpoint_layers(self.model)
+        #: the adapters, when only they train (None: every weight trains)
+        self.lora = None if lora is None else LoraPolicy(self.model, lora)
+        self._sync = "full" if lora is None else lora.sync
+        if self.lora is None:
+            self.model.requires_grad_(True)
         self._names = _ForwardNames(self.model)
         self._groups = tied_groups(self.model)
         self._lr = lr
@@ -130,7 +151,7 @@ class TorchTrainerEngine:
         self._total = total_steps or 0
         self._grad_clip = grad_clip
         # named_parameters() lists a tied weight once, so each tensor is optimised once.
-        self._params = dict(self.model.named_parameters())
+        self._params = _trainable(self.model)
         self._adamw = functools.partial(adamw, lr=lr, weight_decay=weight_decay, betas=betas,
                                         eps=eps)
         self.optimizer = self._adamw(self._params.values())
@@ -151,8 +172,10 @@ class TorchTrainerEngine:
         before `load_state_dict`."""
         if self._step or self._pending or self.optimizer.state:
             raise RuntimeError("shard() must come before the first step and any state load")
+        if self.lora is not None:
+            raise ValueError("adapters train on replicated ranks only, not sharded ones")
         shard_model(self.model, compute_dtype)
-        self._params = dict(self.model.named_parameters())
+        self._params = _trainable(self.model)
         self.optimizer = self._adamw(self._params.values())
         self.sharded = True
 
@@ -217,12 +240,15 @@ class TorchTrainerEngine:
     ) -> dict[str, float]:
         if not bool(batch.response_mask.any()):
             raise ValueError("batch has no response tokens to train on")
-        lps = self._logprobs(batch, temperature)
-        result = loss_fn(lps, _on_device(batch, self.device))
-        loss, metrics = result if isinstance(result, tuple) else (result, {})
-        if loss.dim() != 0:
-            raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
-        torch.autograd.backward(loss * loss_scale)
+        # Adapter dropout stays on through the backward: a checkpointed layer's recomputation
+        # must run the forward's ops (and replays its masks).
+        with self.lora.dropout() if self.lora is not None else contextlib.nullcontext():
+            lps = self._logprobs(batch, temperature)
+            result = loss_fn(lps, _on_device(batch, self.device))
+            loss, metrics = result if isinstance(result, tuple) else (result, {})
+            if loss.dim() != 0:
+                raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
+            torch.autograd.backward(loss * loss_scale)
         self._pending += 1
         out = {"loss": float(loss.detach()), "response_tokens": float(batch.num_response_tokens)}
         out.update({k: float(v) for k, v in metrics.items()})
@@ -238,7 +264,7 @@ class TorchTrainerEngine:
         self.optimizer.zero_grad(set_to_none=True)
         self._pending = 0
 
-    def optimizer_step(self) -> dict[str, float]:
+    def optimizer_step(self, *, advance: bool = True) -> dict[str, float]:
         if self._pending == 0:
             raise RuntimeError("optimizer_step without any train_micro_batch since the last step")
         lr = self.lr_at(self._step) * self.lr_scale
@@ -247,7 +273,7 @@ class TorchTrainerEngine:
         grad_norm, skipped = clip_and_step(self.optimizer, self._params.values(), self._grad_clip)
         if skipped:
             self._skipped += 1
-        else:
+        elif advance:
             self._step += 1
         self._pending = 0
         return {"grad_norm": grad_norm, "lr": lr, "step": float(self._step),
@@ -256,6 +282,33 @@ class TorchTrainerEngine:
     # -- weights and checkpoints ---------------------------------------------------------------
 
     def export_weights(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+        """What a new version publishes: the whole weights, or with adapters what the
+        recipe's sync says (see the module docstring)."""
+        if self.lora is None:
+            return self._whole_weights(dtype)
+        adapter = self.lora.adapter_payload()
+        if self._sync == "adapter":
+            return adapter
+        return {**self._whole_weights(dtype), **adapter}
+
+    def export_trainable(self) -> dict[str, Tensor]:
+        """A snapshot of what trains (the adapters, or every weight): what `load_weights`
+        takes back."""
+        return self._whole_weights() if self.lora is None else self.lora.adapter_payload()
+
+    def load_adapter(self, payload: Mapping[str, Tensor]) -> None:
+        """Take the adapters of a payload (`workers.engines.lora`); a payload's whole weights,
+        if any, are ignored: they are the base with these adapters merged."""
+        if self.lora is None:
+            raise ValueError("an adapter payload for a model that trains every weight")
+        self.lora.load_adapter(adapter_entries(payload)[1])
+
+    def _whole_weights(self, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+        """Every weight as CPU copies, a tied weight once; with adapters, merged and named
+        as the base model names them."""
+        if self.lora is not None:
+            merged = self.lora.merged_weights(self._groups)
+            return merged if dtype is None else {k: v.to(dtype) for k, v in merged.items()}
         state = self.model.state_dict()
         return {
             group[0]: full_tensor(state[group[0]].detach()).to(
@@ -264,9 +317,14 @@ class TorchTrainerEngine:
         }
 
     def whole_state(self) -> dict[str, Tensor]:
-        """The model's state dict as whole CPU tensors, a tied weight shared by its names."""
-        weights = self.export_weights()
-        return {name: weights[group[0]] for group in self._groups for name in group}
+        """The model's state dict as whole CPU tensors, a tied weight shared by its names
+        (with adapters: merged, as the base model names them)."""
+        weights = self._whole_weights()
+        if self.lora is None:
+            return {name: weights[group[0]] for group in self._groups for name in group}
+        clean = LoraPolicy.clean_name
+        return {clean(name): weights[clean(group[0])] for group in self._groups
+                if clean(group[0]) in weights for name in group}
 
     def state_dict(self) -> TrainerState:
         return optimizer_state(self.optimizer, self._params,
@@ -282,10 +340,13 @@ class TorchTrainerEngine:
     ) -> Path:
         # Sharded: gather first (a collective) and only then touch the disk, so a failed write
         # on one rank cannot leave the others waiting in a gather.
-        state = self.whole_state() if state_dict is None and self.sharded else state_dict
+        whole = state_dict is None and (self.sharded or self.lora is not None)
+        state = self.whole_state() if whole else state_dict
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(out, state_dict=state)
+        if self.lora is not None:
+            self.lora.save_adapter(out / ADAPTER_DIR)
         # Tokenizer files are copied byte for byte: re-saving through a tokenizer class can
         # rewrite them (class name, normalisation) and the policy must keep its tokenizer.
         # The one exception names a transformers-5-only class portably (same tokenizer).
@@ -378,9 +439,11 @@ def clip_and_step(
     return grad_norm, skipped
 
 
+def _trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
 def _on_device(batch: SequenceBatch, device: torch.device) -> SequenceBatch:
     if batch.input_ids.device == device:
         return batch
-    return SequenceBatch(
-        batch.input_ids.to(device), batch.attention_mask.to(device), batch.response_mask.to(device)
-    )
+    return batch.to(device)

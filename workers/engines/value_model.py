@@ -134,10 +134,7 @@ class ValueModelEngine:
         if not bool(batch.response_mask.any()):
             raise ValueError("batch has no response tokens to train on")
         values = self.model(batch)
-        resp = batch.response_mask.to(self.device)
-        on_dev = SequenceBatch(batch.input_ids.to(self.device),
-                               batch.attention_mask.to(self.device), resp)
-        loss, metrics = loss_fn(values, on_dev)
+        loss, metrics = loss_fn(values, batch.to(self.device))
         if loss.dim() != 0:
             raise ValueError(f"loss_fn must return a scalar, got shape {tuple(loss.shape)}")
         torch.autograd.backward(loss)

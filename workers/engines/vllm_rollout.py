@@ -52,6 +52,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from workers.engines.lora import adapter_entries
 from workers.engines.protocols import FinishReason, Generation, SamplingParams
 
 __all__ = ["VLLMRolloutEngine", "checkpoint_shapes"]
@@ -215,7 +216,13 @@ class VLLMRolloutEngine:
         """``state`` as (checkpoint name, tensor) pairs, every name and shape checked.
 
         Raises KeyError (unknown or missing names) or ValueError (shape, dtype, device).
+        Adapters riding beside merged weights (`workers.engines.lora`) are left out: the
+        merged weights already hold them.
         """
+        state, adapter = adapter_entries(state)
+        if adapter and not state:
+            raise ValueError("an adapter payload without whole weights: this engine loads "
+                             "merged weights only")
         unknown = [n for n in state if n not in self._shapes and n not in self._alias]
         if unknown:
             raise KeyError(f"unknown weight names: {sorted(unknown)[:5]}")

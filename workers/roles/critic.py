@@ -4,7 +4,12 @@ Per task (a micro-batch of rows with ``prompt_ids``, ``response_ids`` and ``rewa
 
 1. one forward of the value model with gradients gives per-token values ``V`` (`ValueModel`
    aligns token t's value with the state before it);
-2. the outcome reward sits on each row's last response token (`token_level_rewards`); GAE with
+2. the outcome reward sits on each row's last response token (`token_level_rewards`; an
+   episode's ``token_rewards`` instead, and only the policy's tokens of a multi-turn
+   trajectory, its ``loss_mask``, are valued and credited), and with
+   ``algorithm.kl_in_reward`` every response token's reward gets ``−kl_coef·KL_t`` (KL of the
+   sampling policy, ``rollout_logprobs``, to the reference, ``ref_logprobs``: the trainer's
+   π_old does not exist yet when the critic scores a row); GAE with
    the recipe's ``gamma`` and ``lam`` over the detached ``V`` gives advantages ``A`` and returns
    ``R = A + V`` (`gae_advantages`, not whitened: the stream never holds a whole global batch,
    and per-micro-batch statistics would distort small micro-batches; the value baseline already
@@ -64,7 +69,13 @@ import torch
 from torch import Tensor
 
 from flowrl import messages as m
-from flowrl.algorithms import gae_advantages, token_level_rewards, value_loss
+from flowrl.algorithms import (
+    KLEstimator,
+    gae_advantages,
+    kl_estimate,
+    token_level_rewards,
+    value_loss,
+)
 from flowrl.worker_spec import EngineSpec
 from workers.engines.protocols import SequenceBatch
 from workers.engines.value_model import ValueModelEngine
@@ -120,6 +131,10 @@ class CriticSettings:
     checkpoint_every: int = 0
     #: the run the saves belong to (a restarted critic process loads only its own run's save)
     run_id: str | None = None
+    #: the KL in the rewards (``algorithm.kl_in_reward``): every token's reward gets
+    #: ``−kl_coef·KL_t(π_rollout‖π_ref)``; 0: off.
+    kl_coef: float = 0.0
+    kl_estimator: KLEstimator = "k3"
 
     def __post_init__(self) -> None:
         if self.rows_per_step < 1:
@@ -130,6 +145,8 @@ class CriticSettings:
             raise ValueError(f"value_clip must be > 0 or None, got {self.value_clip}")
         if self.epochs < 1:
             raise ValueError(f"epochs must be >= 1, got {self.epochs}")
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
 
     @classmethod
     def from_spec(cls, spec: EngineSpec, *, run_id: str | None = None) -> CriticSettings:
@@ -139,17 +156,26 @@ class CriticSettings:
         if c is None:
             raise ValueError("critic: the config has no critic section (algorithm.name is not "
                              "'ppo')")
+        a = spec.algorithm
         return cls(rows_per_step=c.rows_per_step, gamma=c.gamma, lam=c.lam,
                    value_clip=c.value_clip, epochs=c.epochs,
                    output=None if spec.output is None else Path(spec.output),
-                   checkpoint_every=spec.checkpoint_every, run_id=run_id)
+                   checkpoint_every=spec.checkpoint_every, run_id=run_id,
+                   kl_coef=a.kl_coef if a.kl_in_reward else 0.0, kl_estimator=a.kl_estimator)
 
 
 def critic_targets(
-    rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float, lam: float
+    rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float, lam: float,
+    kl: Tensor | None = None, kl_coef: float = 0.0, token_rewards: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(advantages, returns) ``[B, L]`` of outcome rewards ``[B]`` under values ``[B, L]``."""
-    token_rewards = token_level_rewards(rewards, mask)
+    """(advantages, returns) ``[B, L]`` of outcome rewards ``[B]`` under values ``[B, L]``;
+    ``token_rewards`` ``[B, L]`` (an episode's per-turn rewards) replace the outcome reward on
+    each row's last token when given; with per-token ``kl`` ``[B, L]``, every token's reward
+    gets ``−kl_coef·kl_t``."""
+    if token_rewards is None:
+        token_rewards = token_level_rewards(rewards, mask, kl=kl, kl_coef=kl_coef)
+    elif kl is not None and kl_coef != 0.0:
+        token_rewards = token_rewards - kl_coef * kl.detach().to(token_rewards.dtype) * mask
     return gae_advantages(token_rewards, values, mask, gamma=gamma, lam=lam, whiten=False)
 
 
@@ -188,18 +214,40 @@ class CriticRole:
     async def run(self, task: m.TaskMsg, inputs: dict[str, list[Any]]) -> RoleOutput:
         async with self._lock:
             return await asyncio.to_thread(
-                self.learn, inputs["prompt_ids"], inputs["response_ids"], inputs["reward"])
+                self.learn, inputs["prompt_ids"], inputs["response_ids"], inputs["reward"],
+                rollout_logprobs=inputs.get("rollout_logprobs"),
+                ref_logprobs=inputs.get("ref_logprobs"),
+                loss_masks=inputs.get("loss_mask"), token_rewards=inputs.get("token_rewards"))
 
     def learn(
-        self, prompts: Sequence[Tensor], responses: Sequence[Tensor], rewards: Sequence[Any]
+        self, prompts: Sequence[Tensor], responses: Sequence[Tensor], rewards: Sequence[Any], *,
+        rollout_logprobs: Sequence[Tensor] | None = None,
+        ref_logprobs: Sequence[Tensor] | None = None,
+        loss_masks: Sequence[Tensor] | None = None,
+        token_rewards: Sequence[Tensor] | None = None,
     ) -> RoleOutput:
-        """Score one micro-batch, accumulate its value-loss gradient, step when due."""
+        """Score one micro-batch, accumulate its value-loss gradient, step when due; with the
+        KL in the rewards, from its sampling and reference log-probabilities.
+
+        Multi-turn rows (``loss_masks``: the policy's tokens) are valued and credited on the
+        policy's tokens only (GAE carries across inserted ones); ``token_rewards`` (aligned with
+        the responses) replace the outcome reward on the last token."""
         s = self.settings
-        seqs = SequenceBatch.from_rows(prompts, responses, pad_token_id=self.pad_token_id)
+        seqs = SequenceBatch.from_rows(prompts, responses, pad_token_id=self.pad_token_id,
+                                       loss_masks=loss_masks)
+        per_token = None if token_rewards is None else seqs.per_token(token_rewards,
+                                                                      "token_rewards")
         r = torch.tensor([float(x) for x in rewards], dtype=torch.float32)
+        kl: Tensor | None = None
+        if s.kl_coef:
+            if rollout_logprobs is None or ref_logprobs is None:
+                raise ValueError("the KL in the rewards needs rollout_logprobs and ref_logprobs")
+            mask = seqs.response_mask
+            kl = kl_estimate(seqs.per_token(rollout_logprobs, "rollout_logprobs"),
+                             seqs.per_token(ref_logprobs, "ref_logprobs"), mask, s.kl_estimator)
         tokens = seqs.num_response_tokens
         if tokens == 0:
-            empty = [torch.zeros(0, dtype=torch.float32) for _ in prompts]
+            empty = [torch.zeros(len(x), dtype=torch.float32) for x in responses]
             self._rows += len(prompts)
             metrics = self._maybe_step()
             return RoleOutput(fields={"values": empty, "advantages": list(empty),
@@ -209,7 +257,10 @@ class CriticRole:
         def loss_fn(values: Tensor, batch: SequenceBatch) -> tuple[Tensor, dict[str, float]]:
             mask = batch.response_mask
             old = values.detach()
-            adv, ret = critic_targets(r.to(old.device), old, mask, gamma=s.gamma, lam=s.lam)
+            adv, ret = critic_targets(
+                r.to(old.device), old, mask, gamma=s.gamma, lam=s.lam,
+                kl=None if kl is None else kl.to(old.device), kl_coef=s.kl_coef,
+                token_rewards=None if per_token is None else per_token.to(old.device))
             out.update(values=old.cpu(), advantages=adv.cpu(), returns=ret.cpu())
             return value_loss(values, old, ret, mask, clip_eps=s.value_clip,
                               loss_agg="token-mean", num_tokens=1.0)

@@ -62,6 +62,9 @@ class DataParallelTrainerRole(TrainerRole):
         self, engine: TrainerEngine, settings: TrainSettings, *, pad_token_id: int,
         group: DataParallel, version: int = 0,
     ) -> None:
+        if settings.keeps_batches:
+            raise ValueError("several updates per step (trainer.ppo_epochs, "
+                             "mini_batch_groups) need trainer.ranks=1")
         super().__init__(engine, settings, pad_token_id=pad_token_id, version=version)
         model = getattr(engine, "model", None)
         if not isinstance(model, torch.nn.Module):

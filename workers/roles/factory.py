@@ -156,14 +156,32 @@ def make_hf_role(role: str, config: Config, seed: int, *, process: str | None = 
         return _reward(spec, seed)
     path = model_dir(spec)
     if role == "rollout":
-        return _rollout(spec, path, seed)
+        return _rollout(spec, _policy_base(spec, path), seed)
     if role == "reference":
         # The initial policy, also when the run resumes from a later checkpoint.
         ref = spec.model.reference_path
         return _reference(spec, Path(ref) if ref else path, seed)
     if role == "critic":
         return _critic(spec, path, seed, run_id)
-    return _trainer(spec, path, seed, process, run_id)
+    return _trainer(spec, _policy_base(spec, path), seed, process, run_id)
+
+
+def _policy_base(spec: EngineSpec, path: Path) -> Path:
+    """Where a policy engine loads its weights from: ``model.path``, except when adapters
+    train and the run resumes: then the initial model (the base the checkpoint's adapter
+    applies to; `_resume_adapter` loads the adapter)."""
+    ref = spec.model.reference_path
+    return Path(ref) if spec.model.lora is not None and ref else path
+
+
+def _resume_adapter(spec: EngineSpec) -> dict[str, torch.Tensor] | None:
+    """The adapter payload of the checkpoint a run with adapters resumes from (None: not
+    resuming, or no adapters)."""
+    if spec.model.lora is None or spec.resume is None:
+        return None
+    from workers.engines.lora import ADAPTER_DIR, payload_from_dir
+
+    return payload_from_dir(Path(spec.resume.checkpoint) / ADAPTER_DIR)
 
 
 def make_vllm_role(role: str, config: Config, seed: int, *, process: str | None = None,
@@ -175,6 +193,10 @@ def make_vllm_role(role: str, config: Config, seed: int, *, process: str | None 
     from workers.engines.vllm_rollout import VLLMRolloutEngine
 
     spec = engine_spec(config)
+    if spec.rollout.episode is not None:
+        raise ValueError("rollout.episode: episodes run on the hf engine (continuous batching "
+                         "of many episodes' requests); the vllm engine serves single "
+                         "completions only")
     path = model_dir(spec)
     # rollout.dtype names are vLLM's too ("auto": the checkpoint's dtype).
     engine = VLLMRolloutEngine(path, dtype=spec.rollout.dtype, seed=seed)
@@ -252,6 +274,20 @@ def _rollout(spec: EngineSpec, path: Path, seed: int) -> Role:
     device = pick_device()
     engine = HFRolloutEngine(path, device=device, dtype=rollout_dtype(spec, device), seed=seed,
                              version=spec.start_version)
+    adapter = _resume_adapter(spec)
+    if adapter is not None:
+        engine.load_weights(adapter, spec.start_version)
+    if spec.rollout.episode is not None:
+        # The recipe refuses episodes with eval or a chat template: an episode renders its own
+        # chat messages and the held-out split is served by the single-completion role only.
+        from flowrl.episode import resolve_episode_fn
+        from workers.engines.hf_continuous import ContinuousBatcher
+        from workers.roles.episode_rollout import EpisodeRolloutRole
+
+        return EpisodeRolloutRole(
+            ContinuousBatcher(engine), load_tokenizer(path), dataset_from_config(spec),
+            sampling_from_config(spec), resolve_episode_fn(spec.rollout.episode),
+            episode_name=spec.rollout.episode, sample_seed=spec.seed)
     return _rollout_role(spec, engine, path)
 
 
@@ -329,7 +365,11 @@ def _trainer(spec: EngineSpec, path: Path, seed: int, process: str | None,
         warmup_steps=t.warmup_steps, schedule=t.lr_schedule, min_lr_ratio=t.min_lr_ratio,
         total_steps=spec.steps, seed=seed,
         device=None if group is None else group.device(pick_device()),
+        lora=spec.model.lora, gradient_checkpointing=t.gradient_checkpointing,
     )
+    adapter = _resume_adapter(spec)
+    if adapter is not None:
+        engine.load_adapter(adapter)
     role: TrainerRole
     if group is not None:
         from workers.roles.dp_trainer import DataParallelTrainerRole

@@ -3,7 +3,8 @@ reach it as train task params from the step they apply to:
 
 - ``lr_scale``: the learning rate of this step's optimizer step is the schedule's times it;
 - ``keep_from``: at the start of the first step at or after it, keep a copy of the weights and
-  optimizer state in memory (once per value): the good weights a rollback returns to;
+  optimizer state in memory (once per value): the good weights a rollback returns to (of a
+  policy trained with adapters, the adapters alone: the rest never changes);
 - ``rollback`` (``{"id", "version"}``): at the start of a step, restore that copy, once per
   id. The schedule keeps its place (a rollback lowers the rate rather than rewinding it).
 
@@ -30,6 +31,16 @@ class _Copy:
     version: int
     weights: dict[str, Tensor]
     state: TrainerState
+
+
+def trainable_weights(engine: TrainerEngine) -> dict[str, Tensor]:
+    """What ``engine`` trains, copied: its ``export_trainable()`` when it has one (adapters
+    only), else its whole `export_weights`."""
+    method = getattr(engine, "export_trainable", None)
+    if callable(method):
+        out: dict[str, Tensor] = method()
+        return out
+    return engine.export_weights()
 
 
 class GuardOrders:
@@ -71,5 +82,5 @@ class GuardOrders:
         if (isinstance(keep, int) and keep != self._kept_from and isinstance(step_no, int)
                 and step_no >= keep):
             self._kept_from = keep
-            self._copy = _Copy(version, engine.export_weights(), engine.state_dict())
+            self._copy = _Copy(version, trainable_weights(engine), engine.state_dict())
         self.lr_scale = float(params.get("lr_scale", 1.0))

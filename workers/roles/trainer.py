@@ -6,12 +6,18 @@ estimator; the policy loss is `flowrl.algorithms.compute_policy_loss` (``ppo_cli
 ``cispo``) with ``old_logprobs = logprobs.detach()`` (one update per batch: on-policy ratio 1),
 the rollout correction against ``rollout_logprobs`` (truncated importance sampling per token or
 sequence, or masking) when it is on for the task, the KL term to ``ref_logprobs`` when
-``kl_coef > 0``, and an entropy bonus (`flowrl.algorithms.sampled_entropy`) when
-``entropy_coef > 0``. The task with ``params["step_end"]`` ends the step: the
+``kl_coef > 0`` (or, with ``kl_in_reward``, ``−kl_coef·KL_t(π_old‖π_ref)`` in every token's
+reward before the advantages, and no KL term), and an entropy bonus
+(`flowrl.algorithms.sampled_entropy`) when ``entropy_coef > 0``. With ``ppo_epochs > 1`` or
+several ``mini_batches``, a micro-batch is instead scored under π_old and kept, and the step's
+end runs the updates over the kept ones (`workers.roles.policy_updates`); the step's metrics
+are then means over its passes. The task with ``params["step_end"]`` ends the step: the
 optimizer steps, the new weights are exported as version + 1 (`RoleOutput.weights`), and a
 checkpoint is written every ``checkpoint_every`` steps (and at the last step). At the run's
 last step (``steps``) the final model is written to ``{output}/final`` whenever there is an
-``output``, checkpoints on or off (`save_final`; the step's metrics say ``final_saved``).
+``output``, checkpoints on or off (`save_final`; the step's metrics say ``final_saved``). A
+save's seconds and bytes are metrics too (``checkpoint_s``, ``checkpoint_bytes``, ``final_s``,
+``final_bytes``).
 
 Gradient accumulation is exact. The step's loss is ``L = (1/D)·Σ_k S_k``, where ``S_k`` is
 micro-batch k's loss computed with ``num_tokens = num_seqs = 1`` — a plain sum over its tokens
@@ -36,7 +42,14 @@ sampling policy to the trainer's on the sampled tokens: engine mismatch plus sta
 ``kept_version`` (the weights kept for a rollback, `workers.roles.guard_orders`, once there are
 any), ``tokens``, ``seqs``, ``skipped`` (1 when a non-finite gradient skipped the update),
 ``flat_groups`` (the share of the step's groups whose rewards are all equal: they carry no
-group-relative signal, and a share near 1 means the policy has stopped exploring).
+group-relative signal, and a share near 1 means the policy has stopped exploring),
+``token_staleness`` (rows that record each token's policy version, such as episodes: the mean
+number of versions between a trained token's and the trainer's).
+
+Multi-turn trajectories (episodes) carry a ``loss_mask``: the tokens inserted between the
+policy's turns stay in the context but out of every loss, count and estimator (the
+`SequenceBatch`'s ``response_mask`` holds only the policy's tokens), so each algorithm trains
+masked multi-turn sequences as it trains single completions.
 
 Compute runs in a thread, one task at a time. `load_version` with no weights means "resume at
 this version"; with weights of a newer version it loads them (a trainer joining a running job);
@@ -47,7 +60,8 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -77,9 +91,12 @@ from flowrl.algorithms import (
     rloo_advantages,
     sampled_entropy,
 )
+from flowrl.progress import dir_bytes
 from flowrl.worker_spec import EngineSpec
 from workers.engines.protocols import SequenceBatch, TrainerEngine, TrainerState
 from workers.roles.guard_orders import GuardOrders
+from workers.roles.policy_updates import KeptBatch, mini_batch_runs
+from workers.roles.train_batch import TrainBatch
 from workers.runtime import RoleOutput
 
 __all__ = [
@@ -113,6 +130,14 @@ class TrainSettings:
     mask_bounds: tuple[float, float] | Literal["auto"] | None = None
     #: weight of the entropy bonus (`flowrl.algorithms.sampled_entropy`); 0 turns it off.
     entropy_coef: float = 0.0
+    #: the KL to the reference as ``−kl_coef·KL_t(π_old‖π_ref)`` in every token's reward,
+    #: before the advantage estimator, instead of a loss term (PPO's advantages carry it from
+    #: the critic stage).
+    kl_in_reward: bool = False
+    #: passes over each step's batch, and optimizer updates per pass (`workers.roles.
+    #: policy_updates`); 1 and 1: one update per step, streamed.
+    ppo_epochs: int = 1
+    mini_batches: int = 1
     #: the sampling temperature: logprobs are computed under the same tempered distribution.
     temperature: float = 1.0
     #: Dr. GRPO's constant per-row divisor (the generation budget); needed by
@@ -146,6 +171,12 @@ class TrainSettings:
             raise ValueError("seq-mean-token-sum-norm needs max_new_tokens (a constant divisor)")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        if self.ppo_epochs < 1 or self.mini_batches < 1:
+            raise ValueError(f"need ppo_epochs >= 1 and mini_batches >= 1, got "
+                             f"{self.ppo_epochs}, {self.mini_batches}")
+        if self.kl_in_reward and not self.kl_coef > 0:
+            raise ValueError("algorithm.kl_in_reward: folds kl_coef·KL into the rewards; "
+                             "set kl_coef > 0")
 
     @classmethod
     def from_spec(cls, spec: EngineSpec) -> TrainSettings:
@@ -155,7 +186,8 @@ class TrainSettings:
             algorithm=a.name, policy_loss=a.policy_loss, clip_low=a.clip_low,
             clip_high=a.clip_high, loss_agg=a.loss_agg, kl_coef=a.kl_coef,
             kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef, correction=a.correction,
-            tis_cap=a.tis_cap, mask_bounds=a.mask_bounds,
+            tis_cap=a.tis_cap, mask_bounds=a.mask_bounds, kl_in_reward=a.kl_in_reward,
+            ppo_epochs=spec.trainer.ppo_epochs, mini_batches=spec.trainer.mini_batches,
             temperature=spec.sampling.temperature, max_new_tokens=spec.sampling.max_new_tokens,
             output=None if spec.output is None else Path(spec.output),
             checkpoint_every=spec.checkpoint_every, steps=spec.steps,
@@ -190,75 +222,50 @@ class TrainSettings:
         """Whether the step's divisor counts tokens (token-mean) rather than sequences."""
         return self.loss_agg == "token-mean"
 
-
-def _padded(values: Sequence[Tensor], mask: Tensor, name: str) -> Tensor:
-    """Per-row 1-D values laid onto the response positions of a [B, L] mask (0 elsewhere)."""
-    counts = mask.sum(dim=-1).tolist()
-    for i, (v, n) in enumerate(zip(values, counts, strict=True)):
-        if v.numel() != n:
-            raise ValueError(f"row {i}: {name} has {v.numel()} values for {n} response tokens")
-    out = torch.zeros(mask.shape, dtype=torch.float32)
-    if values:
-        # Boolean-mask assignment fills row-major, and each row's response positions are in
-        # order, so the concatenated rows land exactly on their tokens.
-        out[mask] = torch.cat([v.reshape(-1).to(torch.float32) for v in values])
-    return out
-
-
-@dataclass(frozen=True)
-class TrainBatch:
-    """One micro-batch, tensors on the CPU: the sequences and the loss's per-row inputs."""
-
-    seqs: SequenceBatch
-    rewards: Tensor  # [B] float32
-    group_ids: Tensor  # [B] int64
-    rollout_logprobs: Tensor  # [B, L] float32, 0 off the response
-    ref_logprobs: Tensor | None  # [B, L] float32, 0 off the response
-    advantages: Tensor | None = None  # [B, L] float32 from the critic (PPO), 0 off the response
-
-    @classmethod
-    def from_inputs(
-        cls, inputs: Mapping[str, Sequence[Any]], row_groups: Sequence[int], *, pad_token_id: int
-    ) -> TrainBatch:
-        """From a train task's inputs (store tensors are only read, never written)."""
-        seqs = SequenceBatch.from_rows(inputs["prompt_ids"], inputs["response_ids"],
-                                       pad_token_id=pad_token_id)
-        mask = seqs.response_mask
-        ref = inputs.get("ref_logprobs")
-        adv = inputs.get("advantages")
-        return cls(
-            seqs=seqs,
-            rewards=torch.tensor([float(r) for r in inputs["reward"]], dtype=torch.float32),
-            group_ids=torch.tensor([int(g) for g in row_groups], dtype=torch.int64),
-            rollout_logprobs=_padded(inputs["rollout_logprobs"], mask, "rollout_logprobs"),
-            ref_logprobs=None if ref is None else _padded(ref, mask, "ref_logprobs"),
-            advantages=None if adv is None else _padded(adv, mask, "advantages"),
-        )
+    @property
+    def keeps_batches(self) -> bool:
+        """Whether a step takes several updates, over the micro-batches it keeps."""
+        return self.ppo_epochs * self.mini_batches > 1
 
     @property
-    def num_tokens(self) -> int:
-        return self.seqs.num_response_tokens
-
-    @property
-    def num_seqs(self) -> int:
-        """Rows with at least one response token (the seq-mean modes count only those)."""
-        return int(self.seqs.response_mask.any(dim=-1).sum())
+    def kl_loss_coef(self) -> float:
+        """The weight of the KL loss term (0 when the KL is in the rewards)."""
+        return 0.0 if self.kl_in_reward else self.kl_coef
 
 
-def advantages(name: AdvantageName, batch: TrainBatch) -> Tensor:
-    """[B] (group estimators) or [B, L] (REINFORCE++, PPO) advantages of a micro-batch."""
+def advantages(
+    name: AdvantageName, batch: TrainBatch, *, old_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0, kl_estimator: KLEstimator = "k3",
+) -> Tensor:
+    """[B] (group estimators) or [B, L] (REINFORCE++, PPO) advantages of a micro-batch.
+
+    With ``kl_coef`` the KL is in the rewards (verl's ``use_kl_in_reward``): every response
+    token's reward gets ``−kl_coef·KL_t``, ``KL_t`` the ``kl_estimator`` estimate of
+    KL(π_old‖π_ref) from ``old_logprobs`` and the batch's ``ref_logprobs``. A group estimator
+    then sees ``r − kl_coef·Σ_t KL_t`` per row, REINFORCE++ the per-token rewards. PPO's
+    advantages come from the critic stage as they are (it folds the KL in there)."""
     r, g = batch.rewards, batch.group_ids
     if name == "ppo":
         if batch.advantages is None:
             raise ValueError("ppo trains on the critic's advantages; the task carries none")
         return batch.advantages
+    mask = batch.seqs.response_mask
+    if kl_coef:
+        if old_logprobs is None or batch.ref_logprobs is None:
+            raise ValueError("the KL in the rewards needs old_logprobs and ref_logprobs")
+        if name == "reinforce_pp":
+            return reinforce_pp_advantages(r, mask, old_logprobs=old_logprobs,
+                                           ref_logprobs=batch.ref_logprobs, kl_coef=kl_coef,
+                                           kl_estimator=kl_estimator, group_ids=g)
+        kl = kl_estimate(old_logprobs, batch.ref_logprobs, mask, kl_estimator)
+        r = r - kl_coef * kl.sum(dim=-1).to(r.dtype)
     if name == "grpo":
         return grpo_advantages(r, g)
     if name == "dr_grpo":
         return dr_grpo_advantages(r, g)
     if name == "rloo":
         return rloo_advantages(r, g)
-    return reinforce_pp_advantages(r, batch.seqs.response_mask, group_ids=g)
+    return reinforce_pp_advantages(r, mask, group_ids=g)
 
 
 def scale_gradients(engine: TrainerEngine, factor: float) -> None:
@@ -325,6 +332,8 @@ class _Step:
     mismatch_kl: float = 0.0  # Σ KL(sampling policy ‖ trainer) · tokens
     groups: int = 0
     flat_groups: int = 0  # groups whose rewards are all equal (no group-relative signal)
+    token_lag: float = 0.0  # Σ (trainer version − the version that generated the token)
+    lag_tokens: int = 0  # tokens whose generating version is known
 
 
 class TrainerRole:
@@ -339,6 +348,8 @@ class TrainerRole:
         self.pad_token_id = pad_token_id
         self.version = version
         self._step = _Step()
+        #: the step's micro-batches, kept when it takes several updates
+        self._kept: list[KeptBatch] = []
         self._lock = asyncio.Lock()  # one task (or weight load) at a time on the engine
         #: whether a step's end exports the new weights (a data-parallel group exports once,
         #: from rank 0: `workers.roles.dp_trainer`).
@@ -362,6 +373,7 @@ class TrainerRole:
                         step=step, micro_batches=self._step.micro_batches)
             discard_gradients(self.engine)
             self._step = _Step()
+            self._kept = []
         elif self._step.micro_batches and step is not None and step != self._step.step:
             # The controller ends every step with a step_end task; this means one went missing.
             log.warning("micro-batch of another step joins the accumulated gradients",
@@ -380,101 +392,192 @@ class TrainerRole:
     def accumulate(
         self, batch: TrainBatch, correction: RolloutCorrection | None
     ) -> dict[str, float]:
-        """Forward and backward of one micro-batch's loss *sum* into the gradients, with the
-        rollout ``correction`` (None: off)."""
+        """Take one micro-batch trained with the rollout ``correction`` (None: off): with one
+        update per step, forward and backward of its loss *sum* into the gradients now; with
+        several, score it under π_old and keep it for the step's end
+        (`workers.roles.policy_updates`)."""
         s = self.settings
         if batch.num_tokens == 0:
             raise ValueError("micro-batch has no response tokens")
-        adv = advantages(s.algorithm, batch)
-
-        def loss_fn(lps: Tensor, seqs: SequenceBatch) -> tuple[Tensor, dict[str, float]]:
-            dev = lps.device
-            mask = seqs.response_mask
-            rollout = batch.rollout_logprobs.to(dev)
-            loss, metrics = compute_policy_loss(
-                lps, lps.detach(), adv.to(dev), mask, policy_loss=s.policy_loss,
-                clip_eps_low=s.clip_low, clip_eps_high=s.clip_high, loss_agg=s.loss_agg,
-                max_tokens=s.max_new_tokens, num_tokens=1.0, num_seqs=1.0,
-                rollout_logprobs=rollout, correction=correction,
-                ref_logprobs=None if batch.ref_logprobs is None else batch.ref_logprobs.to(dev),
-                kl_coef=s.kl_coef, kl_estimator=s.kl_estimator,
-                # Always measured (the stability guard watches it); it enters the loss only
-                # with an entropy bonus.
-                entropy=sampled_entropy(lps, mask), entropy_coef=s.entropy_coef,
-            )
-            with torch.no_grad():  # KL(sampling policy ‖ trainer), on the sampled tokens
-                mismatch = kl_estimate(rollout, lps.detach(), mask, "k3").sum()
-                metrics["mismatch_kl"] = float(mismatch) / max(1, int(mask.sum()))
-            return loss, metrics
-
         if s.kl_coef and batch.ref_logprobs is None:
             raise ValueError("kl_coef > 0 but the task carries no ref_logprobs")
-        out = self.engine.train_micro_batch(batch.seqs, loss_fn, temperature=s.temperature)
+        if s.keeps_batches:
+            old = self.engine.logprobs(batch.seqs, temperature=s.temperature)
+            self._measure(batch, old)
+            self._kept.append(KeptBatch(batch, old, self._advantages(batch, old), correction))
+        else:
+            self._backward(batch, correction)
         st, tokens = self._step, batch.num_tokens
         st.micro_batches += 1
-        st.loss += out["loss"]
-        st.kl += out.get("kl_loss", 0.0)
         st.tokens += tokens
         st.seqs += batch.num_seqs
         st.rows += len(batch.rewards)
         st.reward += float(batch.rewards.sum())
-        st.clip += out["clip_frac"] * tokens
-        st.approx_kl += out["approx_kl"] * tokens
-        st.tis += out.get("tis_mean", 0.0) * tokens
-        st.tis_tokens += tokens if correction is not None else 0
-        st.masked += out.get("is_masked_frac", 0.0) * tokens
-        st.mask_tokens += tokens if correction is not None and correction.masks else 0
-        st.entropy += out.get("entropy", 0.0) * tokens
-        st.mismatch_kl += out.get("mismatch_kl", 0.0) * tokens
+        if batch.token_versions is not None:
+            mask = batch.seqs.response_mask
+            lag = (self.version - batch.token_versions[mask].to(torch.float64)).sum()
+            st.token_lag += float(lag)
+            st.lag_tokens += tokens
         kept = filter_groups(batch.rewards, batch.group_ids)
         st.flat_groups += int(kept.dropped_groups.numel())
         st.groups += int(kept.dropped_groups.numel() + kept.kept_groups.numel())
         return {"tokens": float(tokens), "reward_mean": float(batch.rewards.mean()),
                 "micro_batches": float(st.micro_batches)}
 
+    def _advantages(self, batch: TrainBatch, old: Tensor) -> Tensor:
+        """The micro-batch's advantages, with the KL in the rewards when it goes there (``old``:
+        its π_old log-probabilities)."""
+        s = self.settings
+        if not s.kl_in_reward:
+            return advantages(s.algorithm, batch)
+        return advantages(s.algorithm, batch, old_logprobs=old.cpu(), kl_coef=s.kl_coef,
+                          kl_estimator=s.kl_estimator)
+
+    def _measure(self, batch: TrainBatch, old: Tensor) -> None:
+        """Add the micro-batch's π_old measures to the step: its entropy, the sampling policy's
+        KL to it, and with the KL in the rewards its KL to the reference (token sums)."""
+        s, st = self.settings, self._step
+        with torch.no_grad():
+            mask = batch.seqs.response_mask.to(old.device)
+            rollout = batch.rollout_logprobs.to(old.device)
+            st.entropy += float(-old.masked_fill(~mask, 0.0).sum())
+            st.mismatch_kl += float(kl_estimate(rollout, old, mask, "k3").sum())
+            if s.kl_in_reward:
+                assert batch.ref_logprobs is not None  # checked in accumulate
+                ref = batch.ref_logprobs.to(old.device)
+                st.kl += float(kl_estimate(old, ref, mask, s.kl_estimator).sum())
+
+    def _backward(
+        self, batch: TrainBatch, correction: RolloutCorrection | None,
+        kept: KeptBatch | None = None,
+    ) -> None:
+        """Forward and backward of one micro-batch's loss *sum* into the gradients; π_old and
+        the advantages are ``kept``'s, else this forward's (one update per step)."""
+        s = self.settings
+        adv: Tensor | None = None  # with the KL in the rewards, from this forward's π_old
+        if kept is not None:
+            adv = kept.advantages
+        elif not s.kl_in_reward:
+            adv = advantages(s.algorithm, batch)
+
+        def loss_fn(lps: Tensor, seqs: SequenceBatch) -> tuple[Tensor, dict[str, float]]:
+            dev = lps.device
+            mask = seqs.response_mask
+            if kept is None:
+                old = lps.detach()
+                self._measure(batch, old)
+            else:
+                old = kept.old_logprobs.to(dev)
+            a = self._advantages(batch, old) if adv is None else adv
+            return compute_policy_loss(
+                lps, old, a.to(dev), mask, policy_loss=s.policy_loss,
+                clip_eps_low=s.clip_low, clip_eps_high=s.clip_high, loss_agg=s.loss_agg,
+                max_tokens=s.max_new_tokens, num_tokens=1.0, num_seqs=1.0,
+                rollout_logprobs=batch.rollout_logprobs.to(dev), correction=correction,
+                ref_logprobs=None if batch.ref_logprobs is None else batch.ref_logprobs.to(dev),
+                kl_coef=s.kl_loss_coef, kl_estimator=s.kl_estimator,
+                entropy=sampled_entropy(lps, mask) if s.entropy_coef else None,
+                entropy_coef=s.entropy_coef,
+            )
+
+        out = self.engine.train_micro_batch(batch.seqs, loss_fn, temperature=s.temperature)
+        st, tokens = self._step, batch.num_tokens
+        st.loss += out["loss"]
+        st.kl += out.get("kl_loss", 0.0)
+        st.clip += out["clip_frac"] * tokens
+        st.approx_kl += out["approx_kl"] * tokens
+        st.tis += out.get("tis_mean", 0.0) * tokens
+        st.tis_tokens += tokens if correction is not None else 0
+        st.masked += out.get("is_masked_frac", 0.0) * tokens
+        st.mask_tokens += tokens if correction is not None and correction.masks else 0
+
+    def _updates(self) -> dict[str, float]:
+        """The step's ``ppo_epochs`` passes over its kept micro-batches, one optimizer update
+        per mini-batch; the schedule advances once, with the last. Returns the last update's
+        stats, with ``grad_norm`` the updates' mean, ``skipped`` and ``updates`` their
+        counts."""
+        s = self.settings
+        kept, self._kept = self._kept, []
+        runs = mini_batch_runs([len(k.batch.rewards) for k in kept], s.mini_batches)
+        norms: list[float] = []
+        skipped = 0.0
+        stats: dict[str, float] = {}
+        for epoch in range(s.ppo_epochs):
+            for i, run in enumerate(runs):
+                part = kept[run]
+                for k in part:
+                    self._backward(k.batch, k.correction, k)
+                count = sum(k.batch.num_tokens if s.count_tokens else k.batch.num_seqs
+                            for k in part)
+                scale_gradients(self.engine, 1.0 / count)
+                if epoch == s.ppo_epochs - 1 and i == len(runs) - 1:
+                    stats = self.engine.optimizer_step()
+                else:
+                    stats = self.engine.optimizer_step(advance=False)
+                norms.append(stats["grad_norm"])
+                skipped += stats.get("skipped", 0.0)
+        return {**stats, "grad_norm": sum(norms) / len(norms), "skipped": skipped,
+                "updates": float(len(norms))}
+
     def finish_step(self) -> RoleOutput:
-        """Normalise the accumulated gradients, step, export version + 1, maybe checkpoint."""
+        """Normalise the accumulated gradients, step (or run the step's updates), export
+        version + 1, maybe checkpoint."""
         st, s = self._step, self.settings
         if st.micro_batches == 0:
             raise RuntimeError("step_end without any micro-batch in this step")
         denom = st.tokens if s.count_tokens else st.seqs
-        scale_gradients(self.engine, 1.0 / denom)
-        stats = self.engine.optimizer_step()
+        if s.keeps_batches:
+            stats = self._updates()
+            passes = s.ppo_epochs
+        else:
+            scale_gradients(self.engine, 1.0 / denom)
+            stats = self.engine.optimizer_step()
+            passes = 1
         self._step = _Step()
         self.version += 1
         weights = self.engine.export_weights() if self.exports_weights else None
+        # The sums of the passes' updates cover the batch `passes` times: their metrics are
+        # means over the passes.
         metrics = {
-            "loss": st.loss / denom,
+            "loss": st.loss / (denom * passes),
             "grad_norm": stats["grad_norm"],
             "lr": stats["lr"],
             "skipped": stats.get("skipped", 0.0),
             "reward_mean": st.reward / st.rows,
-            "clip_frac": st.clip / st.tokens,
-            "approx_kl": st.approx_kl / st.tokens,
+            "clip_frac": st.clip / (st.tokens * passes),
+            "approx_kl": st.approx_kl / (st.tokens * passes),
             "tokens": float(st.tokens),
             "seqs": float(st.seqs),
             "micro_batches": float(st.micro_batches),
             "flat_groups": st.flat_groups / max(1, st.groups),
         }
-        if s.kl_coef:
-            metrics["kl"] = st.kl / denom
+        if s.keeps_batches:
+            metrics["updates"] = stats["updates"]
+        if s.kl_in_reward:  # the mean per-token KL(π_old‖π_ref) the rewards were charged
+            metrics["kl"] = st.kl / st.tokens
+        elif s.kl_coef:
+            metrics["kl"] = st.kl / (denom * passes)
         if st.tis_tokens:
             metrics["tis_mean"] = st.tis / st.tis_tokens
         if st.mask_tokens:
             metrics["is_masked_frac"] = st.masked / st.mask_tokens
         metrics["entropy"] = st.entropy / st.tokens
         metrics["mismatch_kl"] = st.mismatch_kl / st.tokens
+        if st.lag_tokens:
+            metrics["token_staleness"] = st.token_lag / st.lag_tokens
         if self.orders.kept_version is not None:
             metrics["kept_version"] = float(self.orders.kept_version)
         if self._checkpoint_due():
             try:
-                self.save_checkpoint()
+                t0 = time.perf_counter()
+                _timed(metrics, "checkpoint", self.save_checkpoint(), t0)
             except OSError as e:  # the step is taken and published: a full disk must not undo it
                 log.error("checkpoint failed", version=self.version, error=repr(e))
                 metrics["checkpoint_failed"] = 1.0
         if self._final_due():
             try:
-                if self.save_final() is not None:
+                t0 = time.perf_counter()
+                if _timed(metrics, "final", self.save_final(), t0) is not None:
                     metrics["final_saved"] = 1.0
             except OSError as e:  # as above; the run says that no final model was saved
                 log.error("final model not saved", version=self.version, error=repr(e))
@@ -550,12 +653,32 @@ class TrainerRole:
         self.version = version
 
 
+def _timed(metrics: dict[str, float], what: str, saved: Path | None,
+           t0: float) -> Path | None:
+    """Add a save's seconds since ``t0`` and bytes to ``metrics`` as ``{what}_s`` and
+    ``{what}_bytes`` (the launcher's progress line says them); ``saved`` as it is (None: this
+    rank saved nothing)."""
+    if saved is not None:
+        metrics[f"{what}_s"] = time.perf_counter() - t0
+        metrics[f"{what}_bytes"] = float(dir_bytes(saved))
+    return saved
+
+
 def _load_into(engine: TrainerEngine, weights: Mapping[str, Tensor]) -> None:
-    """Copy ``weights`` (names as `TrainerEngine.export_weights` gives them) into the model."""
+    """Copy ``weights`` (names as `TrainerEngine.export_weights` gives them) into the model;
+    a payload with adapters goes to the engine's ``load_adapter``."""
+    from workers.engines.lora import is_adapter_payload
+
+    if is_adapter_payload(weights):
+        load_adapter = getattr(engine, "load_adapter", None)
+        if not callable(load_adapter):
+            raise TypeError(f"{type(engine).__name__} cannot load adapters")
+        load_adapter(weights)
+        return
     model = getattr(engine, "model", None)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{type(engine).__name__} has no torch model to load weights into")
-    from workers.engines.hf_rollout import tied_groups
+    from workers.engines.tied_weights import tied_groups
 
     params = model.state_dict(keep_vars=True)
     missing = [g[0] for g in tied_groups(model) if not any(n in weights for n in g)]
