@@ -205,9 +205,9 @@ class Recipe(_Section):
         # An episode renders its own chat messages from each example and scores itself, so
         # neither the prompt encoding nor the held-out rounds (single completions) apply.
         episode = self.rollout.episode_ref
+        # (data.system_prompt needs data.chat_template: refusing the template refuses both)
         for field, is_set in (("eval", self.eval is not None),
-                              ("data.chat_template", self.data.chat_template),
-                              ("data.system_prompt", self.data.system_prompt is not None)):
+                              ("data.chat_template", self.data.chat_template)):
             if is_set:
                 raise _rule(field, f"not used with rollout.episode {episode!r}: an episode "
                             "renders its own chat messages (policy.generate(messages)), and "
