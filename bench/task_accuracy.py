@@ -5,8 +5,9 @@ another trainer saved) into flowrl's rollout engine (`HFRolloutEngine`) in this 
 answers every distinct prompt of the recipe's dataset (36 for the default recipe's ``a+b=``)
 twice over: greedily once, and ``samples`` times at the recipe's temperature, top-p and
 response length. A response counts when `exact_match` accepts it, the check under which the
-recipe's rewards give 1.0. Prompts are tokenized and responses decoded as the rollout and
-reward roles do. The result does not depend on the machine's timing: greedy decoding has no
+recipe's rewards give 1.0. Prompts are tokenized (`flowrl.prompts.encode_prompt`, through
+the chat template when the recipe says so) and responses decoded as the rollout and reward
+roles do. The result does not depend on the machine's timing: greedy decoding has no
 randomness and the samples are drawn from a seeded stream per prompt.
 
     python bench/task_accuracy.py [MODEL_DIR] [--samples N] [--set KEY=VALUE ...]
@@ -26,7 +27,8 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flowrl.data import Example
+from flowrl.data import Example, distinct_examples
+from flowrl.prompts import encode_prompt
 from flowrl.recipe import Recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,10 +40,7 @@ def task_prompts(recipe: Recipe) -> list[Example]:
     """The distinct examples of the recipe's dataset, in the order they first appear."""
     from workers.roles.factory import dataset_from_config
 
-    seen: dict[str, Example] = {}
-    for example in dataset_from_config(recipe.engine_config()).examples:
-        seen.setdefault(example.prompt, example)
-    return list(seen.values())
+    return distinct_examples(dataset_from_config(recipe.engine_config()).examples)
 
 
 def exact_accuracy(model_dir: str | Path, recipe: Recipe, *, samples: int = DEFAULT_SAMPLES,
@@ -62,7 +61,9 @@ def exact_accuracy(model_dir: str | Path, recipe: Recipe, *, samples: int = DEFA
     tokenizer = load_tokenizer(Path(tokenizer_dir) if tokenizer_dir is not None else path)
     engine = HFRolloutEngine(path)
     keep = recipe.data.max_prompt_tokens  # the end of a prompt, as the rollout role keeps
-    prompts = [list(tokenizer(e.prompt).input_ids)[-keep:] for e in examples]
+    data = recipe.data  # prompts encoded as the rollout role encodes them
+    prompts = [encode_prompt(tokenizer, e.prompt, chat_template=data.chat_template,
+                             system_prompt=data.system_prompt)[-keep:] for e in examples]
     sampling = sampling_from_config(recipe.engine_config())
 
     def exact(params: SamplingParams) -> list[bool]:

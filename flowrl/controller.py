@@ -27,6 +27,7 @@ from flowrl import messages as m
 from flowrl.backpressure import StoreBackpressure
 from flowrl.control.admission import Admission
 from flowrl.control.assignments import Assignment, Assignments
+from flowrl.control.evaluation import eval_summary, evaluation_for
 from flowrl.control.ledger import LostTrainerState, StepLedger, rank_shares
 from flowrl.control.reports import TaskReport, check_report
 from flowrl.control.run_view import RunCounters, status_snapshot
@@ -101,9 +102,12 @@ class Controller:
             and not self._stop.is_set(),
             weights_bytes=lambda: self.weights.nbytes(self.version),
             stalled=lambda error: self._fail_run(RunError(error)))
+        #: periodic evaluation on held-out prompts (the recipe's ``eval``); None: none
+        self.evaluation = evaluation_for(spec.eval, self.graph, find_source_stage(self.graph))
         self.scheduler = Scheduler(self.graph, self.index, self.registry, self.admission,
                                    self.ledger, self.assignments, group_size=spec.group_size,
-                                   send=self._send, free=self.store_feed.free)
+                                   send=self._send, free=self.store_feed.free,
+                                   evaluation=self.evaluation)
         self.api = WorkerApi(self.registry, self.assignments, self,
                              has_role=lambda role: spec.pool(role) is not None, now=self._now)
         # Nodes other than this one (pools placed there): their agents meet us at `nodes`.
@@ -150,6 +154,12 @@ class Controller:
         #: called with each step's line (the launcher prints them, the monitor streams them)
         self.on_step = self.versions.on_step
         self.step_log = self.versions.step_log
+        #: called with each evaluation round's line (`flowrl.control.evaluation`)
+        self.on_eval: list[Callable[[dict[str, Any]], None]] = []
+        if self.evaluation is not None:
+            ev = self.evaluation
+            self.on_step.append(lambda e: ev.committed(e["step"], time.perf_counter()))
+            ev.on_record.append(self._evaluated)
         self.dispatch_us: collections.deque[float] = collections.deque(maxlen=100_000)
         self.errors: collections.deque[dict[str, Any]] = collections.deque(maxlen=50)
         #: the HTTP monitor's settings; None runs no monitor.
@@ -186,6 +196,11 @@ class Controller:
     @property
     def worker_deaths(self) -> int:
         return self._counters.worker_deaths
+
+    @property
+    def eval_log(self) -> list[dict[str, Any]]:
+        """One line per evaluation round, in order."""
+        return [] if self.evaluation is None else self.evaluation.log
 
     @property
     def store_stats(self) -> dict[str, Any]:
@@ -293,11 +308,16 @@ class Controller:
         self._steps_done.clear()
         self._counters.started_at = self.versions.last_step_at = time.perf_counter()
         samples0 = self.ledger.samples_trained
+        ev = self.evaluation
+        if ev is not None:
+            ev.last_step = self._steps_target
         self._running = True
         self._wake()
         try:
             async with asyncio.timeout(timeout_s):
                 await self._steps_done.wait()
+                if ev is not None and self._fatal is None:  # the last round
+                    await self.wait_for(lambda: ev.idle)
         finally:
             self._running = False
         if self._fatal is not None:
@@ -308,7 +328,7 @@ class Controller:
                 "samples_per_s": samples / wall if wall > 0 else 0.0,
                 "version": self.version, "stale_dropped": self.stale_dropped,
                 "rows_trained_twice": self.rows_trained_twice,
-                "staleness": self.gate.histogram()}
+                "staleness": self.gate.histogram(), **eval_summary(self.eval_log)}
 
     async def wait_for(self, predicate: Callable[[], bool]) -> None:
         """Wait until ``predicate()`` holds; re-checked after every step and worker event."""
@@ -369,6 +389,8 @@ class Controller:
         complete still commits (its rows are trained, not lost), so `version` may move past
         the version in the summary `run` returned."""
         self._steps_target = self.version
+        if self.evaluation is not None:  # no round waits for a stopped run
+            self.store_feed.free(self.evaluation.abandon())
         self.events.emit("stopping", version=self.version)
         self._steps_done.set()
         self._changed_now()
@@ -446,7 +468,9 @@ class Controller:
         """The scheduler's output: ``a`` goes to its worker's mailbox."""
         if self._kick_at:
             self.dispatch_us.append((time.perf_counter() - self._kick_at) * 1e6)
-        self.api.deliver(w.worker_id, a, self.index.row_group)
+        ev = self.evaluation
+        groups = ev.row_group if ev is not None and ev.owns(a.task.id) else self.index.row_group
+        self.api.deliver(w.worker_id, a, groups)
 
     # ---- what workers report (`WorkerApi` calls these once a call passed its checks) -------
 
@@ -469,6 +493,11 @@ class Controller:
         """A task finished; its report was parsed. Checked against the task before anything
         changes (`flowrl.control.reports` raises `MalformedReport`, which fails the task)."""
         task = a.task
+        if self.evaluation is not None and self.evaluation.owns(task.id):
+            self._finish(a, ok=True)
+            self.store_feed.free(self.evaluation.reported(task.id, report, time.perf_counter()))
+            self._wake()
+            return
         train = self.scheduler.is_train(task)
         check_report(report, task, self.graph.stage(task.stage), train=train)
         self._finish(a, ok=True)
@@ -604,6 +633,14 @@ class Controller:
             self._steps_done.set()
         self._changed_now()
 
+    def _evaluated(self, line: dict[str, Any]) -> None:
+        """An evaluation round ended: said, streamed, and handed to ``on_eval``."""
+        self._log().info("evaluated", **line)
+        self.events.emit("eval", **line)
+        for callback in self.on_eval:
+            callback(line)
+        self._changed_now()
+
     def run_state(self) -> RunState:
         """What `--resume` needs to continue from this version (see `flowrl.resume`)."""
         return self.ledger.run_state()
@@ -652,7 +689,8 @@ class Controller:
             step_log=self.step_log, steps_target=self._steps_target, paused=self._paused,
             stale_dropped=self.stale_dropped, store_stats=self.store_stats,
             counters=self._counters, restarts=self.restarts, errors=list(self.errors),
-            lag=self._lag, events=self.events, monitor_url=self.monitor_url)
+            lag=self._lag, events=self.events, monitor_url=self.monitor_url,
+            eval_log=self.eval_log)
 
     def kill_worker_process(self, pid: int) -> None:
         """SIGKILL one child (tests and chaos use this)."""

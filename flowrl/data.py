@@ -71,6 +71,51 @@ def arithmetic(count: int = 1000, *, max_operand: int = 20, seed: int = 0) -> Da
     return Dataset(examples, seed=seed)
 
 
+def hold_out(data: Dataset, prompts: int, *, source: Dataset | None = None,
+             seed: int = 0) -> tuple[Dataset, Dataset]:
+    """``(train, evaluation)``: a held-out evaluation split of ``prompts`` distinct prompts and
+    the training data without them.
+
+    The evaluation split is the first ``prompts`` distinct prompts of ``source`` (a file of
+    its own) in its order, or, without one, ``prompts`` distinct prompts of ``data`` drawn
+    with ``seed``. Every example of ``data`` whose prompt is in the split (every copy of it) is
+    left out of training, so no evaluation prompt is ever trained on. ValueError when the
+    split would leave no training example or ``source`` has fewer distinct prompts than asked.
+    """
+    if prompts < 1:
+        raise ValueError(f"eval.prompts must be >= 1, got {prompts}")
+    if source is not None:
+        distinct = distinct_examples(source.examples)
+        if len(distinct) < prompts:
+            raise ValueError(f"eval.prompts = {prompts}, but eval.path has {len(distinct)} "
+                             "distinct prompts")
+        chosen = distinct[:prompts]
+    else:
+        distinct = distinct_examples(data.examples)
+        if len(distinct) <= prompts:
+            raise ValueError(f"eval.prompts = {prompts} would hold out every prompt of the "
+                             f"training data ({len(distinct)} distinct): hold out fewer, or "
+                             "give eval.path")
+        order = list(range(len(distinct)))
+        random.Random(seed * 1_000_003 + 7).shuffle(order)
+        chosen = [distinct[i] for i in sorted(order[:prompts])]
+    held = {e.prompt for e in chosen}
+    train = [e for e in data.examples if e.prompt not in held]
+    if not train:
+        raise ValueError(f"every prompt of the training data is among the {prompts} "
+                         "evaluation prompts (eval.path): nothing is left to train on")
+    return (Dataset(train, seed=data.seed, skipped=data.skipped),
+            Dataset(chosen, seed=data.seed, skipped=0 if source is None else source.skipped))
+
+
+def distinct_examples(examples: Sequence[Example]) -> list[Example]:
+    """The first example of each prompt, in order."""
+    seen: dict[str, Example] = {}
+    for e in examples:
+        seen.setdefault(e.prompt, e)
+    return list(seen.values())
+
+
 PROMPT_PLACEHOLDER = "{prompt}"
 
 

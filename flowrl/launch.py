@@ -3,10 +3,10 @@
 
 Validates the recipe before anything starts (a wrong field fails naming the field and the
 file), builds the tiny model if the recipe asks for one, starts the controller with its node
-agent and workers, prints one progress line per optimizer step, a JSON summary at the end and,
-last, where the final model was saved. Results go to the output directory
-(`flowrl.run_output`): the recipe's ``output``, ``--output``, the run resumed, or else a fresh
-``runs/<YYYYmmdd-HHMMSS>-<recipe file stem>-<run id>/`` under the current directory.
+agent and workers, prints one progress line per optimizer step (and per evaluation round), a
+JSON summary at the end and, last, where the final model was saved. Results go to the output
+directory (`flowrl.run_output`): the recipe's ``output``, ``--output``, the run resumed, or else a
+fresh ``runs/<YYYYmmdd-HHMMSS>-<recipe file stem>-<run id>/`` under the current directory.
 Heavy imports (torch, transformers) happen only after the arguments and recipe are checked, so
 ``--help`` and recipe errors answer at once.
 """
@@ -73,6 +73,21 @@ def _format_step(entry: dict[str, Any]) -> str:
         + ("" if loss is None else f"  loss {loss:+.4f}")
         + (f"  reward failed {failed}" if failed else "")
         + (f"\n      {entry['stability']}" if entry.get("stability") else "")
+    )
+
+
+def _format_eval(line: dict[str, Any]) -> str:
+    """An evaluation round's progress line."""
+    if "eval/failed" in line:
+        return f"eval {line['step']:>4}  not evaluated: {line['eval/failed']}"
+    sampled = line.get("eval/sampled_accuracy")
+    return (
+        f"eval {line['step']:>4}  greedy accuracy {line['eval/greedy_accuracy']:.3f} "
+        f"(reward {line['eval/greedy_reward']:.3f})"
+        + ("" if sampled is None else
+           f"  sampled accuracy {sampled:.3f} (reward {line['eval/sampled_reward']:.3f}, "
+           f"{line['eval/samples']} per prompt)")
+        + f"  on {line['eval/prompts']} held-out prompts"
     )
 
 
@@ -219,11 +234,15 @@ def _main(argv: list[str] | None = None) -> int:
     def show_step(entry: dict[str, Any]) -> None:
         print(_format_step(entry), flush=True)
 
+    def show_eval(line: dict[str, Any]) -> None:
+        print(_format_eval(line), flush=True)
+
     try:
         summary = asyncio.run(_stoppable(run_recipe(
             recipe, on_step=show_step, monitor=not args.no_monitor,
             on_start=_announce_monitor, resume=resume, run_id=run_id,
-            overwrite=args.overwrite, progress=progress, interrupts=interrupts),
+            overwrite=args.overwrite, progress=progress, interrupts=interrupts,
+            on_eval=show_eval),
             progress, interrupts, recipe))
     except (OutputInUse, ResumeMismatch) as exc:
         print(f"error: {exc}", file=sys.stderr)

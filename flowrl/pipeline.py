@@ -73,6 +73,8 @@ class PipelineSpec:
     #: the stability guard's settings (a recipe's ``stability`` section as JSON); None runs
     #: no guard
     stability: dict[str, Any] | None = None
+    #: periodic evaluation (a recipe's ``eval`` section as JSON); None evaluates nothing
+    eval: dict[str, Any] | None = None
 
     def graph(self) -> StageGraph:
         return StageGraph(self.stages, SOURCE_FIELDS)

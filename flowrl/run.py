@@ -77,12 +77,13 @@ def tiny_model_dir(tiny: TinyModelConfig, *, head: HeadKind = "lm") -> Path:
 def tiny_build(tiny: TinyModelConfig, *, head: HeadKind = "lm") -> tuple[Path, dict[str, Any]]:
     """Where a tiny model of these settings is cached, and `build_tiny_model`'s keyword
     arguments that build it."""
-    from flowrl.tiny_model import build_versions
+    from flowrl.tiny_model import BUILD_FORMAT, build_versions
 
     settings = tiny.model_dump(mode="json")
-    # Another install (other torch/transformers/tokenizers) builds other bytes: its own entry.
-    keyed = {**settings, "libraries": build_versions()}
-    if head != "lm":  # a causal LM's key is as it always was, so its cache entry stays valid
+    # Another install (other torch/transformers/tokenizers) or build procedure builds other
+    # bytes: its own entry (a checkout with another procedure never rebuilds this one in place).
+    keyed = {**settings, "libraries": build_versions(), "format": BUILD_FORMAT}
+    if head != "lm":  # a causal LM's key names no head
         keyed["head"] = head
     key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:12]
     out = cache_dir() / "models" / f"tiny-{key}"
@@ -279,6 +280,7 @@ async def run_recipe(
     on_start: Callable[[Controller], None] | None = None, resume: Path | None = None,
     run_id: str | None = None, overwrite: bool = False, progress: Progress | None = None,
     interrupts: Interrupts | None = None,
+    on_eval: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Train until version ``steps`` (default: the recipe's; given, it replaces the recipe's
     ``steps`` as ``--steps`` does); SIGTERM stops cleanly.
@@ -296,13 +298,15 @@ async def run_recipe(
     recipe that changed what resumption cannot change is refused
     (`flowrl.run_output.ResumeMismatch`); other changes are logged.
 
-    ``recipe.tracking``: each step's line, the recipe and the summary also go to the trackers it
-    names (`flowrl.tracking`), which end with the run however it ends; one whose library is not
-    installed raises `flowrl.recipe.inputs.InputError` before anything starts.
+    ``recipe.tracking``: each step's line, each evaluation round's, the recipe and the summary
+    also go to the trackers it names (`flowrl.tracking`), which end with the run however it
+    ends; one whose library is not installed raises `flowrl.recipe.inputs.InputError` before
+    anything starts.
 
-    ``monitor`` starts the recipe's HTTP monitor; ``on_start`` is called once the controller
-    and its workers are up (the launcher prints the monitor's URL there). ``run_id`` names the
-    run (default: a fresh one).
+    ``on_eval`` is called with each evaluation round's line (``eval``), as ``on_step`` with
+    each step's. ``monitor`` starts the recipe's HTTP monitor; ``on_start`` is called once the
+    controller and its workers are up (the launcher prints the monitor's URL there). ``run_id``
+    names the run (default: a fresh one).
 
     Before any process starts, what the workers will load is checked
     (`flowrl.recipe.inputs.check_inputs`: reward function, data file, model directories);
@@ -363,10 +367,14 @@ async def run_recipe(
                 on_start(ctl)
             if record is not None:  # before the caller's: a line is kept before it is shown
                 ctl.on_step.append(record.step)
+                ctl.on_eval.append(record.eval)
             ctl.on_step.append(tracking.step)
+            ctl.on_eval.append(tracking.eval)
             ctl.on_step.append(told.on_step)
             if on_step is not None:
                 ctl.on_step.append(on_step)
+            if on_eval is not None:
+                ctl.on_eval.append(on_eval)
             if out is not None:  # after the step's line: what it saved
                 ctl.on_step.append(lambda entry: say_saves(entry, out, told))
             summary = await ctl.run(total - ctl.version)

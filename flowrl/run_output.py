@@ -3,7 +3,8 @@
 Layout (``Recipe.output``)::
 
     recipe.json     the resolved recipe (every field, defaults included; monitor.token left out)
-    metrics.jsonl   the step log, one JSON line per committed step, written as the step commits
+    metrics.jsonl   the step log, one JSON line per committed step, written as the step commits,
+                    and one per evaluation round (``eval/...`` figures of the step it evaluated)
     summary.json    the run's summary, when it ends
     tensorboard/    TensorBoard's event files, with ``tracking`` (`flowrl.tracking`)
     wandb/          W&B's run files, with ``tracking``
@@ -22,7 +23,8 @@ Guarantees:
   that run (``--resume``) or is told to replace them (``--overwrite``, which removes only what
   a run writes, listed above).
 - ``--resume`` is refused when the recipe changed a field that resumption cannot change
-  (`RESUME_FIXED`: the model, the data, the seed, the algorithm's name and group size), naming
+  (`RESUME_FIXED`: the model, the data and its held-out split, the seed, the algorithm's name
+  and group size), naming
   every such field with its old and new value; other changes are allowed and listed
   (`resume_changes`).
 - The step log is appended and flushed line by line, so a run that crashes keeps the lines of
@@ -80,9 +82,11 @@ WANDB_DIR = "wandb"
 _RESULT_NAMES = (FINAL_DIR, "critic", RECIPE_FILE, METRICS_FILE, SUMMARY_FILE, TENSORBOARD_DIR,
                  WANDB_DIR)
 #: recipe fields (and their subfields) a resumed run may not change: the checkpoint's weights
-#: are of this model, its trained dataset positions index this data in this seed's order, and
-#: its optimizer state and rows are shaped by this objective and group size.
-RESUME_FIXED = ("model", "data", "seed", "algorithm.name", "algorithm.group_size")
+#: are of this model, its trained dataset positions index this data (less its held-out
+#: evaluation prompts) in this seed's order, and its optimizer state and rows are shaped by
+#: this objective and group size.
+RESUME_FIXED = ("model", "data", "seed", "algorithm.name", "algorithm.group_size",
+                "eval.prompts", "eval.path")
 # Not compared on resume: where results go and are watched (monitor, trackers), and the run's
 # length (which may grow; `flowrl.run.run_recipe` refuses a total the checkpoint already
 # reached).
@@ -279,6 +283,10 @@ class RunRecord:
         self._guarded("metrics", self._write_line, entry)
         if self.keep_last is not None:
             self._guarded("keep_last", self._prune)
+
+    def eval(self, line: dict[str, Any]) -> None:
+        """Append an evaluation round's line (an ``on_eval`` callback of the controller)."""
+        self._guarded("metrics", self._write_line, line)
 
     def _write_line(self, entry: dict[str, Any]) -> None:
         if self._metrics is not None:

@@ -4,7 +4,8 @@ No model hub is needed: `build_tiny_model` trains a byte-level BPE tokenizer on 
 corpus (small arithmetic such as ``12+7=19`` and plain words), builds a Qwen2 causal LM
 (tied embeddings, about 1M parameters at the defaults) and saves both with
 ``save_pretrained``, so ``AutoModelForCausalLM.from_pretrained(dir)`` and
-``AutoTokenizer.from_pretrained(dir)`` load it offline. With ``head="score"`` the same body gets
+``AutoTokenizer.from_pretrained(dir)`` load it offline. The tokenizer has a plain chat template
+(`CHAT_TEMPLATE`). With ``head="score"`` the same body gets
 a scalar head instead (``Qwen2ForSequenceClassification``, ``num_labels=1``: a reward model that
 ``AutoModelForSequenceClassification`` loads), with random weights.
 
@@ -62,8 +63,10 @@ BUILD_STAGES = ("tokenizer", "model", "warmup", "save")
 HeadKind = Literal["lm", "score"]
 HEADS: tuple[HeadKind, ...] = ("lm", "score")
 """What sits on the transformer body: the language-modelling head or one scalar score."""
-# Bump when the build procedure changes so cached directories are rebuilt.
-_FORMAT = 1
+#: the build procedure's version: bumped when it changes, so cached directories are rebuilt
+#: (and `flowrl.run.tiny_model_dir` keys its cache with it from 2 on). 2: the tokenizer has a
+#: chat template.
+BUILD_FORMAT = 2
 # The libraries whose versions the built bytes may depend on (tokenizer training, weight
 # initialisation, the warm-up's kernels).
 _BUILD_LIBRARIES = ("torch", "transformers", "tokenizers")
@@ -111,7 +114,7 @@ class TinySpec:
     corpus_sha256: str
     pretrain_steps: int
     libraries: dict[str, str]
-    format: int = _FORMAT
+    format: int = BUILD_FORMAT
     head: HeadKind = "lm"
 
     def manifest(self) -> dict[str, Any]:
@@ -234,16 +237,26 @@ def _pretrain(model: Any, tokenizer: Any, corpus: Sequence[str], steps: int, see
     model.eval()
 
 
+#: a plain chat template (``role: content`` lines, then ``assistant: ``), so that prompts
+#: through a chat template (``data.chat_template``) can be tried on the tiny model
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
 def build_tokenizer(corpus: Sequence[str], vocab_size: int) -> Any:
     """A Qwen2-style byte-level BPE tokenizer trained on ``corpus`` (a transformers fast
-    tokenizer with this module's EOS and pad tokens); deterministic."""
+    tokenizer with this module's EOS and pad tokens and `CHAT_TEMPLATE`); deterministic."""
     from transformers import PreTrainedTokenizerFast
 
     raw = _train_tokenizer(corpus, vocab_size)
     fast_cls: Any = PreTrainedTokenizerFast
-    return fast_cls(
+    tokenizer = fast_cls(
         tokenizer_object=raw, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, unk_token=EOS_TOKEN
     )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def _quiet(stage: str, figures: dict[str, Any]) -> None:

@@ -35,6 +35,7 @@ __all__ = [
     "DataParallelSpec",
     "Endpoints",
     "EngineSpec",
+    "EvalDataSpec",
     "FileDataSpec",
     "JudgeSpec",
     "LoraSpec",
@@ -102,6 +103,9 @@ class ArithmeticDataSpec(_Spec):
     max_operand: int
     seed: int
     max_prompt_tokens: int
+    #: prompts go through the tokenizer's chat template (`flowrl.prompts`).
+    chat_template: bool = False
+    system_prompt: str | None = None
 
 
 class FileDataSpec(_Spec):
@@ -111,6 +115,16 @@ class FileDataSpec(_Spec):
     answer_key: str
     prompt_template: str
     max_prompt_tokens: int
+    chat_template: bool = False
+    system_prompt: str | None = None
+
+
+class EvalDataSpec(_Spec):
+    """The held-out evaluation split (`flowrl.data.hold_out`)."""
+
+    prompts: int = Field(ge=1)
+    #: a file of ``data.kind`` read like the data file; None: held out from the data.
+    path: str | None = None
 
 
 class AlgorithmSpec(_Spec):
@@ -250,6 +264,8 @@ class EngineSpec(_Spec):
     rollout: RolloutSpec
     reward: RewardSpec
     trainer: TrainerSpec
+    #: the held-out evaluation split, when the run evaluates (``eval``).
+    eval: EvalDataSpec | None = None
     #: PPO only.
     critic: CriticSpec | None = None
     #: ``trainer.ranks > 1`` only.

@@ -15,7 +15,9 @@ Data: one JSON object per line, GSM8K's own layout::
 Malformed lines (not JSON, a missing key, a question that is not a string) are skipped and
 counted in a warning, not fatal. Each question is wrapped in `TEMPLATE`. A Parquet file with
 the same columns (GSM8K as the Hugging Face Hub ships it) works too: ``--set data.kind=parquet``
-(needs pyarrow: ``pip install 'flowrl[parquet]'``).
+(needs pyarrow: ``pip install 'flowrl[parquet]'``). An instruct model gets each templated question
+through its chat template with ``--set data.chat_template=true``; ``--set eval.every=20 --set
+eval.path=data/gsm8k_test.jsonl`` validates on the test split (greedy and sampled accuracy).
 
 Reward: ``workers.roles.builtin_rewards.gsm8k_numeric_batch``: 1.0 when the response's final number
 (``#### N``, ``\\boxed{N}``, ``the answer is N``, else its last number) equals the number after

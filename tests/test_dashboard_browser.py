@@ -22,7 +22,7 @@ from playwright.sync_api import Page, sync_playwright
 
 from flowrl.controller import Controller
 from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages
-from flowrl.recipe import MonitorConfig
+from flowrl.recipe import EvalConfig, MonitorConfig
 
 CHROMIUM = "/usr/bin/chromium"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -47,6 +47,7 @@ def spec() -> PipelineSpec:
         group_size=4, groups_per_step=4, max_staleness=1,
         engine="sim", engine_config=VISIBLE, store_capacity_bytes=64 << 20,
         heartbeat_s=0.5, heartbeat_timeout_s=10.0,
+        eval=EvalConfig(every=2, prompts=4, sampled=2, prompts_per_task=2).model_dump(),
     )
 
 
@@ -145,6 +146,14 @@ def test_dashboard_renders_live_charts_and_one_timeline_lane_per_worker(tmp_path
             for chart in ("#reward-chart", "#throughput-chart"):
                 points = page.get_attribute(f"{chart} polyline", "points") or ""
                 assert len(points.split()) >= 3, chart
+            # Held-out accuracy: a greedy and a sampled line, a point per evaluation round.
+            page.wait_for_function("Number(document.body.dataset.evals || 0) >= 2",
+                                   timeout=30_000)
+            lines = page.locator("#eval-chart polyline")
+            assert lines.count() == 2
+            assert all(len((lines.nth(i).get_attribute("points") or "").split()) >= 2
+                       for i in range(2))
+            assert "greedy" in (page.text_content("#eval-last") or "")
             assert page.locator("#staleness-chart rect.bar").count() >= 1
             assert page.locator("#store-chart rect.bar").count() == 1
             assert page.locator("#stages tbody tr").count() == 4

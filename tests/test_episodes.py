@@ -392,6 +392,30 @@ def test_the_recipe_names_an_episode(tmp_path: Path) -> None:
         resolve_episode_fn(f"{path}:missing")
 
 
+def test_an_episode_run_refuses_evaluation_and_the_chat_template_naming_field_and_file(
+    tmp_path: Path,
+) -> None:
+    """An episode renders its own chat messages: the prompt encoding and the held-out rounds
+    (single completions) do not apply to it."""
+    from flowrl.recipe_file import RecipeError, load_recipe
+
+    (tmp_path / "episodes.py").write_text(EPISODE_FILE)
+    recipe_file = tmp_path / "episode_recipe.py"
+    recipe_file.write_text(
+        "from flowrl.recipe import Recipe, RolloutConfig\n"
+        f"recipe = Recipe(steps=1, rollout=RolloutConfig(episode={str(tmp_path)!r} + "
+        "'/episodes.py:count_up'))\n")
+    assert load_recipe(recipe_file).rollout.episode is not None
+    for sets, field in ((["eval.every=2", "eval.prompts=4"], "eval"),
+                        (["data.chat_template=true"], r"data\.chat_template"),
+                        (["data.chat_template=true", "data.system_prompt=Be brief."],
+                         r"data\.chat_template")):
+        with pytest.raises(RecipeError, match=(
+                rf"episode_recipe\.py.*{field}: not used with rollout\.episode "
+                r"'.*episodes\.py:count_up': an episode renders its own chat messages")):
+            load_recipe(recipe_file, sets)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 async def test_a_run_trains_a_multi_turn_episode(tmp_path: Path) -> None:

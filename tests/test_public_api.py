@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # Changing this list changes the public API: say so in CHANGELOG.md.
 PUBLIC = [
     "AlgorithmConfig", "ArithmeticConfig", "ClusterConfig", "ClusterSettings", "Controller",
-    "CriticConfig", "DataConfig", "JudgeConfig", "ModelConfig", "MonitorConfig", "PipelineSpec",
+    "CriticConfig", "DataConfig", "EvalConfig", "JudgeConfig", "ModelConfig", "MonitorConfig",
+    "PipelineSpec",
     "PlacementConfig", "PoolSpec", "RayConfig", "RayResources", "Recipe", "RecipeError",
     "RewardConfig", "RewardModelConfig", "RolloutConfig", "RunError", "SimConfig",
     "StabilityActions", "StabilityConfig",

@@ -60,7 +60,7 @@ def problems_of(excinfo: pytest.ExceptionInfo[RecipeError]) -> dict[str, str]:
 def test_public_api_is_pinned() -> None:
     assert set(recipe_mod.__all__) == {
         "LOSS_AGG_ALGORITHM_NAMES", "TINY_MODEL", "AlgorithmConfig", "ArithmeticConfig",
-        "ClusterSettings", "CriticConfig", "DataConfig", "JudgeConfig", "ModelConfig",
+        "ClusterSettings", "CriticConfig", "DataConfig", "EvalConfig", "JudgeConfig", "ModelConfig",
         "MonitorConfig", "PlacementConfig", "RayConfig", "RayResources", "Recipe",
         "RewardConfig", "RewardModelConfig", "RolloutConfig", "SimConfig", "StabilityActions",
         "StabilityConfig", "TinyModelConfig", "LoraConfig",

@@ -245,6 +245,25 @@ def test_an_mlflow_file_store_holds_the_steps_recipe_and_summary(
     assert _mlflow_json(client, run, "summary.json", tmp_path) == SUMMARY
 
 
+def test_evaluation_rounds_go_to_the_trackers_at_the_step_they_evaluated(
+        tmp_path: Path, mlflow_store: str) -> None:
+    """A round ends after later steps were sent; its numbers keep their own step."""
+    pytest.importorskip("tensorboard")
+    tracking = Tracking(("tensorboard", "mlflow"), TrackedRun("run00001", tmp_path, RECIPE))
+    for entry in STEPS:
+        tracking.step(entry)
+    tracking.eval({"step": 1, "eval/prompts": 4, "eval/greedy_accuracy": 0.25,
+                   "eval/sampled_accuracy": 0.5, "eval/versions": [1, 2]})
+    tracking.eval({"step": 2, "eval/prompts": 4, "eval/failed": "eval failed 3 times"})
+    tracking.close("finished")
+    events = _tensorboard(tmp_path / "tensorboard")
+    assert [(e.step, e.value) for e in events.Scalars("eval/greedy_accuracy")] == [(1, 0.25)]
+    assert [(e.step, e.value) for e in events.Scalars("eval/prompts")] == [(1, 4.0), (2, 4.0)]
+    client, run = _mlflow_run()
+    assert _mlflow_history(client, run, "eval/sampled_accuracy") == [(1, 0.5)]
+    assert "eval/versions" not in run.data.metrics
+
+
 def test_an_interrupted_run_ends_killed_and_a_failed_one_failed() -> None:
     import asyncio
 

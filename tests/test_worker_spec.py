@@ -20,6 +20,7 @@ from flowrl.controller import Controller
 from flowrl.recipe import (
     AlgorithmConfig,
     DataConfig,
+    EvalConfig,
     JudgeConfig,
     LoraConfig,
     ModelConfig,
@@ -140,10 +141,11 @@ async def test_every_field_of_the_spec_is_read_by_the_worker_side(
     resumed = Recipe(
         steps=2, model=ModelConfig(path=str(model)),
         data=DataConfig(kind="jsonl", path=str(rows), prompt_key="q", answer_key="a",
-                        max_prompt_tokens=16),
+                        max_prompt_tokens=16, chat_template=True, system_prompt="Add."),
         algorithm=AlgorithmConfig(name="ppo", group_size=1, kl_coef=0.1),
         rollout=RolloutConfig(max_new_tokens=4),
-        trainer=TrainerConfig(ranks=2, groups_per_step=2)).engine_spec().model_copy(update={
+        trainer=TrainerConfig(ranks=2, groups_per_step=2),
+        eval=EvalConfig(every=1, prompts=2, path=str(rows))).engine_spec().model_copy(update={
             "model": ws.ModelSpec(path=str(model), reference_path=str(model)),
             "resume": ws.ResumeSpec(checkpoint=str(tmp_path / "elsewhere" / "step_1"),
                                     version=1)})

@@ -45,7 +45,8 @@ def status_snapshot(*, run_id: str, graph: StageGraph, index: Index, registry: R
                     step_log: list[dict[str, Any]], steps_target: int, paused: bool,
                     stale_dropped: int, store_stats: dict[str, Any], counters: RunCounters,
                     restarts: int, errors: list[dict[str, Any]], lag: LoopLag | None,
-                    events: EventBus, monitor_url: str | None) -> dict[str, Any]:
+                    events: EventBus, monitor_url: str | None,
+                    eval_log: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     stats = index.statistics()
     wall = (time.perf_counter() - counters.started_at) if counters.started_at else 0.0
     now = time.time()
@@ -91,6 +92,7 @@ def status_snapshot(*, run_id: str, graph: StageGraph, index: Index, registry: R
                        "steps": len(step_log)},
         "reward_mean": last.get("reward_mean"),
         "last_step": last or None,
+        "last_eval": eval_log[-1] if eval_log else None,
         "failed_samples": {stage: dict(kinds) for stage, kinds in
                            counters.failed_samples.items()},
         "stale_dropped": stale_dropped,

@@ -11,6 +11,9 @@ One `dispatch` pass walks the stages in graph order and hands out whatever is po
   and one closing micro-batch each (`flowrl.dp`);
 - every **other** stage takes ready rows to the least-loaded worker of its role.
 
+Before a stage's own work, its evaluation jobs (`flowrl.control.evaluation`: held-out prompts
+to answer, answers to score) go to the least-loaded workers of its role that may run them.
+
 Pure: no sockets and no clock. What it decides leaves through two callbacks, ``send`` (an
 assignment for a worker) and ``free`` (handles to release).
 """
@@ -22,6 +25,7 @@ from typing import Any
 
 from flowrl.control.admission import Admission
 from flowrl.control.assignments import Assignment, Assignments
+from flowrl.control.evaluation import EVAL_STAGE, SCORE_STAGE, Evaluation
 from flowrl.control.ledger import StepLedger
 from flowrl.dp import RankShares
 from flowrl.graph import StageGraph, StageSpec
@@ -46,7 +50,8 @@ class Scheduler:
     def __init__(self, graph: StageGraph, index: Index, registry: Registry,
                  admission: Admission, ledger: StepLedger, assignments: Assignments, *,
                  group_size: int, send: Callable[[WorkerInfo, Assignment], None],
-                 free: Callable[[list[Any]], None]) -> None:
+                 free: Callable[[list[Any]], None],
+                 evaluation: Evaluation | None = None) -> None:
         self.graph = graph
         self.index = index
         self.registry = registry
@@ -58,6 +63,7 @@ class Scheduler:
         self.train = next((s for s in graph.order if s.consumes_version_bound), None)
         self._send = send
         self._free = free
+        self.evaluation = evaluation
         #: groups dropped because their rows were too stale to train
         self.stale_dropped = 0
 
@@ -67,6 +73,8 @@ class Scheduler:
     def dispatch(self, *, steps_target: int, now: float) -> None:
         """Hand out everything possible (``steps_target``: admit and train no step past it)."""
         for stage in self.graph.order:
+            if self.evaluation is not None:
+                self._dispatch_eval(stage, now)
             if stage is self.source:
                 self._dispatch_source(stage, steps_target, now)
             elif stage is self.train:
@@ -78,12 +86,30 @@ class Scheduler:
                 self._dispatch_rows(stage, now)
 
     def fail_task(self, task_id: int) -> None:
-        """Give the task's rows back to its stage's queue."""
-        freed = self.index.fail(task_id)
+        """Give the task's rows back to its stage's queue (an evaluation task's job to its
+        evaluation)."""
+        if self.evaluation is not None and self.evaluation.owns(task_id):
+            freed = self.evaluation.failed(task_id)
+        else:
+            freed = self.index.fail(task_id)
         if freed:
             self._free(freed)
 
     # ---- stages ----------------------------------------------------------------------------
+
+    def _dispatch_eval(self, stage: StageSpec, now: float) -> None:
+        ev = self.evaluation
+        assert ev is not None
+        kind = (EVAL_STAGE if stage is ev.generate else SCORE_STAGE if stage is ev.score
+                else None)
+        if kind is None:
+            return
+        while (job := ev.next_job(kind)) is not None:
+            w = self.registry.least_loaded(stage.role, ev.min_version(job))
+            if w is None:
+                return
+            task, params = ev.start(job, w.worker_id)
+            self._assign(w, task, params, now)
 
     def _dispatch_rows(self, stage: StageSpec, now: float) -> None:
         while (w := self.registry.least_loaded(stage.role)) is not None:

@@ -13,6 +13,8 @@ Families (labels in braces):
   rate, clipped-token share, reward spread, response length, observed staleness): gauges
   that appear with the first step; one whose figure the step's line lacks (``flowrl_train_kl``
   without a KL penalty, the trainer's figures in simulation) is left out;
+- the last evaluation round's accuracies (`EVAL_GAUGES`): gauges that appear with the first
+  round that has them;
 - ``flowrl_samples_trained_total``, ``flowrl_stale_dropped_total``,
   ``flowrl_worker_deaths_total``, ``flowrl_steps_total``, ``flowrl_events_dropped_total`` —
   counters;
@@ -49,7 +51,8 @@ from flowrl.events import Span
 if TYPE_CHECKING:
     from flowrl.monitor.view import RunView
 
-__all__ = ["CONTENT_TYPE", "DURATION_BUCKETS", "STEP_GAUGES", "ControllerMetrics"]
+__all__ = ["CONTENT_TYPE", "DURATION_BUCKETS", "EVAL_GAUGES", "STEP_GAUGES",
+           "ControllerMetrics"]
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -85,6 +88,16 @@ STEP_GAUGES = (
      "flowrl_max_staleness."),
     ("staleness_mean", "flowrl_step_staleness_mean",
      "Mean staleness (versions) of the last step's samples."),
+)
+
+#: (key of an evaluation round's line, gauge, help) of the last round
+#: (`flowrl.control.evaluation`); a failed round's line has neither.
+EVAL_GAUGES = (
+    ("eval/greedy_accuracy", "flowrl_eval_greedy_accuracy_ratio",
+     "Share of the held-out prompts answered correctly greedily, last evaluation round."),
+    ("eval/sampled_accuracy", "flowrl_eval_sampled_accuracy_ratio",
+     "Share of the sampled answers to the held-out prompts that are correct, last evaluation "
+     "round."),
 )
 
 
@@ -132,9 +145,10 @@ def _num(value: Any) -> float:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
 
 
-def _step_gauges(step: dict[str, Any]) -> Iterator[GaugeMetricFamily]:
-    for key, name, doc in STEP_GAUGES:
-        value = step.get(key)
+def _line_gauges(line: dict[str, Any],
+                 gauges: tuple[tuple[str, str, str], ...]) -> Iterator[GaugeMetricFamily]:
+    for key, name, doc in gauges:
+        value = line.get(key)
         # NaN and infinities pass as such (a diverging loss must show); absent is no sample
         if isinstance(value, int | float) and not isinstance(value, bool):
             yield GaugeMetricFamily(name, doc, value=float(value))
@@ -172,7 +186,8 @@ class _Collector:
         yield counter("flowrl_worker_deaths", "Workers lost.", st["worker_deaths"])
         yield counter("flowrl_events_dropped", "Events a slow watcher lost.",
                       st["events"]["dropped"])
-        yield from _step_gauges(st["last_step"] or {})
+        yield from _line_gauges(st["last_step"] or {}, STEP_GAUGES)
+        yield from _line_gauges(st.get("last_eval") or {}, EVAL_GAUGES)
         failed = CounterMetricFamily(
             "flowrl_failed_samples", "Trained samples a stage failed on, which trained with a "
             "fallback value (a reward of 0), by stage and failure kind.", labels=["stage", "kind"])

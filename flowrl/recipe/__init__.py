@@ -1,7 +1,7 @@
 """Recipes: the typed, validated description of one RL run.
 
 A `Recipe` is a frozen pydantic model made of small sections (model, data, algorithm, rollout,
-reward, trainer, monitor, sim, placement, stability). Defaults make the common case short::
+reward, trainer, monitor, sim, placement, stability, eval). Defaults make the common case short::
 
     recipe = Recipe(
         steps=200,
@@ -29,9 +29,9 @@ Guarantees:
   is ``cluster`` (an unauthenticated, unencrypted rendezvous: trusted fabrics only).
 
 Each section lives in the module named after it (`flowrl.recipe.model`, `.data`, `.algorithm`,
-`.critic`, `.rollout`, `.reward`, `.trainer`, `.monitor`, `.sim`, `.placement`), the `Recipe`
-and its compilation in `flowrl.recipe.recipe`, what they share in `flowrl.recipe.section`; import
-them from here.
+`.critic`, `.rollout`, `.reward`, `.trainer`, `.monitor`, `.sim`, `.placement`; ``eval`` in
+`.evaluation`), the `Recipe` and its compilation in `flowrl.recipe.recipe`, what they share in
+`flowrl.recipe.section`; import them from here.
 
 Imports nothing heavy (pydantic and the standard library), so `workers` may import it.
 """
@@ -43,6 +43,7 @@ from flowrl.recipe.algorithm import LOSS_AGG_ALGORITHM_NAMES, AlgorithmConfig
 from flowrl.recipe.algorithm import LossAggName as LossAggName
 from flowrl.recipe.critic import CriticConfig
 from flowrl.recipe.data import ArithmeticConfig, DataConfig
+from flowrl.recipe.evaluation import EvalConfig
 from flowrl.recipe.model import TINY_MODEL, LoraConfig, ModelConfig, TinyModelConfig
 from flowrl.recipe.monitor import MonitorConfig
 from flowrl.recipe.placement import CONTROLLER_NODE as CONTROLLER_NODE
@@ -74,6 +75,7 @@ __all__ = [
     "ClusterSettings",
     "CriticConfig",
     "DataConfig",
+    "EvalConfig",
     "JudgeConfig",
     "LoraConfig",
     "ModelConfig",

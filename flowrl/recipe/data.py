@@ -53,6 +53,13 @@ class DataConfig(_Section):
     replaced by the row's prompt, other braces are kept as written."""
     max_prompt_tokens: int = Field(default=256, ge=1, le=1 << 20)
     """Prompts longer than this (in tokens) are dropped from the dataset."""
+    chat_template: bool = False
+    """Give each prompt to the model through its tokenizer's chat template (a user message,
+    then the assistant's cue: ``apply_chat_template(..., add_generation_prompt=True)``); the
+    model's tokenizer must have a template. ``max_prompt_tokens`` counts the template's tokens
+    too."""
+    system_prompt: str | None = Field(default=None, min_length=1)
+    """A system message before each prompt; needs ``chat_template``."""
     arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig)
     """Settings of the ``arithmetic`` task."""
 
@@ -70,6 +77,9 @@ class DataConfig(_Section):
             raise _rule("prompt_template", "must contain {prompt} (where the prompt goes)")
         if self.kind == "arithmetic" and "prompt_template" in self.model_fields_set:
             raise _rule("prompt_template", "not used by kind 'arithmetic'")
+        if self.system_prompt is not None and not self.chat_template:
+            raise _rule("system_prompt", "needs chat_template = true (the system message is "
+                        "part of the chat template's input)")
         if self.kind == "parquet" and not _importable("pyarrow"):
             raise _rule("kind", "'parquet' needs pyarrow: pip install 'flowrl[parquet]'")
         return self

@@ -4,9 +4,11 @@
 would, but at once and naming the recipe field: it resolves the reward function
 (`flowrl.reward_fn`, running the user's module as a reward worker does) and checks that it can
 be called as the reward role calls it (or the episode function: an async
-``fn(policy, example)``); it reads the data file up to its first usable row; and it
-loads the config and tokenizer of each model directory (offline). A failure raises `InputError`
-(the launcher exits with code 2) instead of a worker process dying over and over a minute later.
+``fn(policy, example)``); it reads the data file (and a held-out ``eval.path``) up to its first
+usable row; and it loads the config and tokenizer of each model directory (offline), checking
+the policy's chat template when ``data.chat_template`` asks for it. A failure raises
+`InputError` (the launcher exits with code 2) instead of a worker process dying over and over a
+minute later.
 
 Only inputs on this machine are checked (`Recipe.inputs_are_local`): a simulated run loads
 none, and a run placed on other nodes reads its files there. transformers is imported only
@@ -21,6 +23,7 @@ from typing import Any
 
 from flowrl.data import first_example
 from flowrl.episode import resolve_episode_fn
+from flowrl.prompts import NoChatTemplate, check_chat_template
 from flowrl.recipe.data import DataConfig
 from flowrl.recipe.model import TINY_MODEL
 from flowrl.recipe.recipe import Recipe
@@ -49,11 +52,18 @@ def check_inputs(recipe: Recipe) -> None:
     else:
         check_reward_fn(recipe.reward)
     check_data(recipe.data)
+    if recipe.eval is not None and recipe.eval.path is not None:
+        check_data(recipe.data, path=recipe.eval.path, field="eval.path")
     if recipe.model.lora is not None and importlib.util.find_spec("peft") is None:
         raise InputError("model.lora", "adapters need the peft package: pip install "
                          "'flowrl[lora]'")
     if recipe.model.path != TINY_MODEL:
-        check_model_dir("model.path", recipe.model.path)
+        tokenizer = check_model_dir("model.path", recipe.model.path)
+        if recipe.data.chat_template:
+            try:
+                check_chat_template(tokenizer)
+            except NoChatTemplate as exc:
+                raise InputError(exc.field, exc.detail) from None
     rm, judge = recipe.reward.model, recipe.reward.judge
     if rm is not None and rm.path != TINY_MODEL:
         check_model_dir("reward.model.path", rm.path)
@@ -105,19 +115,22 @@ def check_tools(refs: dict[str, str]) -> None:
             raise InputError(f"rollout.tools.{name}", str(exc)) from None
 
 
-def check_data(data: DataConfig) -> None:
-    """A data file opens and has a usable row (read up to the first one)."""
-    if data.kind == "arithmetic" or data.path is None:
+def check_data(data: DataConfig, *, path: str | None = None, field: str = "data.path") -> None:
+    """A data file (``data.path``, or ``path`` read as the data's kind) opens and has a usable
+    row (read up to the first one)."""
+    path = path if path is not None else data.path
+    if data.kind == "arithmetic" or path is None:
         return
     try:
-        first_example(data.path, kind=data.kind, prompt_key=data.prompt_key,
+        first_example(path, kind=data.kind, prompt_key=data.prompt_key,
                       answer_key=data.answer_key, template=data.prompt_template)
     except (OSError, ValueError, ImportError) as exc:
-        raise InputError("data.path", str(exc)) from None
+        raise InputError(field, str(exc)) from None
 
 
-def check_model_dir(field: str, path: str) -> None:
-    """A model directory's config and tokenizer load, offline (as the workers load them)."""
+def check_model_dir(field: str, path: str) -> Any:
+    """A model directory's config and tokenizer load, offline (as the workers load them); its
+    tokenizer."""
     import importlib
 
     from transformers import AutoConfig, AutoTokenizer
@@ -137,3 +150,4 @@ def check_model_dir(field: str, path: str) -> None:
     if len(tokenizer) <= len(set(tokenizer.all_special_tokens)):
         raise InputError(field, f"{path!r}: its tokenizer has no vocabulary ({len(tokenizer)} "
                                 "tokens, all special): are its tokenizer files missing?")
+    return tokenizer

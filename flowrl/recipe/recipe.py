@@ -20,6 +20,7 @@ from flowrl.recipe.algorithm import (
 )
 from flowrl.recipe.critic import CriticConfig
 from flowrl.recipe.data import DataConfig
+from flowrl.recipe.evaluation import EvalConfig
 from flowrl.recipe.model import TINY_MODEL, ModelConfig
 from flowrl.recipe.monitor import MonitorConfig
 from flowrl.recipe.placement import ROLES, PlacementConfig
@@ -36,6 +37,7 @@ from flowrl.worker_spec import (
     CriticSpec,
     DataParallelSpec,
     EngineSpec,
+    EvalDataSpec,
     FileDataSpec,
     LoraSpec,
     ModelSpec,
@@ -110,6 +112,8 @@ class Recipe(_Section):
     """Process placement."""
     stability: StabilityConfig = Field(default_factory=StabilityConfig)
     """The guard that watches each step's training signals and acts on them."""
+    eval: EvalConfig | None = None
+    """Periodic validation on held-out prompts; None evaluates nothing."""
     tracking: Trackers = ()
     """Experiment trackers that get each step's metrics, the recipe and the summary
     (`flowrl.tracking`): ``"tensorboard"`` (event files in ``<output>/tensorboard``),
@@ -165,6 +169,7 @@ class Recipe(_Section):
                             f"{judge.max_new_tokens}, {longest} tokens exceed the judge's (the "
                             f"policy's) model.tiny.max_positions = "
                             f"{self.model.tiny.max_positions}")
+        self._check_eval()
         if self.rollout.episode is not None:
             if self.rollout.engine != "hf":
                 raise _rule("rollout.episode", f"episodes run on the hf engine; "
@@ -173,6 +178,7 @@ class Recipe(_Section):
             if "reward" in self.model_fields_set:
                 raise _rule("reward", "an episode scores itself (policy.finish(reward) or its "
                             "return value): a run with rollout.episode has no reward section")
+            self._check_episode_prompts()
         else:
             if self.rollout.endpoint:
                 raise _rule("rollout.endpoint", "the endpoint serves episodes: name the agent "
@@ -189,6 +195,32 @@ class Recipe(_Section):
             self._check_local_paths()
         return self
 
+    def _check_eval(self) -> None:
+        ev, d = self.eval, self.data
+        if ev is None:
+            return
+        if ev.path is not None and d.kind == "arithmetic":
+            raise _rule("eval.path", "not used with data.kind 'arithmetic' (its held-out "
+                        "prompts are drawn from the task's own)")
+        if d.kind == "arithmetic" and ev.path is None:
+            pairs = (d.arithmetic.max_operand + 1) ** 2
+            if ev.prompts >= min(pairs, d.arithmetic.count):
+                raise _rule("eval.prompts", f"{ev.prompts} would hold out every prompt of the "
+                            f"arithmetic task (at most {min(pairs, d.arithmetic.count)} "
+                            "distinct)")
+
+    def _check_episode_prompts(self) -> None:
+        # An episode renders its own chat messages from each example and scores itself, so
+        # neither the prompt encoding nor the held-out rounds (single completions) apply.
+        episode = self.rollout.episode_ref
+        # (data.system_prompt needs data.chat_template: refusing the template refuses both)
+        for field, is_set in (("eval", self.eval is not None),
+                              ("data.chat_template", self.data.chat_template)):
+            if is_set:
+                raise _rule(field, f"not used with rollout.episode {episode!r}: an episode "
+                            "renders its own chat messages (policy.generate(messages)), and "
+                            "evaluation rounds are single completions scored by reward")
+
     @property
     def inputs_are_local(self) -> bool:
         """Whether its workers load their model, data and reward function on this machine
@@ -202,6 +234,9 @@ class Recipe(_Section):
                         "(no config.json in it)")
         if self.data.path is not None and not Path(self.data.path).is_file():
             raise _rule("data.path", f"no such file: {self.data.path!r}")
+        if (self.eval is not None and self.eval.path is not None
+                and not Path(self.eval.path).is_file()):
+            raise _rule("eval.path", f"no such file: {self.eval.path!r}")
         tools = [(f"rollout.tools.{n}", ref) for n, ref in self.rollout.tools.items()]
         for name, ref in (("reward.fn", self.reward.fn), ("rollout.episode",
                                                           self.rollout.episode), *tools):
@@ -301,6 +336,7 @@ class Recipe(_Section):
                     and not sim else None),
             seed=self.seed,
             stability=self.stability.model_dump(mode="json"),
+            eval=None if self.eval is None else self.eval.model_dump(mode="json"),
         )
 
     def sim_cost(self) -> dict[str, Any]:
@@ -321,12 +357,14 @@ class Recipe(_Section):
         data: ArithmeticDataSpec | FileDataSpec
         if d.kind == "arithmetic":
             data = ArithmeticDataSpec(kind=d.kind, max_prompt_tokens=d.max_prompt_tokens,
-                                      **d.arithmetic.model_dump())
+                                      chat_template=d.chat_template,
+                                      system_prompt=d.system_prompt, **d.arithmetic.model_dump())
         else:
             assert d.path is not None  # DataConfig: a file kind has a path
             data = FileDataSpec(kind=d.kind, path=d.path, prompt_key=d.prompt_key,
                                 answer_key=d.answer_key, prompt_template=d.prompt_template,
-                                max_prompt_tokens=d.max_prompt_tokens)
+                                max_prompt_tokens=d.max_prompt_tokens,
+                                chat_template=d.chat_template, system_prompt=d.system_prompt)
         t = self.trainer
         lora = self.model.lora
         return EngineSpec(
@@ -347,6 +385,8 @@ class Recipe(_Section):
                                   stop=self.rollout.stop),
             rollout=self._rollout_spec(),
             reward=self.reward.spec(),
+            eval=None if self.eval is None else EvalDataSpec(prompts=self.eval.prompts,
+                                                             path=self.eval.path),
             trainer=TrainerSpec(lr=t.lr, weight_decay=t.weight_decay, betas=t.betas,
                                 grad_clip=t.grad_clip, warmup_steps=t.warmup_steps,
                                 lr_schedule=t.lr_schedule, min_lr_ratio=t.min_lr_ratio,

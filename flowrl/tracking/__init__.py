@@ -1,11 +1,12 @@
-"""Experiment tracking: a run's step metrics, recipe and summary sent to TensorBoard, Weights &
-Biases or MLflow, as ``Recipe.tracking`` lists them.
+"""Experiment tracking: a run's step metrics, evaluation rounds, recipe and summary sent to
+TensorBoard, Weights & Biases or MLflow, as ``Recipe.tracking`` lists them.
 
 One adapter per library (`tensorboard_tracker`, `wandb_tracker`, `mlflow_tracker`) behind
 `flowrl.tracking.base.Tracker`; a library is imported only when its tracker opens, so nothing
 else in flowrl needs it, and each is an extra (``pip install 'flowrl[wandb]'``). `Tracking` runs
-in the launcher's process: `flowrl.run.run_recipe` feeds it each step's line where the step log
-(``metrics.jsonl``) is written, then the summary, and closes it when the run ends.
+in the launcher's process: `flowrl.run.run_recipe` feeds it each step's line and each
+evaluation round's where the step log (``metrics.jsonl``) is written, then the summary, and
+closes it when the run ends.
 
 Guarantees:
 
@@ -90,8 +91,8 @@ def status_of(error: BaseException | None) -> Status:
 class Tracking:
     """The trackers of one run (none when ``names`` is empty: every call is then a no-op).
 
-    `step` and `summary` only queue; a thread named ``flowrl-tracking`` opens the trackers and
-    makes their calls in order. `close` (or `aclose`) ends them."""
+    `step`, `eval` and `summary` only queue; a thread named ``flowrl-tracking`` opens the
+    trackers and makes their calls in order. `close` (or `aclose`) ends them."""
 
     def __init__(self, names: Sequence[TrackerName] = (), run: TrackedRun | None = None) -> None:
         self.names = tuple(names) if run is not None else ()
@@ -119,6 +120,14 @@ class Tracking:
                                                     if k != "step"})
         if isinstance(step, int):
             self._put(lambda t: t.step(step, metrics))
+
+    def eval(self, line: Mapping[str, Any]) -> None:
+        """An evaluation round's line (an ``on_eval`` callback of the controller): its numbers,
+        already named ``eval/...``, at the step it evaluated."""
+        step, metrics = line.get("step"), numbers({k: v for k, v in line.items()
+                                                   if k != "step"})
+        if isinstance(step, int):
+            self._put(lambda t: t.eval(step, metrics))
 
     def summary(self, summary: Mapping[str, Any]) -> None:
         """The run's summary."""

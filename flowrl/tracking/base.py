@@ -37,6 +37,10 @@ class Tracker(Protocol):
     def step(self, step: int, metrics: Mapping[str, float]) -> None:
         """A committed step's numbers."""
 
+    def eval(self, step: int, metrics: Mapping[str, float]) -> None:
+        """An evaluation round's numbers (``eval/...``), of the policy of ``step``; it may
+        come after later steps' (a round ends while training goes on)."""
+
     def summary(self, summary: Mapping[str, Any]) -> None:
         """The run's summary (as ``summary.json`` holds it), once, at its end."""
 

@@ -68,6 +68,9 @@ class MlflowTracker:
     def step(self, step: int, metrics: Mapping[str, float]) -> None:
         self._metrics(metrics, step)
 
+    def eval(self, step: int, metrics: Mapping[str, float]) -> None:
+        self._metrics(metrics, step)  # a metric's steps may come out of order
+
     def summary(self, summary: Mapping[str, Any]) -> None:
         self._metrics(summary_numbers(summary), int(summary.get("version") or 0))
         self._client.log_dict(self._id, dict(summary), "summary.json")

@@ -33,6 +33,9 @@ class TensorBoardTracker:
             self._writer.add_scalar(name, value, step)
         self._writer.flush()  # a step is seen as it commits
 
+    def eval(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.step(step, metrics)  # scalars may come out of step order
+
     def summary(self, summary: Mapping[str, Any]) -> None:
         version = int(summary.get("version") or 0)
         self._writer.add_text("summary", _json_block(summary), version)

@@ -24,17 +24,25 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from flowrl.data import Dataset, arithmetic, jsonl, parquet
-from flowrl.worker_spec import Dtype, EngineSpec, JudgeSpec, RewardModelSpec, engine_spec
+from flowrl.data import Dataset, arithmetic, hold_out, jsonl, parquet
+from flowrl.worker_spec import (
+    ArithmeticDataSpec,
+    Dtype,
+    EngineSpec,
+    JudgeSpec,
+    RewardModelSpec,
+    engine_spec,
+)
 
 if TYPE_CHECKING:
     import torch
 
-    from workers.engines.protocols import SamplingParams
+    from workers.engines.protocols import RolloutEngine, SamplingParams
     from workers.runtime import Role
 
 __all__ = [
     "HF_ROLES",
+    "data_splits",
     "dataset_from_config",
     "load_tokenizer",
     "make_hf_role",
@@ -63,17 +71,37 @@ def model_dir(config: Config) -> Path:
 
 
 def dataset_from_config(config: Config) -> Dataset:
-    """The prompt dataset of ``data`` (the same on every worker)."""
+    """The training prompts of ``data`` (the same on every worker): all of them, or, when the
+    run evaluates, those not held out (`data_splits`)."""
+    return data_splits(config)[0]
+
+
+def data_splits(config: Config) -> tuple[Dataset, Dataset | None]:
+    """``(train, evaluation)``: the prompt dataset of ``data`` and the held-out split of
+    ``eval`` (`flowrl.data.hold_out`; None when the run does not evaluate), the same on every
+    worker."""
     spec = engine_spec(config)
     data = spec.data
     if data.kind == "arithmetic":
-        return arithmetic(data.count, max_operand=data.max_operand, seed=data.seed)
-    read = jsonl if data.kind == "jsonl" else parquet
-    dataset = read(data.path, prompt_key=data.prompt_key, answer_key=data.answer_key,
+        dataset = arithmetic(data.count, max_operand=data.max_operand, seed=data.seed)
+    else:
+        dataset = _read(data.kind, data.path, spec, "data.path")
+    held = spec.eval
+    if held is None:
+        return dataset, None
+    source = None if held.path is None else _read(data.kind, held.path, spec, "eval.path")
+    return hold_out(dataset, held.prompts, source=source, seed=spec.seed)
+
+
+def _read(kind: str, path: str, spec: EngineSpec, field: str) -> Dataset:
+    data = spec.data
+    assert not isinstance(data, ArithmeticDataSpec)
+    read = jsonl if kind == "jsonl" else parquet
+    dataset = read(path, prompt_key=data.prompt_key, answer_key=data.answer_key,
                    template=data.prompt_template, seed=spec.seed)
     if dataset.skipped:
-        log.warning("malformed dataset rows skipped", path=data.path, skipped=dataset.skipped,
-                    kept=len(dataset))
+        log.warning("malformed dataset rows skipped", field=field, path=path,
+                    skipped=dataset.skipped, kept=len(dataset))
     return dataset
 
 
@@ -163,7 +191,6 @@ def make_vllm_role(role: str, config: Config, seed: int, *, process: str | None 
     if role != "rollout":
         return make_hf_role(role, config, seed, process=process, run_id=run_id)
     from workers.engines.vllm_rollout import VLLMRolloutEngine
-    from workers.roles.rollout import RolloutRole
 
     spec = engine_spec(config)
     if spec.rollout.episode is not None:
@@ -173,9 +200,7 @@ def make_vllm_role(role: str, config: Config, seed: int, *, process: str | None 
     path = model_dir(spec)
     # rollout.dtype names are vLLM's too ("auto": the checkpoint's dtype).
     engine = VLLMRolloutEngine(path, dtype=spec.rollout.dtype, seed=seed)
-    return RolloutRole(engine, load_tokenizer(path), dataset_from_config(spec),
-                       sampling_from_config(spec), max_prompt_tokens=spec.data.max_prompt_tokens,
-                       sample_seed=spec.seed)
+    return _rollout_role(spec, engine, path)
 
 
 def _reward(spec: EngineSpec, seed: int) -> Role:
@@ -194,7 +219,8 @@ def _reward(spec: EngineSpec, seed: int) -> Role:
         fn, batched = resolve_reward_fn(r.fn), r.batched
     runner = RewardRunner(fn, batched=batched, timeout_s=r.timeout_s,
                           max_concurrency=r.concurrency)
-    return RewardRole(runner, load_tokenizer(policy), dataset_from_config(spec))
+    train, held_out = data_splits(spec)
+    return RewardRole(runner, load_tokenizer(policy), train, eval_dataset=held_out)
 
 
 def _reward_model(rm: RewardModelSpec) -> Callable[..., Any]:
@@ -213,7 +239,6 @@ def _reward_model(rm: RewardModelSpec) -> Callable[..., Any]:
 def _judge(spec: EngineSpec, j: JudgeSpec, seed: int) -> Callable[..., Any]:
     """A judge served here with the rollout engine code: a fixed model, so this role never
     loads policy versions (the policy's own directory holds its initial weights)."""
-    from workers.engines.protocols import RolloutEngine
     from workers.roles.judge import Judge
 
     if j.path is not None:
@@ -245,7 +270,6 @@ def _judge(spec: EngineSpec, j: JudgeSpec, seed: int) -> Callable[..., Any]:
 def _rollout(spec: EngineSpec, path: Path, seed: int) -> Role:
     from workers.devices import pick_device
     from workers.engines.hf_rollout import HFRolloutEngine
-    from workers.roles.rollout import RolloutRole
 
     device = pick_device()
     engine = HFRolloutEngine(path, device=device, dtype=rollout_dtype(spec, device), seed=seed,
@@ -254,6 +278,8 @@ def _rollout(spec: EngineSpec, path: Path, seed: int) -> Role:
     if adapter is not None:
         engine.load_weights(adapter, spec.start_version)
     if spec.rollout.episode is not None:
+        # The recipe refuses episodes with eval or a chat template: an episode renders its own
+        # chat messages and the held-out split is served by the single-completion role only.
         from flowrl.episode import resolve_episode_fn
         from workers.engines.hf_continuous import ContinuousBatcher
         from workers.roles.episode_rollout import EpisodeRolloutRole
@@ -268,9 +294,19 @@ def _rollout(spec: EngineSpec, path: Path, seed: int) -> Role:
             tools=ToolPool(r.tools, workers=r.tool_workers, timeout_s=r.tool_timeout_s,
                            memory_mb=r.tool_memory_mb) if r.tools else None,
             max_turns=r.max_turns, max_tokens=r.max_episode_tokens)
-    return RolloutRole(engine, load_tokenizer(path), dataset_from_config(spec),
-                       sampling_from_config(spec), max_prompt_tokens=spec.data.max_prompt_tokens,
-                       sample_seed=spec.seed)
+    return _rollout_role(spec, engine, path)
+
+
+def _rollout_role(spec: EngineSpec, engine: RolloutEngine, path: Path) -> Role:
+    """The rollout role over ``engine``: the policy's tokenizer, the data's splits, the run's
+    sampling and prompt encoding."""
+    from workers.roles.rollout import RolloutRole
+
+    train, held_out = data_splits(spec)
+    return RolloutRole(engine, load_tokenizer(path), train, sampling_from_config(spec),
+                       max_prompt_tokens=spec.data.max_prompt_tokens, sample_seed=spec.seed,
+                       chat_template=spec.data.chat_template,
+                       system_prompt=spec.data.system_prompt, eval_dataset=held_out)
 
 
 def _reference(spec: EngineSpec, path: Path, seed: int) -> Role:

@@ -12,6 +12,9 @@ was unparsable (a judge's verdict without a score) its fallback reward, and eith
 the metrics (``reward_failed`` and ``reward_failed_<kind>``) and named in the report (``failed``:
 its rows and one error per kind, which the controller counts for the step that trains them);
 the first error of a task is logged.
+
+An evaluation task (``params["eval"]``) names positions of the held-out split
+(``eval_dataset``), scored the same way.
 """
 
 from __future__ import annotations
@@ -36,19 +39,26 @@ class RewardRole:
     #: scores text: new policy versions do not concern it
     loads_weights = False
 
-    def __init__(self, runner: RewardRunner, tokenizer: Any, dataset: Dataset) -> None:
+    def __init__(self, runner: RewardRunner, tokenizer: Any, dataset: Dataset, *,
+                 eval_dataset: Dataset | None = None) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.dataset = dataset
+        self.eval_dataset = eval_dataset
 
     async def run(self, task: m.TaskMsg, inputs: dict[str, list[Any]]) -> RoleOutput:
+        dataset = self.dataset
+        if task["params"].get("eval") is not None:
+            if self.eval_dataset is None:
+                raise ValueError("an evaluation task, but this worker has no held-out split")
+            dataset = self.eval_dataset
         positions = [int(p) for p in inputs["prompt"]]
         responses = inputs["response_ids"]
         texts = self.tokenizer.batch_decode([r.tolist() for r in responses],
                                             skip_special_tokens=True)
         samples = []
         for pos, text in zip(positions, texts, strict=True):
-            ex = self.dataset.at(pos)
+            ex = dataset.at(pos)
             samples.append(RewardSample(ex.prompt, text, {"answer": ex.answer}))
         results = await self.runner.score(samples)
         rewards = [r.reward for r in results]

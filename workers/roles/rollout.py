@@ -18,6 +18,15 @@ Guarantees:
   batch, and when a failed task is redone.
 - Generation and weight loading run in a thread, so the worker's heartbeats and store I/O go
   on meanwhile.
+
+Prompts are encoded by `flowrl.prompts.encode_prompt`: as plain text, or through the tokenizer's
+chat template (``chat_template``, with ``system_prompt``); a tokenizer without a template is
+refused when the role is built.
+
+Evaluation tasks (``params["eval"]``: ``"greedy"`` or ``"sampled"``, see
+`flowrl.control.evaluation`) take their positions in the held-out split (``eval_dataset``),
+decode greedily (temperature 0) or with the run's sampling, and return the same fields;
+the controller only scores them.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import torch
 
 from flowrl import messages as m
 from flowrl.data import Dataset
+from flowrl.prompts import check_chat_template, encode_prompt
 from workers.engines.protocols import Generation, RolloutEngine, SamplingParams, mix_seed
 from workers.runtime import RoleOutput
 
@@ -62,23 +72,33 @@ class RolloutRole:
         *,
         max_prompt_tokens: int,
         sample_seed: int = 0,
+        chat_template: bool = False,
+        system_prompt: str | None = None,
+        eval_dataset: Dataset | None = None,
     ) -> None:
         if max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be >= 1, got {max_prompt_tokens}")
+        if chat_template:
+            check_chat_template(tokenizer)
         self.engine = engine
         self.tokenizer = tokenizer
         self.dataset = dataset
+        self.eval_dataset = eval_dataset
         self.sampling = sampling
         self.max_prompt_tokens = max_prompt_tokens
         self.sample_seed = sample_seed
+        self.chat_template = chat_template
+        self.system_prompt = system_prompt
         self._lock = asyncio.Lock()  # the engine serves one call at a time
         # Every epoch asks for the same prompts again, and tokenizing runs on the worker's
         # event loop: keep the token ids of recent prompts.
         self._encode = functools.lru_cache(maxsize=_ENCODED_MAX)(self._tokenize)
 
-    def prompt_ids(self, position: int) -> tuple[list[int], bool]:
-        """The token ids of the prompt at ``position`` and whether they were truncated."""
-        ids = list(self._encode(self.dataset.at(position).prompt))
+    def prompt_ids(self, position: int, *, split: Dataset | None = None
+                   ) -> tuple[list[int], bool]:
+        """The token ids of the prompt at ``position`` (of the training data, or of
+        ``split``) and whether they were truncated."""
+        ids = list(self._encode((split or self.dataset).at(position).prompt))
         if not ids:
             raise ValueError(f"the prompt at dataset position {position} encodes to no tokens")
         if len(ids) > self.max_prompt_tokens:
@@ -86,9 +106,24 @@ class RolloutRole:
         return ids, False
 
     def _tokenize(self, text: str) -> tuple[int, ...]:
-        return tuple(int(t) for t in self.tokenizer(text).input_ids)
+        return tuple(encode_prompt(self.tokenizer, text, chat_template=self.chat_template,
+                                   system_prompt=self.system_prompt))
+
+    def _eval_mode(self, task: m.TaskMsg) -> tuple[Dataset | None, SamplingParams]:
+        """The split and sampling of ``task``: the training data and the run's sampling, or
+        for an evaluation task the held-out split, greedy or sampled."""
+        mode = task["params"].get("eval")
+        if mode is None:
+            return None, self.sampling
+        if self.eval_dataset is None:
+            raise ValueError("an evaluation task, but this worker has no held-out split")
+        if mode not in ("greedy", "sampled"):
+            raise ValueError(f"unknown evaluation mode {mode!r}")
+        greedy = replace(self.sampling, temperature=0.0)
+        return self.eval_dataset, greedy if mode == "greedy" else self.sampling
 
     async def run(self, task: m.TaskMsg, inputs: dict[str, list[Any]]) -> RoleOutput:
+        split, sampling = self._eval_mode(task)
         positions = [int(p) for p in inputs["prompt"]]
         groups = group_rows(task["row_groups"])
         if len(positions) != len(task["row_groups"]):
@@ -100,12 +135,13 @@ class RolloutRole:
             shared = {positions[r] for r in rows}
             if len(shared) != 1:
                 raise ValueError(f"group {gid} mixes dataset positions {sorted(shared)}")
-            prompts[gid], cut = self.prompt_ids(positions[rows[0]])
+            prompts[gid], cut = self.prompt_ids(positions[rows[0]], split=split)
             seeds[gid] = mix_seed(self.sample_seed, positions[rows[0]])
             truncated += cut
         async with self._lock:
             t0 = time.perf_counter()
-            gens, version = await asyncio.to_thread(self._generate, groups, prompts, seeds)
+            gens, version = await asyncio.to_thread(self._generate, groups, prompts, seeds,
+                                                    sampling)
             gen_s = time.perf_counter() - t0
 
         n_rows = len(positions)
@@ -133,7 +169,8 @@ class RolloutRole:
         )
 
     def _generate(
-        self, groups: dict[int, list[int]], prompts: dict[int, list[int]], seeds: dict[int, int]
+        self, groups: dict[int, list[int]], prompts: dict[int, list[int]], seeds: dict[int, int],
+        sampling: SamplingParams,
     ) -> tuple[dict[int, list[Generation]], int]:
         """Each group's generations (in row order) and the version that produced them."""
         by_size: dict[int, list[int]] = {}
@@ -141,7 +178,7 @@ class RolloutRole:
             by_size.setdefault(len(rows), []).append(gid)
         out: dict[int, list[Generation]] = {}
         for n, gids in by_size.items():
-            params = replace(self.sampling, n=n, prompt_seeds=tuple(seeds[g] for g in gids))
+            params = replace(sampling, n=n, prompt_seeds=tuple(seeds[g] for g in gids))
             gens = self.engine.generate([prompts[g] for g in gids], params)
             for i, gid in enumerate(gids):
                 out[gid] = gens[i * n : (i + 1) * n]

@@ -15,6 +15,7 @@ const SVG_NS = "http://www.w3.org/2000/svg";
 const state = {
   token: new URLSearchParams(location.hash.slice(1)).get("token") || "",
   steps: [],            // {step, reward, sps}
+  evals: [],            // {step, greedy, sampled}: one per evaluation round
   status: null,
   trace: null,          // the latest /trace answer, its spans merged into `spans`
   spans: new Map(),     // task id -> complete event, for the last WINDOW_S seconds
@@ -66,17 +67,25 @@ function stageColor(stage) {
 
 // ---- charts ---------------------------------------------------------------------------------
 
-function lineChart(svg, xs, ys, color) {
+// One series (ys, color), or several: ys a list of series and color a list of colors.
+function lineChart(svg, xs, ys, color, empty) {
   svg.replaceChildren();
   const W = 420, H = 170, L = 42, B = 18, T = 8, R = 8;
-  const pts = [];
-  for (let i = 0; i < xs.length; i++) if (ys[i] !== null && isFinite(ys[i])) pts.push([xs[i], ys[i]]);
-  if (!pts.length) {
+  const many = Array.isArray(color);
+  const series = (many ? ys : [ys]).map(s => {
+    const pts = [];
+    for (let i = 0; i < xs.length; i++) if (s[i] !== null && s[i] !== undefined && isFinite(s[i])) pts.push([xs[i], s[i]]);
+    return pts;
+  });
+  const colors = many ? color : [color];
+  const all = series.flat();
+  if (!all.length) {
     svg.append(svgEl("text", {x: W / 2, y: H / 2, "text-anchor": "middle", class: "empty"},
-                     "waiting for the first step"));
+                     empty || "waiting for the first step"));
     return;
   }
-  let x0 = pts[0][0], x1 = pts[pts.length - 1][0];
+  const pts = all;
+  let x0 = Math.min(...pts.map(p => p[0])), x1 = Math.max(...pts.map(p => p[0]));
   let y0 = Math.min(...pts.map(p => p[1])), y1 = Math.max(...pts.map(p => p[1]));
   if (x1 === x0) x1 = x0 + 1;
   if (y1 === y0) { y0 -= 0.5; y1 += 0.5; }
@@ -91,12 +100,15 @@ function lineChart(svg, xs, ys, color) {
   }
   svg.append(svgEl("text", {x: L, y: H - 4, class: "label"}, "step " + x0));
   svg.append(svgEl("text", {x: W - R, y: H - 4, "text-anchor": "end", class: "label"},
-                   "step " + pts[pts.length - 1][0]));
-  svg.append(svgEl("polyline", {class: "series", stroke: color,
-    points: pts.map(p => sx(p[0]).toFixed(1) + "," + sy(p[1]).toFixed(1)).join(" ")}));
-  if (pts.length <= 60) {
-    for (const p of pts) svg.append(svgEl("circle", {cx: sx(p[0]), cy: sy(p[1]), r: 2, fill: color}));
-  }
+                   "step " + x1));
+  series.forEach((s, k) => {
+    if (!s.length) return;
+    svg.append(svgEl("polyline", {class: "series", stroke: colors[k],
+      points: s.map(p => sx(p[0]).toFixed(1) + "," + sy(p[1]).toFixed(1)).join(" ")}));
+    if (s.length <= 60) {
+      for (const p of s) svg.append(svgEl("circle", {cx: sx(p[0]), cy: sy(p[1]), r: 2, fill: colors[k]}));
+    }
+  });
 }
 
 function barChart(svg, labels, values, color) {
@@ -145,6 +157,14 @@ function drawCharts() {
     const last = state.steps[state.steps.length - 1];
     el("reward-last").textContent = last ? "last " + fmt(last.reward) : "";
     document.body.dataset.steps = String(state.steps.length);
+    const evs = state.evals;
+    lineChart(el("eval-chart"), evs.map(e => e.step),
+              [evs.map(e => e.greedy), evs.map(e => e.sampled)], ["#5ad17a", "#ffb454"],
+              "no evaluation yet (the recipe's eval section)");
+    const lastEval = evs[evs.length - 1];
+    el("eval-last").textContent = lastEval ? "step " + lastEval.step + ": greedy " +
+      fmt(lastEval.greedy) + ", sampled " + fmt(lastEval.sampled) : "";
+    document.body.dataset.evals = String(evs.length);
   });
 }
 
@@ -305,6 +325,12 @@ function onEvent(ev) {
   if (ev.kind === "step") {
     state.steps.push({step: ev.step, reward: ev.reward_mean, sps: ev.samples_per_s});
     if (state.steps.length > MAX_STEPS) state.steps.shift();
+    drawCharts();
+  }
+  if (ev.kind === "eval" && !("eval/failed" in ev)) {
+    state.evals.push({step: ev.step, greedy: ev["eval/greedy_accuracy"],
+                      sampled: ev["eval/sampled_accuracy"]});
+    if (state.evals.length > MAX_STEPS) state.evals.shift();
     drawCharts();
   }
   const li = document.createElement("li");
