@@ -1,0 +1,159 @@
+"""Interruptible (partial) rollout: new weights are loaded between decode steps while sequences
+run, and each sequence continues under them with every token kept and tagged with the version
+that produced it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from flowrl.tiny_model import build_tiny_model
+from workers.devices import set_threads
+from workers.engines import HFRolloutEngine, SamplingParams
+from workers.engines.hf_continuous import ContinuousBatcher, RunningBatch, _Seq
+from workers.engines.hf_rollout import new_cache
+
+set_threads(1)
+
+OLD, NEW = 3, 4
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
+CONTEXTS = ([11, 42, 7, 99, 23], [5, 61, 200, 17, 3, 88, 140, 9, 31])
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("partial") / "tiny", hidden=32, layers=2,
+                            heads=2, kv_heads=1, vocab_size=300, max_positions=128)
+
+
+@pytest.fixture(scope="module")
+def weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    """The next version's weights: the model's, moved as a training step might."""
+    g = torch.Generator().manual_seed(1)
+    return {n: p.detach() + 0.05 * torch.randn(p.shape, generator=g)
+            for n, p in _engine(model_dir).model.named_parameters()}
+
+
+def _engine(path: Path, weights: dict[str, torch.Tensor] | None = None) -> HFRolloutEngine:
+    engine = HFRolloutEngine(path, device="cpu", seed=0, version=OLD)
+    if weights is not None:
+        engine.load_weights(weights, NEW)
+    return engine
+
+
+def _next(engine: HFRolloutEngine, ids: list[int], cache: Any, start: int
+          ) -> tuple[int, float, Any]:
+    """Greedy next token after ``ids`` (at positions from ``start``) over ``cache`` (which
+    the forward extends)."""
+    out = engine.model(input_ids=torch.tensor([ids]), use_cache=True,
+                       position_ids=torch.arange(start, start + len(ids)).unsqueeze(0),
+                       **{engine.forward_names.cache: cache})
+    logp = out.logits[0, -1].float().log_softmax(-1)
+    tok = int(logp.argmax())
+    return tok, float(logp[tok]), cache
+
+
+@torch.no_grad()
+def _by_hand(old: HFRolloutEngine, new: HFRolloutEngine, context: list[int], k: int, n: int,
+             *, rebuild: bool) -> tuple[list[int], list[float]]:
+    """One sequence alone: ``k`` greedy tokens from ``old``, then ``new`` continues to ``n``
+    tokens, over the old weights' KV cache of the kept prefix (its last token recomputed by
+    ``new``) or, with ``rebuild``, over a prefill of the whole prefix by ``new``."""
+    tokens: list[int] = []
+    lps: list[float] = []
+    tok, lp, cache = _next(old, context, new_cache(old.model), 0)
+    while True:
+        tokens.append(tok)
+        lps.append(lp)
+        if len(tokens) == k:
+            break
+        tok, lp, cache = _next(old, [tok], cache, len(context) + len(tokens) - 1)
+    prefix = context + tokens
+    if rebuild:
+        tok, lp, cache = _next(new, prefix, new_cache(new.model), 0)
+    else:
+        # Drop the KV of the last kept token; the new weights compute it again.
+        _, _, cache = _next(old, prefix[:-1], new_cache(old.model), 0)
+        tok, lp, cache = _next(new, prefix[-1:], cache, len(prefix) - 1)
+    while True:
+        tokens.append(tok)
+        lps.append(lp)
+        if len(tokens) == n:
+            return tokens, lps
+        tok, lp, cache = _next(new, [tok], cache, len(context) + len(tokens) - 1)
+
+
+def _seqs(contexts: Sequence[list[int]]) -> list[_Seq]:
+    loop = asyncio.get_running_loop()
+    return [_Seq(list(c), GREEDY, i, loop.create_future()) for i, c in enumerate(contexts)]
+
+
+@pytest.mark.parametrize("rebuild", [False, True], ids=["keep_kv", "rebuild_kv"])
+async def test_a_swap_between_decode_steps_continues_every_sequence_under_the_new_weights(
+    model_dir: Path, weights: dict[str, torch.Tensor], rebuild: bool
+) -> None:
+    engine = _engine(model_dir)
+    batch = RunningBatch(engine)
+    seqs = _seqs(CONTEXTS)
+    batch.admit(seqs)
+    k = 5
+    for _ in range(k):
+        assert batch.step() == []
+    engine.load_weights(weights, NEW)
+    batch.refresh(rebuild_kv=rebuild)
+    ended: list[Any] = []
+    while batch.rows:
+        ended += batch.step()
+    assert len(ended) == 2
+    assert all(reason == "length" for _, reason in ended)
+    old_model, new_model = _engine(model_dir), _engine(model_dir, weights)
+    for s, context in zip(seqs, CONTEXTS, strict=True):
+        tokens, lps = _by_hand(old_model, new_model, context, k, GREEDY.max_new_tokens,
+                               rebuild=rebuild)
+        assert s.tokens == tokens  # never restarted: the first k tokens are the old policy's
+        assert s.logprobs == pytest.approx(lps, abs=1e-4)
+        assert s.versions == [OLD] * k + [NEW] * (GREEDY.max_new_tokens - k)
+        g = s.result("length")
+        assert g.token_versions is not None
+        assert g.token_versions.tolist() == s.versions
+    # The new weights change what follows: the swap is not a no-op.
+    alone, _ = _by_hand(old_model, old_model, CONTEXTS[0], k, GREEDY.max_new_tokens,
+                        rebuild=True)
+    assert alone != seqs[0].tokens
+
+
+async def test_the_batcher_swaps_at_the_next_step_while_a_request_runs(
+    model_dir: Path, weights: dict[str, torch.Tensor]
+) -> None:
+    engine = _engine(model_dir)
+    batcher = ContinuousBatcher(engine)
+    params = SamplingParams(temperature=0.0, max_new_tokens=100)
+    running = asyncio.create_task(batcher.generate(CONTEXTS[1], params, stream_key=1))
+    # A short request joins the batch with it: once that one has ended, the long one runs.
+    await batcher.generate(CONTEXTS[0], replace(GREEDY, max_new_tokens=2), stream_key=0)
+    assert batcher.running == 1
+    # The swap waits for the next decode-step boundary (the driver gives way after a step).
+    continued = await batcher.swap(lambda: engine.load_weights(weights, NEW))
+    g = await running
+    assert continued == 1
+    assert batcher.stats.interruptions == 1
+    assert batcher.stats.interrupted_rows == 1
+    assert g.token_versions is not None
+    versions = g.token_versions.tolist()
+    k = versions.count(OLD)
+    assert 2 <= k < params.max_new_tokens
+    assert versions == [OLD] * k + [NEW] * (params.max_new_tokens - k)
+    tokens, lps = _by_hand(_engine(model_dir), _engine(model_dir, weights), CONTEXTS[1], k,
+                           params.max_new_tokens, rebuild=False)
+    assert g.response_ids.tolist() == tokens
+    assert g.logprobs.tolist() == pytest.approx(lps, abs=1e-4)
+    # With nothing running, a swap only loads.
+    assert await batcher.swap(lambda: engine.load_weights(weights, NEW + 1)) == 0
+    assert batcher.stats.interruptions == 1
+    assert engine.version == NEW + 1
