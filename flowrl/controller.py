@@ -513,8 +513,11 @@ class Controller:
             self.scheduler.fail_task(task.id)
         self._wake()
 
-    def worker_serves(self, info: WorkerInfo, version: int) -> None:
+    def worker_serves(self, info: WorkerInfo, version: int, interrupted: int = 0) -> None:
         info.version = version
+        if interrupted:  # running generations continue under the new version (rollout.partial)
+            self.events.emit("interrupted", worker=info.worker_id, version=version,
+                             sequences=interrupted)
         self.versions.release_unserved()
         self._wake()
 

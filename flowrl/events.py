@@ -1,7 +1,7 @@
 """What the controller tells its watchers: a bounded event log and a bounded activity trace.
 
-Events (``step``, ``worker_up``, ``worker_down``, ``version``, ``error``, ``run_failed``) carry a
-sequence number so a stream consumer can tell it missed some. Each subscriber has its own
+Events (``step``, ``worker_up``, ``worker_down``, ``version``, ``interrupted``, ``error``,
+``run_failed``) carry a sequence number so a stream consumer can tell it missed some. Each subscriber has its own
 bounded queue; a subscriber too slow to keep up loses its oldest events (counted), never
 slows the controller down.
 

@@ -23,7 +23,9 @@ Requests (worker -> controller, over the controller's ROUTER socket):
   that raised, timed out or returned garbage on them).
 - ``task_done``  ``{worker_id, task_id, fields, lengths, version, metrics}`` -> ``{ok}``
 - ``task_failed`` ``{worker_id, task_id, error}`` -> ``{ok}``
-- ``served``     ``{worker_id, version}`` -> ``{ok}``: the worker now serves that policy version.
+- ``served``     ``{worker_id, version, interrupted?}`` -> ``{ok}``: the worker now serves that
+  policy version; ``interrupted``: how many running sequences continue under it (interruptible
+  generation, ``rollout.partial``).
 - ``sync_failed`` ``{worker_id, version, error}`` -> ``{ok}``: the worker could not load that
   version within its deadline; it exits next (and is restarted, joining at the current version).
 - ``bye``        ``{worker_id}`` -> ``{ok}``: clean exit.

@@ -143,6 +143,8 @@ class RolloutSpec(_Spec):
     #: the episode function (``module:function`` or ``/path/file.py:function``); None: one
     #: completion per response.
     episode: str | None = None
+    #: interruptible generation: new weights are loaded while episodes run (needs ``episode``).
+    partial: bool = False
 
 
 class RewardModelSpec(_Spec):

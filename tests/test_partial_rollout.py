@@ -12,12 +12,18 @@ from typing import Any
 
 import pytest
 import torch
+from pydantic import ValidationError
 
+from flowrl.data import Example, arithmetic
+from flowrl.episode import Policy
+from flowrl.recipe import Recipe, RolloutConfig
 from flowrl.tiny_model import build_tiny_model
 from workers.devices import set_threads
 from workers.engines import HFRolloutEngine, SamplingParams
 from workers.engines.hf_continuous import ContinuousBatcher, RunningBatch, _Seq
 from workers.engines.hf_rollout import new_cache
+from workers.roles.episode_rollout import EpisodeRolloutRole
+from workers.roles.factory import load_tokenizer
 
 set_threads(1)
 
@@ -157,3 +163,61 @@ async def test_the_batcher_swaps_at_the_next_step_while_a_request_runs(
     assert await batcher.swap(lambda: engine.load_weights(weights, NEW + 1)) == 0
     assert batcher.stats.interruptions == 1
     assert engine.version == NEW + 1
+
+
+class LongOrShort:
+    """An episode: the first of a task's rows generates long, the others two tokens; once a
+    short one has ended, the long one is running."""
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.short_done = asyncio.Event()
+
+    async def __call__(self, policy: Policy, example: Example) -> None:
+        policy.add(example.prompt)
+        long = self.started == 0
+        self.started += 1
+        await policy.generate(max_new_tokens=LONG if long else 2)
+        if not long:
+            self.short_done.set()
+        policy.finish(1.0)
+
+
+LONG = 60
+
+
+async def test_an_interruptible_rollout_reports_its_oldest_tokens_version(
+    model_dir: Path, weights: dict[str, torch.Tensor]
+) -> None:
+    episode = LongOrShort()
+    role = EpisodeRolloutRole(
+        ContinuousBatcher(_engine(model_dir)), load_tokenizer(model_dir), arithmetic(16),
+        SamplingParams(temperature=0.0, max_new_tokens=LONG), episode, interruptible=True)
+    assert role.interruptible
+    task = {"task_id": 1, "row_groups": [0, 0, 0], "params": {}}
+    running = asyncio.create_task(role.run(task, {"prompt": [3, 3, 3]}))  # type: ignore[arg-type]
+    await episode.short_done.wait()
+    assert await role.load_version(NEW, weights) == 1  # the long row continues under it
+    out = await running
+    versions = [v.tolist() for v in out.fields["token_versions"]]
+    k = versions[0].count(OLD)
+    assert 2 <= k < LONG
+    assert versions[0] == [OLD] * k + [NEW] * (LONG - k)
+    assert versions[1:] == [[OLD, OLD], [OLD, OLD]]
+    # The staleness bound holds for every token: the task's version is its oldest token's.
+    assert out.version == OLD
+    assert out.metrics["interrupted_episodes"] == 1.0
+    assert role.batcher.engine.version == NEW
+
+
+def test_partial_rollout_needs_episodes(tmp_path: Path) -> None:
+    path = tmp_path / "episodes.py"
+    path.write_text("async def one(policy, example):\n    return 1.0\n")
+    r = Recipe(steps=1, rollout=RolloutConfig(episode=f"{path}:one", partial=True))
+    assert r.engine_spec().rollout.partial
+    assert not Recipe(steps=1, rollout=RolloutConfig(episode=f"{path}:one")
+                      ).engine_spec().rollout.partial
+    with pytest.raises(ValidationError, match=r"rollout\.partial: .* needs rollout\.episode"):
+        Recipe(steps=1, rollout=RolloutConfig(partial=True))
+    with pytest.raises(ValidationError, match=r"rollout\.partial: .* needs rollout\.episode"):
+        Recipe(steps=1, rollout=RolloutConfig(partial=True, engine="vllm"))

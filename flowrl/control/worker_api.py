@@ -46,7 +46,7 @@ class WorkerEvents(Protocol):
 
     def task_failed(self, a: Assignment, error: str) -> None: ...
 
-    def worker_serves(self, info: WorkerInfo, version: int) -> None: ...
+    def worker_serves(self, info: WorkerInfo, version: int, interrupted: int = 0) -> None: ...
 
     def sync_failed(self, info: WorkerInfo, version: int, error: str) -> None: ...
 
@@ -195,8 +195,9 @@ class WorkerApi:
 
     async def _served(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
         info = self.registry.get(_str(p, "worker_id"))
+        interrupted = _int(p, "interrupted", 0, 2**31) if "interrupted" in p else 0
         if info is not None:
-            self.events.worker_serves(info, _int(p, "version", 0, 2**62))
+            self.events.worker_serves(info, _int(p, "version", 0, 2**62), interrupted)
         return {"ok": True}
 
     async def _sync_failed(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:

@@ -165,6 +165,10 @@ class Recipe(_Section):
                             f"{judge.max_new_tokens}, {longest} tokens exceed the judge's (the "
                             f"policy's) model.tiny.max_positions = "
                             f"{self.model.tiny.max_positions}")
+        if self.rollout.partial and self.rollout.episode is None:
+            raise _rule("rollout.partial", "interruptible generation continues running "
+                        "episodes under new weights: it needs rollout.episode (episodes run "
+                        "on the hf engine's continuous batcher)")
         if self.rollout.episode is not None:
             if self.rollout.engine != "hf":
                 raise _rule("rollout.episode", f"episodes run on the hf engine; "
@@ -329,7 +333,8 @@ class Recipe(_Section):
             sampling=SamplingSpec(temperature=self.rollout.temperature, top_p=self.rollout.top_p,
                                   max_new_tokens=self.rollout.max_new_tokens,
                                   stop=self.rollout.stop),
-            rollout=RolloutSpec(dtype=self.rollout.dtype, episode=self.rollout.episode_ref),
+            rollout=RolloutSpec(dtype=self.rollout.dtype, episode=self.rollout.episode_ref,
+                                partial=self.rollout.partial),
             reward=self.reward.spec(),
             trainer=TrainerSpec(lr=t.lr, weight_decay=t.weight_decay, betas=t.betas,
                                 grad_clip=t.grad_clip, warmup_steps=t.warmup_steps,

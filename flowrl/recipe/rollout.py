@@ -43,6 +43,11 @@ class RolloutConfig(_Section):
     it (a multi-turn agent loop against `flowrl.episode.Policy`), which scores itself, so the run
     has no reward workers. None: one completion per response, scored by ``reward``. Needs
     ``engine = "hf"``."""
+    partial: bool = False
+    """Interruptible generation (needs ``episode``): a rollout worker that learns of a new policy
+    version loads it at the next decode step instead of waiting for its running episodes, and
+    continues every running sequence under it, its tokens kept (each records the version that
+    produced it). A row's version, for the staleness bound, is its oldest token's."""
 
     @field_validator("episode")
     @classmethod

@@ -17,6 +17,12 @@ episode's reward, inline). All per-token fields are aligned with ``response_ids`
 Sampling is reproducible per episode: turn k of episode j of the group at dataset position p
 samples from a stream keyed by (run seed, p, j, k), whatever else shares the engine's batch.
 
+Interruptible (``interruptible``, the recipe's ``rollout.partial``): a new policy version is
+loaded while episodes run, at the next decode step (`ContinuousBatcher.swap`), and every running
+sequence continues under it with its tokens kept; the worker runtime does not wait for the
+running tasks. A row's tokens may then carry several versions; the task's version is its oldest
+token's, and ``interrupted_episodes`` counts the rows whose tokens span more than one version.
+
 An episode that raises fails the task (the controller redoes its rows, and stops the run with
 the error after ``max_task_failures``); the first error names the episode function.
 """
@@ -89,6 +95,7 @@ class EpisodeRolloutRole:
         *,
         episode_name: str = "episode",
         sample_seed: int = 0,
+        interruptible: bool = False,
     ) -> None:
         self.batcher = batcher
         self.tokenizer = tokenizer
@@ -97,6 +104,8 @@ class EpisodeRolloutRole:
         self.episode = episode
         self.episode_name = episode_name
         self.sample_seed = sample_seed
+        #: read by the worker runtime: load new versions without waiting for running tasks
+        self.interruptible = interruptible
 
     def _policy(self, position: int, index: int) -> Policy:
         base = self.sampling
@@ -160,12 +169,22 @@ class EpisodeRolloutRole:
                 "gen_s": gen_s,
                 "tokens_per_s": generated / gen_s if gen_s > 0 else 0.0,
                 "batch_rows_mean": (stats.rows - carried) / forwards if forwards else 0.0,
+                "interrupted_episodes": float(sum(
+                    len({v for v in t.versions if v >= 0}) > 1 for t in trajectories)),
             },
         )
 
-    async def load_version(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+    async def load_version(self, version: int, weights: dict[str, torch.Tensor]) -> int:
+        """Load ``version``; returns how many running sequences continue under it (only an
+        interruptible role loads while sequences run)."""
         if not weights:  # joining at a version without its weights: nothing to load
-            return
+            return 0
         engine = self.batcher.engine
-        await self.batcher.exclusive(
-            lambda: engine.load_weights(weights, version, shared=True))
+
+        def load() -> None:
+            engine.load_weights(weights, version, shared=True)
+
+        if self.interruptible:
+            return await self.batcher.swap(load)
+        await self.batcher.exclusive(load)
+        return 0

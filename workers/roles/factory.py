@@ -261,7 +261,8 @@ def _rollout(spec: EngineSpec, path: Path, seed: int) -> Role:
         return EpisodeRolloutRole(
             ContinuousBatcher(engine), load_tokenizer(path), dataset_from_config(spec),
             sampling_from_config(spec), resolve_episode_fn(spec.rollout.episode),
-            episode_name=spec.rollout.episode, sample_seed=spec.seed)
+            episode_name=spec.rollout.episode, sample_seed=spec.seed,
+            interruptible=spec.rollout.partial)
     return RolloutRole(engine, load_tokenizer(path), dataset_from_config(spec),
                        sampling_from_config(spec), max_prompt_tokens=spec.data.max_prompt_tokens,
                        sample_seed=spec.seed)
