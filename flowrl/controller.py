@@ -513,11 +513,12 @@ class Controller:
             self.scheduler.fail_task(task.id)
         self._wake()
 
-    def worker_serves(self, info: WorkerInfo, version: int, interrupted: int = 0) -> None:
+    def worker_serves(self, info: WorkerInfo, version: int, interrupted: int = 0,
+                      continued: int = 0) -> None:
         info.version = version
-        if interrupted:  # running generations continue under the new version (rollout.partial)
+        if interrupted:  # loaded while tasks ran, which continue under it (rollout.partial)
             self.events.emit("interrupted", worker=info.worker_id, version=version,
-                             sequences=interrupted)
+                             tasks=interrupted, sequences=continued)
         self.versions.release_unserved()
         self._wake()
 

@@ -1,9 +1,9 @@
 """What the controller tells its watchers: a bounded event log and a bounded activity trace.
 
 Events (``step``, ``worker_up``, ``worker_down``, ``version``, ``interrupted``, ``error``,
-``run_failed``) carry a sequence number so a stream consumer can tell it missed some. Each subscriber has its own
-bounded queue; a subscriber too slow to keep up loses its oldest events (counted), never
-slows the controller down.
+``run_failed``) carry a sequence number so a stream consumer can tell it missed some. Each
+subscriber has its own bounded queue; a subscriber too slow to keep up loses its oldest events
+(counted), never slows the controller down.
 
 Spans record what every worker did and when (stage, task, start, end), for the pipeline
 timeline and the Chrome-trace export; the newest ``max_spans`` are kept.

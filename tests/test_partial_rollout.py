@@ -221,3 +221,58 @@ def test_partial_rollout_needs_episodes(tmp_path: Path) -> None:
         Recipe(steps=1, rollout=RolloutConfig(partial=True))
     with pytest.raises(ValidationError, match=r"rollout\.partial: .* needs rollout\.episode"):
         Recipe(steps=1, rollout=RolloutConfig(partial=True, engine="vllm"))
+
+
+UNTIL_NEW_VERSION = '''
+import asyncio
+
+FIRST_STEP = 8  # the first train step's episodes: groups_per_step x group_size
+started = 0
+
+
+async def until_new_version(policy, example):
+    """The first step's episodes take one turn. Later ones take turns, pausing between them
+    (as an agent waits on a tool), until the policy that generates them has moved on."""
+    global started
+    started += 1
+    policy.add(example.prompt)
+    turn = await policy.generate(max_new_tokens=4)
+    t = policy.trajectory
+    while started > FIRST_STEP and turn.version < 1 and len(t.context) < 250:
+        await asyncio.sleep(0.1)
+        turn = await policy.generate(max_new_tokens=1)
+    return float(turn.token_ids[-1] % 2)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_a_run_loads_a_new_version_while_episodes_run(tmp_path: Path) -> None:
+    from flowrl.controller import Controller
+    from flowrl.recipe import AlgorithmConfig, DataConfig, ModelConfig, TrainerConfig
+
+    (tmp_path / "episodes.py").write_text(UNTIL_NEW_VERSION)
+    model = build_tiny_model(tmp_path / "tiny", hidden=32, layers=1, heads=2, kv_heads=1,
+                             vocab_size=300, max_positions=256)
+    steps = 2
+    r = Recipe(
+        steps=steps, max_staleness=1, model=ModelConfig(path=str(model)),
+        data=DataConfig(max_prompt_tokens=16), algorithm=AlgorithmConfig(group_size=4),
+        rollout=RolloutConfig(episode=f"{tmp_path / 'episodes.py'}:until_new_version",
+                              partial=True, groups_per_task=2, max_new_tokens=8),
+        trainer=TrainerConfig(lr=1e-4, groups_per_step=2),
+    )
+    async with Controller(r.to_pipeline()) as ctl:
+        out = await ctl.run(steps=steps, timeout_s=100)
+    assert out["version"] == steps
+    assert out["rows_trained_twice"] == 0
+    # Step 1's episodes were running when version 1 came: the worker loaded it without
+    # waiting for them, and they continued under it.
+    interrupted = [e for e in ctl.events.recent if e["kind"] == "interrupted"]
+    assert [(e["version"], e["tasks"]) for e in interrupted][:1] == [(1, 1)]
+    first, second = ctl.step_log
+    assert first["train_token_staleness"] == 0.0
+    assert second["rollout_interrupted"] == 8.0
+    # Their rows are as old as their oldest token, within the bound; newer tokens are fresher.
+    assert second["staleness_max"] == 1
+    assert 0.0 < second["train_token_staleness"] < 1.0

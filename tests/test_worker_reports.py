@@ -199,4 +199,4 @@ async def test_an_interruptible_role_loads_a_version_while_its_task_runs() -> No
         # Without waiting for the task: it only ends once the version is loaded.
         await script.until(lambda: ("get_task", 1) in script.calls and script.served)
         assert worker.version == 1
-    assert script.served == [{"version": 1, "interrupted": 3}]
+    assert script.served == [{"version": 1, "interrupted": 1, "continued": 3}]

@@ -14,7 +14,7 @@ A new policy version is applied at a safe point: new tasks wait while the role l
 and loading waits for tasks in flight to finish, so no task ever sees two versions. A role that
 sets ``interruptible`` (episodes with ``rollout.partial``) loads it while its tasks run, between
 two decode steps, and says how many running sequences continue under it: the ``served`` report
-carries that count (``interrupted``).
+then carries how many tasks were running (``interrupted``) and that count (``continued``).
 
 Several workers may share one process (simulation mode hosts many); each has its own sockets.
 
@@ -399,7 +399,7 @@ class Worker:
         try:
             if not getattr(self.role, "interruptible", False):
                 await self._idle.wait()
-            continued: int | None = None
+            running, continued = self._in_flight, None
             deadline = self.config.weight_sync_timeout_s
             try:
                 async with asyncio.timeout(deadline):
@@ -417,10 +417,10 @@ class Worker:
                 raise WeightSyncError(error) from None
             self.version = version
             served: dict[str, Any] = {**self._me, "version": version}
-            if continued:
-                served["interrupted"] = continued
-                self._log().info("running generations continue under the new version",
-                                 sequences=continued)
+            if running:
+                served.update(interrupted=running, continued=continued or 0)
+                self._log().info("running tasks continue under the new version",
+                                 new_version=version, tasks=running, sequences=continued or 0)
             await self._rpc.call(m.OP_SERVED, served)
         finally:
             self._gate.set()
