@@ -35,7 +35,7 @@ CONTEXTS = ([11, 42, 7, 99, 23], [5, 61, 200, 17, 3, 88, 140, 9, 31])
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("partial") / "tiny", hidden=32, layers=2,
-                            heads=2, kv_heads=1, vocab_size=300, max_positions=128)
+                            heads=2, kv_heads=1, vocab_size=300, max_positions=256)
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ async def test_the_batcher_swaps_at_the_next_step_while_a_request_runs(
 ) -> None:
     engine = _engine(model_dir)
     batcher = ContinuousBatcher(engine)
-    params = SamplingParams(temperature=0.0, max_new_tokens=100)
+    params = SamplingParams(temperature=0.0, max_new_tokens=200)
     running = asyncio.create_task(batcher.generate(CONTEXTS[1], params, stream_key=1))
     # A short request joins the batch with it: once that one has ended, the long one runs.
     await batcher.generate(CONTEXTS[0], replace(GREEDY, max_new_tokens=2), stream_key=0)
@@ -183,7 +183,7 @@ class LongOrShort:
         policy.finish(1.0)
 
 
-LONG = 60
+LONG = 200
 
 
 async def test_an_interruptible_rollout_reports_its_oldest_tokens_version(
