@@ -517,8 +517,9 @@ class Controller:
                       continued: int = 0) -> None:
         info.version = version
         if interrupted:  # loaded while tasks ran, which continue under it (rollout.partial)
-            self.events.emit("interrupted", worker=info.worker_id, version=version,
-                             tasks=interrupted, sequences=continued)
+            detail = {"version": version, "tasks": interrupted, "sequences": continued}
+            self.events.emit("interrupted", worker=info.worker_id, **detail)
+            self.events.mark(info.worker_id, info.role, "interrupted", **detail)
         self.versions.release_unserved()
         self._wake()
 

@@ -270,6 +270,8 @@ async def test_a_run_loads_a_new_version_while_episodes_run(tmp_path: Path) -> N
     # waiting for them, and they continued under it.
     interrupted = [e for e in ctl.events.recent if e["kind"] == "interrupted"]
     assert [(e["version"], e["tasks"]) for e in interrupted][:1] == [(1, 1)]
+    marks = [(mk.worker, mk.name, mk.args["version"]) for mk in ctl.events.marks]
+    assert marks[:1] == [(interrupted[0]["worker"], "interrupted", 1)]  # on its timeline
     first, second = ctl.step_log
     assert first["train_token_staleness"] == 0.0
     assert second["rollout_interrupted"] == 8.0

@@ -49,11 +49,11 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import SecretStr
 
-from flowrl.events import Span
+from flowrl.events import Mark, Span
 from flowrl.monitor.fanout import KEEPALIVE, EventFanout
 from flowrl.monitor.limits import BoundedSite, ConnectionLimits
 from flowrl.monitor.metrics import CONTENT_TYPE, ControllerMetrics
-from flowrl.monitor.trace import chrome_trace, recent_spans
+from flowrl.monitor.trace import chrome_trace, recent_marks, recent_spans
 from transport.errors import BindRefused
 
 if TYPE_CHECKING:
@@ -311,11 +311,13 @@ class MonitorServer:
         # Snapshot in the loop (O(spans returned)); the JSON, ~10 us a span, is built in a
         # thread so a full export of every kept span does not stall the controller.
         spans = recent_spans(bus.spans, since)
+        marks = recent_marks(bus.marks, since)
         roles = self._run.roles()
         workers = self._run.worker_roles()
         other = {"now_us": round((now - bus.t0) * 1e6, 1), "window_s": window,
                  "run_id": self._run.run_id}
-        body = await asyncio.to_thread(_render_trace, spans, bus.t0, roles, workers, other)
+        body = await asyncio.to_thread(_render_trace, spans, bus.t0, roles, workers, other,
+                                       marks)
         return web.Response(text=body, content_type="application/json", headers=_NO_STORE)
 
     async def _events(self, request: web.Request) -> web.StreamResponse:
@@ -390,8 +392,9 @@ class MonitorServer:
 
 
 def _render_trace(spans: list[Span], t0: float, roles: list[str],
-                  workers: list[tuple[str, str]], other: dict[str, Any]) -> str:
-    trace = chrome_trace(spans, t0=t0, roles=roles, workers=workers)
+                  workers: list[tuple[str, str]], other: dict[str, Any],
+                  marks: list[Mark]) -> str:
+    trace = chrome_trace(spans, t0=t0, roles=roles, workers=workers, marks=marks)
     trace["otherData"] = other
     return dumps(trace)
 
