@@ -16,14 +16,14 @@ from pydantic import ValidationError
 
 from flowrl.data import Example, arithmetic
 from flowrl.episode import Policy
-from flowrl.recipe import Recipe, RolloutConfig
+from flowrl.recipe import ModelConfig, Recipe, RolloutConfig
 from flowrl.tiny_model import build_tiny_model
 from workers.devices import set_threads
 from workers.engines import HFRolloutEngine, SamplingParams
 from workers.engines.hf_continuous import ContinuousBatcher, RunningBatch, _Seq
 from workers.engines.hf_rollout import new_cache
 from workers.roles.episode_rollout import EpisodeRolloutRole
-from workers.roles.factory import load_tokenizer
+from workers.roles.factory import load_tokenizer, make_hf_role
 
 set_threads(1)
 
@@ -210,7 +210,7 @@ async def test_an_interruptible_rollout_reports_its_oldest_tokens_version(
     assert role.batcher.engine.version == NEW
 
 
-def test_partial_rollout_needs_episodes(tmp_path: Path) -> None:
+def test_partial_rollout_needs_episodes(tmp_path: Path, model_dir: Path) -> None:
     path = tmp_path / "episodes.py"
     path.write_text("async def one(policy, example):\n    return 1.0\n")
     r = Recipe(steps=1, rollout=RolloutConfig(episode=f"{path}:one", partial=True))
@@ -221,6 +221,11 @@ def test_partial_rollout_needs_episodes(tmp_path: Path) -> None:
         Recipe(steps=1, rollout=RolloutConfig(partial=True))
     with pytest.raises(ValidationError, match=r"rollout\.partial: .* needs rollout\.episode"):
         Recipe(steps=1, rollout=RolloutConfig(partial=True, engine="vllm"))
+    # A worker given such a spec by hand refuses it before loading anything.
+    spec = Recipe(steps=1, model=ModelConfig(path=str(model_dir))).engine_spec()
+    spec = spec.model_copy(update={"rollout": spec.rollout.model_copy(update={"partial": True})})
+    with pytest.raises(ValueError, match=r"rollout\.partial: .* needs rollout\.episode"):
+        make_hf_role("rollout", spec, 0)
 
 
 UNTIL_NEW_VERSION = '''
@@ -249,7 +254,7 @@ async def until_new_version(policy, example):
 @pytest.mark.timeout(120)
 async def test_a_run_loads_a_new_version_while_episodes_run(tmp_path: Path) -> None:
     from flowrl.controller import Controller
-    from flowrl.recipe import AlgorithmConfig, DataConfig, ModelConfig, TrainerConfig
+    from flowrl.recipe import AlgorithmConfig, DataConfig, TrainerConfig
 
     (tmp_path / "episodes.py").write_text(UNTIL_NEW_VERSION)
     model = build_tiny_model(tmp_path / "tiny", hidden=32, layers=1, heads=2, kv_heads=1,

@@ -247,6 +247,9 @@ def _rollout(spec: EngineSpec, path: Path, seed: int) -> Role:
     from workers.engines.hf_rollout import HFRolloutEngine
     from workers.roles.rollout import RolloutRole
 
+    if spec.rollout.partial and spec.rollout.episode is None:
+        raise ValueError("rollout.partial: interruptible generation continues running episodes "
+                         "under new weights; it needs rollout.episode")
     device = pick_device()
     engine = HFRolloutEngine(path, device=device, dtype=rollout_dtype(spec, device), seed=seed,
                              version=spec.start_version)
