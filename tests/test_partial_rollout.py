@@ -134,6 +134,22 @@ async def test_a_swap_between_decode_steps_continues_every_sequence_under_the_ne
     assert alone != seqs[0].tokens
 
 
+async def test_a_token_records_the_version_that_computed_its_logits(
+    model_dir: Path, weights: dict[str, torch.Tensor]
+) -> None:
+    # Weights loaded under running rows without `refresh`: the next token is still sampled
+    # from logits the old weights computed, and says so.
+    engine = _engine(model_dir)
+    batch = RunningBatch(engine)
+    (seq,) = _seqs(CONTEXTS[:1])
+    batch.admit([seq])
+    batch.step()
+    engine.load_weights(weights, NEW)
+    batch.step()
+    batch.step()
+    assert seq.versions == [OLD, OLD, NEW]
+
+
 async def test_the_batcher_swaps_at_the_next_step_while_a_request_runs(
     model_dir: Path, weights: dict[str, torch.Tensor]
 ) -> None:
