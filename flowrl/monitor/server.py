@@ -11,8 +11,8 @@ Endpoints (all in the controller's own event loop; every handler is O(snapshot),
   replays the kept events after ``N``. At most ``monitor.max_event_streams`` at once (503
   beyond); all share one subscription to the controller's events (`EventFanout`);
 - ``GET /trace[?window=S][&after=US]`` — Chrome trace-event JSON of the kept spans that ended
-  in the last ``S`` seconds and after ``US`` (a ``ts`` in microseconds, e.g. the previous
-  answer's ``otherData.now_us``, so a poller fetches only what is new);
+  (and marks made) in the last ``S`` seconds and after ``US`` (a ``ts`` in microseconds, e.g.
+  the previous answer's ``otherData.now_us``, so a poller fetches only what is new);
 - ``POST /pause``, ``POST /resume``, ``POST /stop``, ``POST /staleness`` (JSON
   ``{"max_staleness": n}``) — require ``Authorization: Bearer <token>``; 401 without it
   ("a bearer token is required") or with another token ("invalid token").

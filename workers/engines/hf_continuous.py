@@ -391,9 +391,9 @@ class ContinuousBatcher:
             self._lock.release()
 
     def _advance(self, new: list[_Seq], cancelled: list[int]) -> list[tuple[_Seq, FinishReason]]:
-        """Admit ``new``, then decode until a sequence ends or a request waits (up to
-        `_STEPS_PER_CALL` steps: one thread hop for several steps, and no request waits
-        longer than a step to join)."""
+        """Admit ``new``, then decode until a sequence ends, a request waits or a weight load
+        waits (up to `_STEPS_PER_CALL` steps: one thread hop for several steps, and no
+        request or load waits longer than a step)."""
         self._batch.drop(cancelled)
         if new:
             self._batch.admit(new)
