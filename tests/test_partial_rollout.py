@@ -295,7 +295,7 @@ async def test_a_run_loads_a_new_version_while_episodes_run(tmp_path: Path) -> N
     assert marks[:1] == [(interrupted[0]["worker"], "interrupted", 1)]  # on its timeline
     first, second = ctl.step_log
     assert first["train_token_staleness"] == 0.0
-    assert second["rollout_interrupted"] == 8.0
+    assert second["rollout_interrupted_episodes"] == 8.0
     # Their rows are as old as their oldest token, within the bound; newer tokens are fresher.
     assert second["staleness_max"] == 1
     assert 0.0 < second["train_token_staleness"] < 1.0

@@ -38,9 +38,9 @@ class StageMetrics:
     whichever tasks scored its rows (a reward task may hold rows of two steps, and rows of later
     steps are scored before this one commits). The critic's step figures (``critic_*``,
     reported by the task whose rows completed a critic step) are shown as last reported;
-    ``rollout_interrupted`` sums the rollout tasks' ``interrupted_episodes`` reported since the
-    last step (rows generated across a weight swap, ``rollout.partial``); values that are not
-    finite numbers are ignored.
+    ``rollout_interrupted_episodes`` sums the rollout tasks' ``interrupted_episodes`` reported
+    since the last step (rows generated across a weight swap, ``rollout.partial``); values that
+    are not finite numbers are ignored.
     """
 
     def __init__(self) -> None:
@@ -60,9 +60,9 @@ class StageMetrics:
                 continue
             if key.startswith("critic_"):
                 self._acc[key] = float(value)
-            elif key == "interrupted_episodes" and task.stage == "rollout":
-                self._acc["rollout_interrupted"] = (self._acc.get("rollout_interrupted", 0.0)
-                                                    + float(value))
+            elif key == "interrupted_episodes":
+                name = f"{task.stage}_{key}"
+                self._acc[name] = self._acc.get(name, 0.0) + float(value)
 
     def take(self, tasks: Sequence[Task], alive: Callable[[int], bool]
              ) -> tuple[dict[str, float], dict[str, StepFailures]]:
