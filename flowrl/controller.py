@@ -542,8 +542,13 @@ class Controller:
             self.scheduler.fail_task(task.id)
         self._wake()
 
-    def worker_serves(self, info: WorkerInfo, version: int) -> None:
+    def worker_serves(self, info: WorkerInfo, version: int, interrupted: int = 0,
+                      continued: int = 0) -> None:
         info.version = version
+        if interrupted:  # loaded while tasks ran, which continue under it (rollout.partial)
+            detail = {"version": version, "tasks": interrupted, "sequences": continued}
+            self.events.emit("interrupted", worker=info.worker_id, **detail)
+            self.events.mark(info.worker_id, info.role, "interrupted", **detail)
         self.versions.release_unserved()
         self._wake()
 

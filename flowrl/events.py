@@ -1,12 +1,13 @@
 """What the controller tells its watchers: a bounded event log and a bounded activity trace.
 
-Events (``step``, ``worker_up``, ``worker_down``, ``version``, ``error``, ``run_failed``) carry a
-sequence number so a stream consumer can tell it missed some. Each subscriber has its own
-bounded queue; a subscriber too slow to keep up loses its oldest events (counted), never
-slows the controller down.
+Events (``step``, ``worker_up``, ``worker_down``, ``version``, ``interrupted``, ``error``,
+``run_failed``) carry a sequence number so a stream consumer can tell it missed some. Each
+subscriber has its own bounded queue; a subscriber too slow to keep up loses its oldest events
+(counted), never slows the controller down.
 
 Spans record what every worker did and when (stage, task, start, end), for the pipeline
-timeline and the Chrome-trace export; the newest ``max_spans`` are kept.
+timeline and the Chrome-trace export; the newest ``max_spans`` are kept. Marks are moments on a
+worker's timeline (an ``interrupted`` weight load), kept alike.
 """
 
 from __future__ import annotations
@@ -33,10 +34,20 @@ class Span:
     end: float
 
 
+@dataclass(frozen=True, slots=True)
+class Mark:
+    worker: str
+    role: str
+    name: str
+    time: float
+    args: dict[str, Any]
+
+
 class EventBus:
     def __init__(self, *, keep: int = 1000, max_spans: int = 20_000) -> None:
         self.recent: collections.deque[dict[str, Any]] = collections.deque(maxlen=keep)
         self.spans: collections.deque[Span] = collections.deque(maxlen=max_spans)
+        self.marks: collections.deque[Mark] = collections.deque(maxlen=max_spans)
         self.t0 = time.time()
         self.dropped = 0
         self._seq = 0
@@ -54,6 +65,10 @@ class EventBus:
 
     def span(self, span: Span) -> None:
         self.spans.append(span)
+
+    def mark(self, worker: str, role: str, name: str, **args: Any) -> None:
+        """A moment on ``worker``'s timeline, now."""
+        self.marks.append(Mark(worker, role, name, time.time(), args))
 
     async def subscribe(self) -> AsyncIterator[dict[str, Any]]:
         """Every event emitted from now on, in order (the oldest go first when it lags)."""

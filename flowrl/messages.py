@@ -23,7 +23,10 @@ Requests (worker -> controller, over the controller's ROUTER socket):
   that raised, timed out or returned garbage on them).
 - ``task_done``  ``{worker_id, task_id, fields, lengths, version, metrics}`` -> ``{ok}``
 - ``task_failed`` ``{worker_id, task_id, error}`` -> ``{ok}``
-- ``served``     ``{worker_id, version}`` -> ``{ok}``: the worker now serves that policy version.
+- ``served``     ``{worker_id, version, interrupted?, continued?}`` -> ``{ok}``: the worker now
+  serves that policy version. Interruptible generation (``rollout.partial``) loads it while
+  tasks run: ``interrupted`` counts those tasks, ``continued`` their running sequences that
+  continue under it.
 - ``sync_failed`` ``{worker_id, version, error}`` -> ``{ok}``: the worker could not load that
   version within its deadline; it exits next (and is restarted, joining at the current version).
 - ``bye``        ``{worker_id}`` -> ``{ok}``: clean exit.

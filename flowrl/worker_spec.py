@@ -167,6 +167,8 @@ class RolloutSpec(_Spec):
     #: the episodes' limits (`flowrl.episode.Policy`); None: none.
     max_turns: int | None = None
     max_episode_tokens: int | None = None
+    #: interruptible generation: new weights are loaded while episodes run (needs ``episode``).
+    partial: bool = False
 
 
 class RewardModelSpec(_Spec):

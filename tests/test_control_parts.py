@@ -203,6 +203,16 @@ def test_failed_samples_count_for_the_step_that_trains_them() -> None:
     assert metrics.take([rows_task("train", (6, 7, 8))], alive=lambda row: True) == ({}, {})
 
 
+def test_the_step_log_counts_episodes_generated_across_a_weight_swap() -> None:
+    metrics = StageMetrics()
+    for task_id, n in ((1, 2.0), (2, 1.0), (3, 0.0)):
+        metrics.fold(rows_task("rollout", (task_id,), task_id),
+                     parse_report(report(task_id=task_id, metrics={"interrupted_episodes": n})))
+    figures, _ = metrics.take([rows_task("train", (1, 2, 3))], alive=lambda row: True)
+    assert figures == {"rollout_interrupted_episodes": 3.0}
+    assert metrics.take([rows_task("train", (5,))], alive=lambda row: True) == ({}, {})
+
+
 def test_the_failure_budget_ends_the_run_after_steps_in_a_row_over_the_share() -> None:
     metrics = StageMetrics()
     budget = FailureBudget(max_share=0.5, max_steps=2)

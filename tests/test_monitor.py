@@ -29,9 +29,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
 
 from flowrl.controller import Controller
-from flowrl.events import EventBus
+from flowrl.events import EventBus, Span
 from flowrl.monitor import MonitorServer
 from flowrl.monitor.fanout import EventFanout
+from flowrl.monitor.trace import chrome_trace, recent_marks
 from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages
 from flowrl.recipe import MonitorConfig
 from transport.errors import BindRefused
@@ -215,6 +216,30 @@ async def test_metrics_parse_and_are_labelled_by_stage_and_worker(live: Live) ->
             assert s.value >= counts[s.labels["stage"]]
             assert s.value <= len(live.ctl.events.spans) + sum(counts.values())
     assert TOKEN not in text
+
+
+async def test_an_interrupted_weight_load_is_an_instant_event_on_its_workers_track() -> None:
+    bus = EventBus()
+    bus.span(Span("rollout-1", "rollout", "rollout", 3, 8, bus.t0 + 1.0, bus.t0 + 2.0))
+    bus.mark("rollout-1", "rollout", "interrupted", version=1, tasks=1, sequences=5)
+    bus.mark("rollout-2", "rollout", "interrupted", version=1, tasks=2, sequences=0)
+    first, second = bus.marks
+    assert recent_marks(bus.marks, second.time) == [second]
+    assert recent_marks(bus.marks, None) == [first, second]
+    events = chrome_trace(bus.spans, t0=bus.t0, roles=["rollout"], marks=bus.marks)["traceEvents"]
+    threads = {e["args"]["name"]: (e["pid"], e["tid"]) for e in events
+               if e["name"] == "thread_name"}
+    span = next(e for e in events if e["ph"] == "X")
+    marks = [e for e in events if e["ph"] == "i"]
+    assert [e["args"] for e in marks] == [
+        {"version": 1, "tasks": 1, "sequences": 5, "worker": "rollout-1"},
+        {"version": 1, "tasks": 2, "sequences": 0, "worker": "rollout-2"}]
+    for e, mk in zip(marks, (first, second), strict=True):
+        assert {"name", "ph", "ts", "dur", "pid", "tid"} <= set(e)
+        assert (e["name"], e["s"], e["dur"]) == ("interrupted", "t", 0)
+        assert e["ts"] == round((mk.time - bus.t0) * 1e6, 1)
+        assert (e["pid"], e["tid"]) == threads[mk.worker]
+    assert (span["pid"], span["tid"]) == threads["rollout-1"]
 
 
 @pytest.mark.timeout(30)

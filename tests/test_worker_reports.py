@@ -50,6 +50,8 @@ class Script:
         self.calls: list[tuple[str, Any]] = []  # (op, the report it carried)
         self.fail_first_report = True
         self.changed = asyncio.Event()
+        self.served: list[Any] = []  # the ``served`` reports
+        self.publisher: Publisher | None = None  # the broadcast the worker listens to
 
     def seen(self, op: str, report: Any) -> None:
         self.calls.append((op, report["task_id"] if isinstance(report, dict) else None))
@@ -83,8 +85,13 @@ class Script:
         async def ok(p: Any, peer: bytes) -> Any:
             return {"ok": True}
 
+        async def served(p: Any, peer: bytes) -> Any:
+            self.served.append({k: v for k, v in p.items() if k not in ("worker_id", "token")})
+            self.changed.set()
+            return {"ok": True}
+
         return {m.OP_REGISTER: register, m.OP_GET_TASK: get_task, m.OP_TASK_DONE: task_done,
-                m.OP_HEARTBEAT: ok, m.OP_BYE: ok, m.OP_TASK_FAILED: ok}
+                m.OP_HEARTBEAT: ok, m.OP_BYE: ok, m.OP_TASK_FAILED: ok, m.OP_SERVED: served}
 
 
 @asynccontextmanager
@@ -98,6 +105,7 @@ async def worker_against(
     try:
         await server.start()
         await pub.start()
+        script.publisher = pub
         config = WorkerConfig(name="reward.0", role="reward", node="node0",
                               controller=server.endpoint, broadcast=pub.endpoint,
                               heartbeat_s=5.0, poll_s=5.0, rpc_timeout_s=5.0)
@@ -156,3 +164,39 @@ async def test_an_inline_value_shaped_like_a_handle_stays_inline() -> None:
         script.tasks.put_nowait({**task(1), "rows": [1, 2], "inputs": {"span": spans}})
         await script.until(lambda: ("get_task", 1) in script.calls)
     assert role.inputs == [{"span": spans}]
+
+
+class Interruptible(Echo):
+    """A rollout whose task runs until a new version arrives, loaded while it runs (as
+    episodes with ``rollout.partial`` load one between two decode steps)."""
+
+    loads_weights = True
+    interruptible = True
+
+    def __init__(self) -> None:
+        self.running = asyncio.Event()
+        self.loaded = asyncio.Event()
+
+    async def run(self, task: m.TaskMsg, inputs: dict[str, list[Any]]) -> RoleOutput:
+        self.running.set()
+        await self.loaded.wait()
+        return await super().run(task, inputs)
+
+    async def load_version(self, version: int, weights: dict[str, torch.Tensor]) -> int:
+        self.loaded.set()
+        return 3  # running sequences that continue under it
+
+
+async def test_an_interruptible_role_loads_a_version_while_its_task_runs() -> None:
+    script = Script()
+    script.fail_first_report = False
+    role = Interruptible()
+    async with worker_against(script, role) as (worker, _):
+        script.tasks.put_nowait(task(1))
+        await role.running.wait()
+        assert script.publisher is not None
+        await script.publisher.publish(m.TOPIC_VERSION, {"version": 1, "weights": {}})
+        # Without waiting for the task: it only ends once the version is loaded.
+        await script.until(lambda: ("get_task", 1) in script.calls and script.served)
+        assert worker.version == 1
+    assert script.served == [{"version": 1, "interrupted": 1, "continued": 3}]

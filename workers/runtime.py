@@ -11,7 +11,10 @@ A worker registers (role, node, capacity), then runs three owned loops until sto
 - *broadcast*: listens for new policy versions and for ``stop``.
 
 A new policy version is applied at a safe point: new tasks wait while the role loads the weights,
-and loading waits for tasks in flight to finish, so no task ever sees two versions.
+and loading waits for tasks in flight to finish, so no task ever sees two versions. A role that
+sets ``interruptible`` (episodes with ``rollout.partial``) loads it while its tasks run, between
+two decode steps, and says how many running sequences continue under it: the ``served`` report
+then carries how many tasks were running (``interrupted``) and that count (``continued``).
 
 Several workers may share one process (simulation mode hosts many); each has its own sockets.
 
@@ -87,10 +90,11 @@ class Role(Protocol):
 
     async def run(self, task: m.TaskMsg, inputs: dict[str, list[Any]]) -> RoleOutput: ...
 
-    async def load_version(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+    async def load_version(self, version: int, weights: dict[str, torch.Tensor]) -> int | None:
         """Serve ``version`` from now on. ``weights`` (empty when there is nothing to load)
         are read-only views of the store, unchanged and alive until this worker reports
-        serving a later version: a role may keep them rather than copy them."""
+        serving a later version: a role may keep them rather than copy them. An
+        ``interruptible`` role returns how many running sequences continue under it."""
         ...
 
 
@@ -386,7 +390,8 @@ class Worker:
                                   error=repr(exc)[:200])
 
     async def _switch_version(self, version: int, weights: Mapping[str, Any]) -> None:
-        """Load ``version`` at a safe point: no task in flight, none starting meanwhile."""
+        """Load ``version`` at a safe point: no task in flight (unless the role is
+        interruptible), none starting meanwhile."""
         if version <= self.version:
             return
         if not getattr(self.role, "loads_weights", True):
@@ -394,12 +399,14 @@ class Worker:
             return
         self._gate.clear()
         try:
-            await self._idle.wait()
+            if not getattr(self.role, "interruptible", False):
+                await self._idle.wait()
+            running, continued = self._in_flight, None
             deadline = self.config.weight_sync_timeout_s
             try:
                 async with asyncio.timeout(deadline):
                     state = await fetch_weights(self.store, weights)
-                    await self.role.load_version(version, state)
+                    continued = await self.role.load_version(version, state)
             except TimeoutError:
                 error = (f"worker {self.worker_id} ({self.config.name}) did not load policy "
                          f"version {version} within {deadline:g}s (serving {self.version})")
@@ -411,7 +418,12 @@ class Worker:
                         timeout=min(5.0, self.config.rpc_timeout_s))
                 raise WeightSyncError(error) from None
             self.version = version
-            await self._rpc.call(m.OP_SERVED, {**self._me, "version": version})
+            served: dict[str, Any] = {**self._me, "version": version}
+            if running:
+                served.update(interrupted=running, continued=continued or 0)
+                self._log().info("running tasks continue under the new version",
+                                 new_version=version, tasks=running, sequences=continued or 0)
+            await self._rpc.call(m.OP_SERVED, served)
         finally:
             self._gate.set()
 

@@ -21,7 +21,7 @@ __all__ = ["FALLBACK_KINDS", "FailureBudget", "StageMetrics", "StepFailures", "T
 FALLBACK_KINDS = frozenset({"unparsable"})
 #: task-report counters summed into the step log as ``<stage>_<key>`` (an episode rollout's
 #: tool calls, tool failures by kind, episodes cut by a limit)
-COUNTED_PREFIXES = ("tool_", "episodes_cut_")
+COUNTED_PREFIXES = ("tool_", "episodes_cut_", "interrupted_")
 
 
 @dataclass

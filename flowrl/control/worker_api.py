@@ -46,7 +46,8 @@ class WorkerEvents(Protocol):
 
     def task_failed(self, a: Assignment, error: str) -> None: ...
 
-    def worker_serves(self, info: WorkerInfo, version: int) -> None: ...
+    def worker_serves(self, info: WorkerInfo, version: int, interrupted: int = 0,
+                      continued: int = 0) -> None: ...
 
     def sync_failed(self, info: WorkerInfo, version: int, error: str) -> None: ...
 
@@ -195,8 +196,11 @@ class WorkerApi:
 
     async def _served(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
         info = self.registry.get(_str(p, "worker_id"))
+        interrupted, continued = (_int(p, key, 0, 2**31) if key in p else 0
+                                  for key in ("interrupted", "continued"))
         if info is not None:
-            self.events.worker_serves(info, _int(p, "version", 0, 2**62))
+            self.events.worker_serves(info, _int(p, "version", 0, 2**62), interrupted,
+                                      continued)
         return {"ok": True}
 
     async def _sync_failed(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:

@@ -11,8 +11,8 @@ Endpoints (all in the controller's own event loop; every handler is O(snapshot),
   replays the kept events after ``N``. At most ``monitor.max_event_streams`` at once (503
   beyond); all share one subscription to the controller's events (`EventFanout`);
 - ``GET /trace[?window=S][&after=US]`` — Chrome trace-event JSON of the kept spans that ended
-  in the last ``S`` seconds and after ``US`` (a ``ts`` in microseconds, e.g. the previous
-  answer's ``otherData.now_us``, so a poller fetches only what is new);
+  (and marks made) in the last ``S`` seconds and after ``US`` (a ``ts`` in microseconds, e.g.
+  the previous answer's ``otherData.now_us``, so a poller fetches only what is new);
 - ``POST /pause``, ``POST /resume``, ``POST /stop``, ``POST /staleness`` (JSON
   ``{"max_staleness": n}``) — require ``Authorization: Bearer <token>``; 401 without it
   ("a bearer token is required") or with another token ("invalid token").
@@ -49,11 +49,11 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from pydantic import SecretStr
 
-from flowrl.events import Span
+from flowrl.events import Mark, Span
 from flowrl.monitor.fanout import KEEPALIVE, EventFanout
 from flowrl.monitor.limits import BoundedSite, ConnectionLimits
 from flowrl.monitor.metrics import CONTENT_TYPE, ControllerMetrics
-from flowrl.monitor.trace import chrome_trace, recent_spans
+from flowrl.monitor.trace import chrome_trace, recent_marks, recent_spans
 from transport.errors import BindRefused
 
 if TYPE_CHECKING:
@@ -311,11 +311,13 @@ class MonitorServer:
         # Snapshot in the loop (O(spans returned)); the JSON, ~10 us a span, is built in a
         # thread so a full export of every kept span does not stall the controller.
         spans = recent_spans(bus.spans, since)
+        marks = recent_marks(bus.marks, since)
         roles = self._run.roles()
         workers = self._run.worker_roles()
         other = {"now_us": round((now - bus.t0) * 1e6, 1), "window_s": window,
                  "run_id": self._run.run_id}
-        body = await asyncio.to_thread(_render_trace, spans, bus.t0, roles, workers, other)
+        body = await asyncio.to_thread(_render_trace, spans, bus.t0, roles, workers, other,
+                                       marks)
         return web.Response(text=body, content_type="application/json", headers=_NO_STORE)
 
     async def _events(self, request: web.Request) -> web.StreamResponse:
@@ -390,8 +392,9 @@ class MonitorServer:
 
 
 def _render_trace(spans: list[Span], t0: float, roles: list[str],
-                  workers: list[tuple[str, str]], other: dict[str, Any]) -> str:
-    trace = chrome_trace(spans, t0=t0, roles=roles, workers=workers)
+                  workers: list[tuple[str, str]], other: dict[str, Any],
+                  marks: list[Mark]) -> str:
+    trace = chrome_trace(spans, t0=t0, roles=roles, workers=workers, marks=marks)
     trace["otherData"] = other
     return dumps(trace)
 

@@ -2,9 +2,10 @@
 
 One complete event (``ph: "X"``) per finished task: ``pid`` is the worker's role (one process
 track per role, in pipeline order), ``tid`` the worker (one thread track per worker), ``name`` the
-stage, ``ts``/``dur`` in microseconds since the event bus started. Metadata events (``ph: "M"``)
-name the tracks. Every event carries ``name, ph, ts, dur, pid, tid`` so that strict readers
-accept the file; open it at https://ui.perfetto.dev or chrome://tracing.
+stage, ``ts``/``dur`` in microseconds since the event bus started. One instant event
+(``ph: "i"``, thread scope) per mark on its worker's track (``name``: ``interrupted``). Metadata
+events (``ph: "M"``) name the tracks. Every event carries ``name, ph, ts, dur, pid, tid`` so
+that strict readers accept the file; open it at https://ui.perfetto.dev or chrome://tracing.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import zlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from flowrl.events import Span
+from flowrl.events import Mark, Span
 
-__all__ = ["chrome_trace", "recent_spans", "worker_tid"]
+__all__ = ["chrome_trace", "recent_marks", "recent_spans", "worker_tid"]
 
 
 def worker_tid(worker_id: str) -> int:
@@ -40,9 +41,22 @@ def recent_spans(spans: Sequence[Span], since: float | None) -> list[Span]:
     return out
 
 
+def recent_marks(marks: Sequence[Mark], since: float | None) -> list[Mark]:
+    """Marks made at or after wall time ``since`` (all when None), oldest first."""
+    if since is None:
+        return list(marks)
+    out: list[Mark] = []
+    for mk in reversed(marks):
+        if mk.time < since:
+            break
+        out.append(mk)
+    out.reverse()
+    return out
+
+
 def chrome_trace(
     spans: Iterable[Span], *, t0: float, roles: Sequence[str] = (),
-    workers: Iterable[tuple[str, str]] = (),
+    workers: Iterable[tuple[str, str]] = (), marks: Iterable[Mark] = (),
 ) -> dict[str, Any]:
     """The trace-event JSON object for ``spans`` (wall-clock seconds; ``t0`` becomes ts 0).
 
@@ -68,6 +82,13 @@ def chrome_trace(
             "name": s.stage, "cat": s.role, "ph": "X",
             "ts": round((s.start - t0) * 1e6, 1), "dur": round(max(0.0, s.end - s.start) * 1e6, 1),
             "pid": pid, "tid": tid, "args": {"task": s.task, "rows": s.rows, "worker": s.worker},
+        })
+    for mk in marks:
+        pid, tid = track(mk.worker, mk.role)
+        events.append({
+            "name": mk.name, "cat": mk.role, "ph": "i", "s": "t",
+            "ts": round((mk.time - t0) * 1e6, 1), "dur": 0, "pid": pid, "tid": tid,
+            "args": {**mk.args, "worker": mk.worker},
         })
     meta: list[dict[str, Any]] = []
     for role, pid in pids.items():

@@ -170,6 +170,10 @@ class Recipe(_Section):
                             f"policy's) model.tiny.max_positions = "
                             f"{self.model.tiny.max_positions}")
         self._check_eval()
+        if self.rollout.partial and self.rollout.episode is None:
+            raise _rule("rollout.partial", "interruptible generation continues running "
+                        "episodes under new weights: it needs rollout.episode (episodes run "
+                        "on the hf engine's continuous batcher)")
         if self.rollout.episode is not None:
             if self.rollout.engine != "hf":
                 raise _rule("rollout.episode", f"episodes run on the hf engine; "
@@ -348,7 +352,8 @@ class Recipe(_Section):
         return RolloutSpec(dtype=r.dtype, episode=r.episode_ref, tools=r.tool_refs,
                            tool_workers=r.tool_workers, tool_timeout_s=r.tool_timeout_s,
                            tool_memory_mb=r.tool_memory_mb, max_turns=r.max_turns,
-                           max_episode_tokens=r.max_episode_tokens, endpoint=r.endpoint)
+                           max_episode_tokens=r.max_episode_tokens, endpoint=r.endpoint,
+                           partial=r.partial)
 
     def engine_spec(self) -> EngineSpec:
         """What real-engine workers are configured with (no monitor secrets, resolved values;

@@ -69,6 +69,11 @@ class RolloutConfig(_Section):
     left, and a turn or insertion beyond it ends the episode. An episode ended by a limit keeps
     its trajectory and scores what it says (it may catch `flowrl.episode.EpisodeLimitReached`),
     else 0. None: no limit."""
+    partial: bool = False
+    """Interruptible generation (needs ``episode``): a rollout worker that learns of a new policy
+    version loads it at the next decode step instead of waiting for its running episodes, and
+    continues every running sequence under it, its tokens kept (each records the version that
+    produced it). A row's version, for the staleness bound, is its oldest token's."""
 
     @field_validator("episode")
     @classmethod

@@ -21,14 +21,23 @@ each request's own counter-based stream (``stream_key``, token index), so a requ
 same tokens from the same weights whatever else shares the batch.
 
 Weights: each step holds the batcher's lock, and so does `ContinuousBatcher.exclusive` (a
-weight load), so the model never changes during a forward. Each token records the engine's
-version at the step that sampled it (``Generation.token_versions``).
+weight load), so the model never changes during a forward. Each token records the version of
+the weights that computed the logits it was sampled from (``Generation.token_versions``).
+
+Interruptible generation (`ContinuousBatcher.swap`): new weights are loaded at the next
+decode-step boundary while sequences are running, and every running sequence continues under
+them with all its tokens kept; none is restarted. By default the KV cache of the kept prefix is
+kept too: it was computed under the old weights (the cheap choice); only each row's last
+position is recomputed, so every token sampled after the swap comes from the new weights'
+logits. With ``rebuild_kv`` the kept prefixes are prefilled again under the new weights: the
+continuation is then exactly the new policy's, for the cost of one prefill of every running row.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -62,6 +71,8 @@ class _Seq:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    #: the version of the weights that computed this row's pending next-token logits
+    logits_version: int = 0
 
     def result(self, reason: FinishReason) -> Generation:
         return Generation(
@@ -122,16 +133,18 @@ class RunningBatch:
         return out.logits[:, -1, :]  # type: ignore[no-any-return]
 
     def admit(self, seqs: Sequence[_Seq]) -> None:
-        """Prefill ``seqs`` together and merge them into the running batch."""
+        """Prefill ``seqs`` (each its context and the tokens it has generated so far) together
+        and merge them into the running batch."""
         if not seqs:
             return
         device = self.engine.device
-        width = max(len(s.context) for s in seqs)
+        prefixes = [s.context + s.tokens for s in seqs]
+        width = max(len(p) for p in prefixes)
         ids = torch.full((len(seqs), width), self.engine.pad_id, dtype=torch.long)
         mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, width - len(s.context):] = torch.as_tensor(s.context, dtype=torch.long)
-            mask[i, width - len(s.context):] = 1
+        for i, prefix in enumerate(prefixes):
+            ids[i, width - len(prefix):] = torch.as_tensor(prefix, dtype=torch.long)
+            mask[i, width - len(prefix):] = 1
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = new_cache(self.engine.model)
@@ -154,7 +167,30 @@ class RunningBatch:
             self._mask = torch.cat([_left_pad(self._mask, both, 1), _left_pad(mask, both, 1)])
             self._next_pos = torch.cat([self._next_pos, next_pos])
             self._logits = torch.cat([self._logits, logits])
+        for s in seqs:
+            s.logits_version = self.engine.version
         self.seqs.extend(seqs)
+
+    def refresh(self, *, rebuild_kv: bool = False) -> None:
+        """After a weight load: continue every row under the new weights, its tokens kept. Its
+        last position is computed again over the kept KV cache (computed under the old
+        weights), or with ``rebuild_kv`` its whole prefix is prefilled again; either way its
+        next token is sampled from the new weights' logits."""
+        if not self.seqs:
+            return
+        if rebuild_kv:
+            self.admit(self.reset())
+            return
+        assert self._mask is not None
+        assert self._next_pos is not None
+        # Every row's last token is in the last column: drop its KV and compute it again.
+        _set_cache_kv(self._cache, [(k[:, :, :-1], v[:, :, :-1])
+                                    for k, v in _cache_kv(self._cache)])
+        last = torch.tensor([[(s.tokens or s.context)[-1]] for s in self.seqs],
+                            dtype=torch.long, device=self.engine.device)
+        self._logits = self._forward(last, self._mask, self._next_pos - 1, self._cache)
+        for s in self.seqs:
+            s.logits_version = self.engine.version
 
     def drop(self, rows: Sequence[int]) -> None:
         """Remove ``rows`` (indices into `seqs`) from the batch, cache included."""
@@ -189,7 +225,7 @@ class RunningBatch:
         assert self._logits is not None
         assert self._mask is not None
         assert self._next_pos is not None
-        device, version = self.engine.device, self.engine.version
+        device = self.engine.device
         keys = torch.tensor([[s.stream_key & _M32, s.stream_key >> 32] for s in self.seqs],
                             dtype=torch.int64, device=device)
         counters = torch.tensor([len(s.tokens) for s in self.seqs], dtype=torch.int64,
@@ -214,7 +250,7 @@ class RunningBatch:
                                              strict=True)):
             s.tokens.append(int(tok))
             s.logprobs.append(float(lp))
-            s.versions.append(version)
+            s.versions.append(s.logits_version)
             reason: FinishReason | None = None
             if tok in stop_ids or tok in s.params.stop_token_ids or (
                     s.params.stop and self._completes_stop_string(s)):
@@ -236,6 +272,8 @@ class RunningBatch:
             self._logits = self._forward(tokens.unsqueeze(-1), self._mask, self._next_pos,
                                          self._cache)
             self._next_pos = self._next_pos + 1
+            for s in self.seqs:
+                s.logits_version = self.engine.version
         return ended
 
     def _completes_stop_string(self, s: _Seq) -> bool:
@@ -260,6 +298,9 @@ class BatchStats:
     rows: int = 0
     prefills: int = 0
     requests: int = 0
+    #: weight swaps that found sequences running, and how many sequences they continued
+    interruptions: int = 0
+    interrupted_rows: int = 0
 
     @property
     def mean_rows(self) -> float:
@@ -280,6 +321,7 @@ class ContinuousBatcher:
         self._queue: list[_Seq] = []
         self._driver: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()  # one engine call at a time: a step or an exclusive call
+        self._waiting = 0  # exclusive calls waiting for the lock: the driver yields to them
 
     async def generate(
         self, context: Sequence[int], params: SamplingParams, *, stream_key: int
@@ -302,15 +344,56 @@ class ContinuousBatcher:
             self._driver = asyncio.create_task(self._drive())
         return await future
 
+    @property
+    def running(self) -> int:
+        """Sequences in the running batch."""
+        return self._batch.rows
+
     async def exclusive(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` in a thread between decode steps (a weight load)."""
-        async with self._lock:
+        async with self._turn():
             return await asyncio.to_thread(fn)
 
+    async def swap(self, load: Callable[[], Any], *, rebuild_kv: bool = False) -> int:
+        """Run ``load`` (a weight load) in a thread at the next decode-step boundary and
+        continue every running sequence under the new weights (`RunningBatch.refresh`).
+        Returns how many sequences were continued. A load that raises changes nothing here;
+        should continuing fail after it, the running requests fail with the error (as after
+        a failed step)."""
+        async with self._turn():
+            await asyncio.to_thread(load)
+            rows = self._batch.rows
+            if not rows:
+                return 0
+            try:
+                await asyncio.to_thread(self._batch.refresh, rebuild_kv=rebuild_kv)
+            except Exception as e:
+                for s in self._batch.reset():
+                    if not s.future.done():
+                        s.future.set_exception(e)
+                return 0
+        self.stats.interruptions += 1
+        self.stats.interrupted_rows += rows
+        return rows
+
+    @contextlib.asynccontextmanager
+    async def _turn(self) -> AsyncIterator[None]:
+        """Hold the lock; meanwhile the driver sees a waiter between decode steps and gives
+        way (so a weight load waits one decode step, not `_STEPS_PER_CALL`)."""
+        self._waiting += 1
+        try:
+            await self._lock.acquire()
+        finally:
+            self._waiting -= 1
+        try:
+            yield
+        finally:
+            self._lock.release()
+
     def _advance(self, new: list[_Seq], cancelled: list[int]) -> list[tuple[_Seq, FinishReason]]:
-        """Admit ``new``, then decode until a sequence ends or a request waits (up to
-        `_STEPS_PER_CALL` steps: one thread hop for several steps, and no request waits
-        longer than a step to join)."""
+        """Admit ``new``, then decode until a sequence ends, a request waits or a weight load
+        waits (up to `_STEPS_PER_CALL` steps: one thread hop for several steps, and no
+        request or load waits longer than a step)."""
         self._batch.drop(cancelled)
         if new:
             self._batch.admit(new)
@@ -323,7 +406,7 @@ class ContinuousBatcher:
                 self.stats.rows += rows - len(ended)
             # The queue is appended to on the event loop's thread; reading its length here
             # is atomic, and a request that slips past this check waits one step.
-            if ended or self._queue or not self._batch.rows:
+            if ended or self._queue or self._waiting or not self._batch.rows:
                 return ended
         return []
 

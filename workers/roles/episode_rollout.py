@@ -26,6 +26,12 @@ With ``endpoint`` (``rollout.endpoint``) the worker serves an OpenAI-compatible 
 loopback (`workers.openai_endpoint`), started with its first task; each episode gets its own
 base URL and API key (``policy.openai_client()``), valid while it runs.
 
+Interruptible (``interruptible``, the recipe's ``rollout.partial``): a new policy version is
+loaded while episodes run, at the next decode step (`ContinuousBatcher.swap`), and every running
+sequence continues under it with its tokens kept; the worker runtime does not wait for the
+running tasks. A row's tokens may then carry several versions; the task's version is its oldest
+token's, and ``interrupted_episodes`` counts the rows whose tokens span more than one version.
+
 An episode that raises fails the task (the controller redoes its rows, and stops the run with
 the error after ``max_task_failures``); the first error names the episode function.
 """
@@ -108,6 +114,7 @@ class EpisodeRolloutRole:
         tools: ToolPool | None = None,
         max_turns: int | None = None,
         max_tokens: int | None = None,
+        interruptible: bool = False,
     ) -> None:
         self.batcher = batcher
         self.tokenizer = tokenizer
@@ -123,6 +130,8 @@ class EpisodeRolloutRole:
         self.tools = tools
         self.max_turns = max_turns
         self.max_tokens = max_tokens
+        #: read by the worker runtime: load new versions without waiting for running tasks
+        self.interruptible = interruptible
 
     def _policy(self, position: int, index: int) -> Policy:
         base = self.sampling
@@ -208,6 +217,8 @@ class EpisodeRolloutRole:
                 **{f"tool_errors_{k}": float(tools[k]) for k in TOOL_ERROR_KINDS},
                 "episodes_cut_turns": float(cut["turns"]),
                 "episodes_cut_tokens": float(cut["tokens"]),
+                "interrupted_episodes": float(sum(
+                    len({v for v in t.versions if v >= 0}) > 1 for t in trajectories)),
             },
         )
 
@@ -219,9 +230,17 @@ class EpisodeRolloutRole:
         if self.tools is not None:
             await self.tools.aclose()
 
-    async def load_version(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+    async def load_version(self, version: int, weights: dict[str, torch.Tensor]) -> int:
+        """Load ``version``; returns how many running sequences continue under it (only an
+        interruptible role loads while sequences run)."""
         if not weights:  # joining at a version without its weights: nothing to load
-            return
+            return 0
         engine = self.batcher.engine
-        await self.batcher.exclusive(
-            lambda: engine.load_weights(weights, version, shared=True))
+
+        def load() -> None:
+            engine.load_weights(weights, version, shared=True)
+
+        if self.interruptible:
+            return await self.batcher.swap(load)
+        await self.batcher.exclusive(load)
+        return 0

@@ -271,6 +271,9 @@ def _rollout(spec: EngineSpec, path: Path, seed: int) -> Role:
     from workers.devices import pick_device
     from workers.engines.hf_rollout import HFRolloutEngine
 
+    if spec.rollout.partial and spec.rollout.episode is None:
+        raise ValueError("rollout.partial: interruptible generation continues running episodes "
+                         "under new weights; it needs rollout.episode")
     device = pick_device()
     engine = HFRolloutEngine(path, device=device, dtype=rollout_dtype(spec, device), seed=seed,
                              version=spec.start_version)
@@ -293,7 +296,7 @@ def _rollout(spec: EngineSpec, path: Path, seed: int) -> Role:
             endpoint=r.endpoint,
             tools=ToolPool(r.tools, workers=r.tool_workers, timeout_s=r.tool_timeout_s,
                            memory_mb=r.tool_memory_mb) if r.tools else None,
-            max_turns=r.max_turns, max_tokens=r.max_episode_tokens)
+            max_turns=r.max_turns, max_tokens=r.max_episode_tokens, interruptible=r.partial)
     return _rollout_role(spec, engine, path)
 
 

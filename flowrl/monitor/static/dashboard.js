@@ -19,6 +19,7 @@ const state = {
   status: null,
   trace: null,          // the latest /trace answer, its spans merged into `spans`
   spans: new Map(),     // task id -> complete event, for the last WINDOW_S seconds
+  marks: new Map(),     // "pid:tid:ts" -> instant event (an interrupted weight load)
   threads: new Map(),   // "pid:tid" -> worker id
   lastId: 0,
   stageColors: new Map(),
@@ -243,6 +244,17 @@ function drawTimeline() {
       }
     }
   }
+  // a weight load that interrupted running generations: a tick across the worker's lane
+  let marked = 0;
+  ctx.fillStyle = "#ffffff";
+  for (const e of state.marks.values()) {
+    const lane = laneOf.get(state.threads.get(e.pid + ":" + e.tid));
+    const px = x(e.ts);
+    if (lane === undefined || px < 0 || px > cssW) continue;
+    ctx.fillRect(px - 1, lane * LANE_H, 2, LANE_H);
+    marked++;
+  }
+  canvas.dataset.marks = String(marked);
   state.spansDrawn = drawn;
   canvas.dataset.lanes = String(workers.length);
   canvas.dataset.lanePx = String(LANE_H * dpr);
@@ -291,10 +303,12 @@ function showStatus(st) {
 function mergeTrace(tr) {
   for (const e of tr.traceEvents) {
     if (e.ph === "X") state.spans.set(e.args.task, e);
+    else if (e.ph === "i") state.marks.set(e.pid + ":" + e.tid + ":" + e.ts, e);
     else if (e.name === "thread_name") state.threads.set(e.pid + ":" + e.tid, e.args.name);
   }
   const oldest = tr.otherData.now_us - WINDOW_S * 1e6;
   for (const [task, e] of state.spans) if (e.ts + e.dur < oldest) state.spans.delete(task);
+  for (const [key, e] of state.marks) if (e.ts < oldest) state.marks.delete(key);
   state.trace = tr;
 }
 
