@@ -80,6 +80,19 @@ def check_fn_ref(ref: str) -> tuple[str, str]:
     return target, name
 
 
+def locatable(v: str | Callable[..., Any] | None) -> str | Callable[..., Any] | None:
+    """``v`` unchanged if a worker process can find it (a ``"module:fn"`` or file reference, or
+    a module-level function); ValueError saying why not."""
+    try:
+        if isinstance(v, str):
+            check_fn_ref(v)
+        elif v is not None:
+            callable_ref(v)
+    except ValueError as e:
+        raise ValueError(str(e)) from None
+    return v
+
+
 class RewardModelConfig(_Section):
     """A reward model: a sequence-classification model (``num_labels=1``) whose score of the
     text prompt + response is the response's reward, batched per reward task."""
@@ -207,14 +220,7 @@ class RewardConfig(_Section):
     @field_validator("fn")
     @classmethod
     def _locatable(cls, v: str | Callable[..., Any] | None) -> str | Callable[..., Any] | None:
-        try:
-            if isinstance(v, str):
-                check_fn_ref(v)
-            elif v is not None:
-                callable_ref(v)
-        except ValueError as e:
-            raise ValueError(str(e)) from None
-        return v
+        return locatable(v)
 
     @model_validator(mode="after")
     def _one_source(self) -> RewardConfig:

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field, field_serializer, field_validator
 
 from flowrl.recipe.placement import _freeze
-from flowrl.recipe.reward import callable_ref, check_fn_ref
+from flowrl.recipe.reward import callable_ref, locatable
 from flowrl.recipe.section import _Section, _StopStrings
 
 
@@ -78,14 +78,7 @@ class RolloutConfig(_Section):
     @field_validator("episode")
     @classmethod
     def _locatable(cls, v: str | Callable[..., Any] | None) -> str | Callable[..., Any] | None:
-        try:
-            if isinstance(v, str):
-                check_fn_ref(v)
-            elif v is not None:
-                callable_ref(v)
-        except ValueError as e:
-            raise ValueError(str(e)) from None
-        return v
+        return locatable(v)
 
     @field_validator("tools")
     @classmethod
@@ -95,7 +88,7 @@ class RolloutConfig(_Section):
             if not name:
                 raise ValueError("a tool needs a name")
             try:
-                cls._locatable(ref)
+                locatable(ref)
             except ValueError as e:
                 raise ValueError(f"tool {name!r}: {e}") from None
         return v
