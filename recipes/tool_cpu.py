@@ -1,4 +1,4 @@
-"""A multi-turn job on two CPU cores: a tiny model learns to call a calculator for sums it cannot do.
+"""A multi-turn job on two CPU cores: a tiny model learns to call a calculator for its sums.
 
     python -m flowrl.launch recipes/tool_cpu.py
 
@@ -22,6 +22,7 @@ learn that calling pays. README ("Multi-turn episodes") has the measured figures
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from flowrl import (
     AlgorithmConfig,
@@ -33,8 +34,6 @@ from flowrl import (
     TinyModelConfig,
     TrainerConfig,
 )
-from flowrl.data import Example
-from flowrl.episode import Policy
 
 # The call as the warm start writes it (`flowrl.tiny_model.tool_call_line`).
 _CALL = re.compile(r"CALL add (\d{1,3}) (\d{1,3})")
@@ -45,8 +44,9 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
-async def episode(policy: Policy, example: Example) -> float:
-    """One attempt at ``example``: a direct answer, or a call, its result, then the answer."""
+async def episode(policy: Any, example: Any) -> float:
+    """One attempt at ``example`` (``prompt``, ``answer``) against the policy handle
+    (`flowrl.episode.Policy`): a direct answer, or a call, its result, then the answer."""
     policy.add(example.prompt)
     turn = await policy.generate()
     answer = turn.text

@@ -17,6 +17,7 @@ import pytest
 
 from flowrl.data import Example
 from flowrl.episode import Generated, Policy, ToolResult, resolve_episode_fn
+from flowrl.recipe import ModelConfig, Recipe
 from flowrl.recipe_file import load_recipe
 from flowrl.reward_fn import resolve_reward_fn
 from flowrl.tiny_model import EOS_TOKEN, build_tiny_model, synthetic_corpus, tool_call_line
@@ -36,7 +37,7 @@ def test_the_corpus_teaches_the_format_half_calls_and_random_direct_answers() ->
     calls = [line for line in lines if "CALL" in line]
     assert 0.45 < len(calls) / len(lines) < 0.55
     direct = [line.split("=") for line in lines if "CALL" not in line]
-    right = sum(eval(question) == int(answer) for question, answer in direct)  # noqa: S307
+    right = sum(eval(question) == int(answer) for question, answer in direct)
     assert right / len(direct) < 0.03  # a direct answer is right by chance only
     assert tool_call_line(random.Random(1), call_share=1.0) == (
         f"17+72= CALL add 17 72{EOS_TOKEN}\ntool: 89\n89")
@@ -92,20 +93,23 @@ async def test_a_test_sized_run_of_the_recipe_calls_the_tool_and_masks_its_resul
     from flowrl.run import compile_recipe
 
     # A smaller warm start than the recipe's: enough to call (with operands not yet right).
-    model = build_tiny_model(tmp_path / "tiny", pretrain_steps=60, **SMALL)
+    model = build_tiny_model(tmp_path / "tiny", pretrain_steps=100, **SMALL)
     steps = 2
-    recipe = load_recipe(RECIPE, [
-        f"model.path={model}", f"steps={steps}", "max_staleness=0", f"output={tmp_path / 'run'}",
-        "trainer.groups_per_step=2", "trainer.micro_batch_groups=2",
-        "rollout.groups_per_task=1"])
+    loaded = load_recipe(RECIPE, [
+        f"steps={steps}", "max_staleness=0", f"output={tmp_path / 'run'}",
+        "trainer.groups_per_step=2", "trainer.micro_batch_groups=2", "rollout.groups_per_task=1"])
+    given = {name: getattr(loaded, name) for name in loaded.model_fields_set}
+    recipe = Recipe(**{**given, "model": ModelConfig(path=str(model))})
     assert recipe.rollout.tool_refs == {"add": f"{RECIPE}:add"}
     async with Controller(compile_recipe(recipe)) as ctl:
         out = await ctl.run(steps=steps, timeout_s=120)
-    assert out["version"] == steps and out["rows_trained_twice"] == 0
+    assert out["version"] == steps
+    assert out["rows_trained_twice"] == 0
     calls = 0.0
     for e in ctl.step_log:
         assert math.isfinite(e["train_loss"])
-        assert e["rollout_tool_errors_raised"] == 0 and e["rollout_tool_errors_unknown"] == 0
+        assert e["rollout_tool_errors_raised"] == 0
+        assert e["rollout_tool_errors_unknown"] == 0
         # Synchronous: a step's tool calls are its episodes'. Each call inserts the tool's
         # message, at least six tokens ("\ntool: 7\n"), none of them trained.
         response_tokens = e["response_length_mean"] * e["samples"]
