@@ -22,7 +22,9 @@ Guarantees:
 
 Corpora (`CORPORA`): ``mixed`` (the default) as above; ``arithmetic`` holds only
 ``a<op>b=c`` lines with single-digit operands, so a short warm-up on it teaches the answer format
-of small arithmetic prompts quickly (short lines) while leaving most answers unknown.
+of small arithmetic prompts quickly (short lines) while leaving most answers unknown;
+``tool_calls`` teaches the format of a calculator call on two-digit sums (`tool_call_line`), not
+the habit of calling: most of its lines answer directly, with a random number.
 
 CLI: ``python -m flowrl.tiny_model OUT_DIR [--seed N] [--pretrain-steps N] [--corpus KIND]
 [--head lm|score] [--json-progress]`` (and the shape: ``--vocab-size``, ``--hidden``,
@@ -51,8 +53,8 @@ from typing import Any, Literal
 MANIFEST = "flowrl-tiny.json"
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
-CorpusKind = Literal["mixed", "arithmetic"]
-CORPORA: tuple[CorpusKind, ...] = ("mixed", "arithmetic")
+CorpusKind = Literal["mixed", "arithmetic", "tool_calls"]
+CORPORA: tuple[CorpusKind, ...] = ("mixed", "arithmetic", "tool_calls")
 """The built-in corpora `synthetic_corpus` generates (see the module docstring)."""
 #: called with what a build is doing (`BUILD_STAGES`) and its figures, e.g.
 #: ``("warmup", {"step": 3, "steps": 200})``
@@ -152,6 +154,25 @@ def arithmetic_line(rng: random.Random, max_operand: int = 99) -> str:
     return f"{a}{op}{b}={result}"
 
 
+#: the share of `tool_call_line` lines that call the calculator (the rest answer directly)
+TOOL_CALL_SHARE = 0.5
+
+
+def tool_call_line(rng: random.Random, max_operand: int = 99,
+                   call_share: float = TOOL_CALL_SHARE) -> str:
+    """One episode of the calculator task as text: ``a+b=`` and either a direct answer, a
+    random number (``37+45=113``: right by chance only), or, with probability ``call_share``,
+    a call, its result as the tiny chat template renders a ``tool`` message after a turn, and
+    the answer copied from it (``37+45= CALL add 37 45<|endoftext|>\ntool: 82\n82``).
+
+    Each part starts at a pre-token boundary, so the line tokenizes to what an episode that
+    tokenizes the prompt, the tool message and the turns apart holds (``recipes/tool_cpu.py``)."""
+    a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+    if rng.random() >= call_share:
+        return f"{a}+{b}={rng.randint(0, 2 * max_operand)}"
+    return f"{a}+{b}= CALL add {a} {b}{EOS_TOKEN}\ntool: {a + b}\n{a + b}"
+
+
 def synthetic_corpus(
     seed: int = 0, *, lines: int = 6000, kind: CorpusKind = "mixed"
 ) -> list[str]:
@@ -162,6 +183,8 @@ def synthetic_corpus(
     rng = random.Random(seed)
     if kind == "arithmetic":
         return [arithmetic_line(rng, max_operand=9) for _ in range(lines)]
+    if kind == "tool_calls":
+        return [tool_call_line(rng) for _ in range(lines)]
     out: list[str] = []
     for i in range(lines):
         if i % 3 == 0:
@@ -270,7 +293,9 @@ def _write(dest: Path, spec: TinySpec, corpus: Sequence[str],
 
     hf_logging: Any = importlib.import_module("transformers.utils.logging")
     hf_logging.disable_progress_bar()  # build logs stay line-oriented
-    tokenizer = build_tokenizer(corpus, spec.vocab_size)
+    # An end-of-text token inside a line (a turn's end) is no text to learn merges from.
+    tokenizer = build_tokenizer([line.replace(EOS_TOKEN, "\n") for line in corpus],
+                                spec.vocab_size)
     progress("tokenizer", {"tokens": tokenizer.backend_tokenizer.get_vocab_size()})
     lm = spec.head == "lm"
     # The score head: one output and no vocabulary head to tie (a causal LM's config is as it

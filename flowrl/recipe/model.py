@@ -31,9 +31,11 @@ class TinyModelConfig(_Section):
     """Language-modelling steps on the synthetic corpus before RL; 0 keeps random weights."""
     seed: int = Field(default=0, ge=0)
     """Seed of the corpus, tokenizer and weights (the build is deterministic)."""
-    corpus: Literal["mixed", "arithmetic"] = "mixed"
+    corpus: Literal["mixed", "arithmetic", "tool_calls"] = "mixed"
     """Synthetic corpus of the tokenizer and the warm-up: ``mixed`` (arithmetic lines, words
-    and pseudo-words) or ``arithmetic`` (only ``a<op>b=c`` lines with single-digit operands)."""
+    and pseudo-words), ``arithmetic`` (only ``a<op>b=c`` lines with single-digit operands) or
+    ``tool_calls`` (two-digit sums answered directly or with a calculator call:
+    ``flowrl.tiny_model.tool_call_line``)."""
 
     @model_validator(mode="after")
     def _shapes(self) -> TinyModelConfig:
