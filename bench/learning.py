@@ -107,9 +107,11 @@ def load_average() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-async def train(recipe: Recipe, step_log: Path | None = None) -> dict[str, Any]:
-    """One run of ``recipe``: first and final reward, training wall time, zero-loss steps;
-    with ``step_log``, every step's entry is written there as JSON lines."""
+async def run_logged(
+    recipe: Recipe, step_log: Path | None = None
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One run of ``recipe`` through a `Controller`: its summary and step log; with
+    ``step_log``, every step's entry is written there as JSON lines."""
     from flowrl.controller import Controller
     from flowrl.run import compile_recipe
 
@@ -120,6 +122,13 @@ async def train(recipe: Recipe, step_log: Path | None = None) -> dict[str, Any]:
     if step_log is not None:
         text = "".join(json.dumps(e) + "\n" for e in log)
         await asyncio.to_thread(step_log.write_text, text)
+    return summary, log
+
+
+async def train(recipe: Recipe, step_log: Path | None = None) -> dict[str, Any]:
+    """One run of ``recipe``: first and final reward, training wall time, zero-loss steps;
+    with ``step_log``, every step's entry is written there as JSON lines."""
+    summary, log = await run_logged(recipe, step_log)
     rewards = [float(e["reward_mean"]) for e in log if e.get("reward_mean") is not None]
     flat = [float(e["train_flat_groups"]) for e in log if "train_flat_groups" in e]
     return {
@@ -131,9 +140,15 @@ async def train(recipe: Recipe, step_log: Path | None = None) -> dict[str, Any]:
     }
 
 
+def first_and_final(values: list[float]) -> tuple[float, float]:
+    """Means of the first and the last `WINDOW` values, rounded as the benchmark reports."""
+    return (round(statistics.fmean(values[:WINDOW]), 4),
+            round(statistics.fmean(values[-WINDOW:]), 4))
+
+
 def _rewards(rewards: list[float]) -> dict[str, float]:
-    return {"reward_first": round(statistics.fmean(rewards[:WINDOW]), 4),
-            "reward_final": round(statistics.fmean(rewards[-WINDOW:]), 4)}
+    first, final = first_and_final(rewards)
+    return {"reward_first": first, "reward_final": final}
 
 
 def final_policy(output: Path, steps: int) -> Path:

@@ -41,7 +41,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.learning import WINDOW, load_average, versions
+from bench.learning import first_and_final, load_average, run_logged, versions
 from bench.runner import run_and_print, seed_list
 from flowrl.logs import configure
 from flowrl.recipe import Recipe
@@ -51,11 +51,6 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "tool_cpu.py"
 
 
-def _mean(values: list[float], *, last: bool = False) -> float:
-    window = values[-WINDOW:] if last else values[:WINDOW]
-    return round(statistics.fmean(window), 4)
-
-
 def curves(log: list[dict[str, Any]]) -> dict[str, float]:
     """First and final rewards and tool calls per episode of a run's step log."""
     steps = [e for e in log if e.get("reward_mean") is not None and e.get("samples")]
@@ -63,22 +58,16 @@ def curves(log: list[dict[str, Any]]) -> dict[str, float]:
         raise RuntimeError("the run logged no step with a reward")
     rewards = [float(e["reward_mean"]) for e in steps]
     share = [float(e.get("rollout_tool_calls", 0.0)) / float(e["samples"]) for e in steps]
+    reward_first, reward_final = first_and_final(rewards)
+    share_first, share_final = first_and_final(share)
     return {"reward_step1": round(rewards[0], 4), "tool_share_step1": round(share[0], 4),
-            "reward_first": _mean(rewards), "reward_final": _mean(rewards, last=True),
-            "tool_share_first": _mean(share), "tool_share_final": _mean(share, last=True)}
+            "reward_first": reward_first, "reward_final": reward_final,
+            "tool_share_first": share_first, "tool_share_final": share_final}
 
 
 async def train(recipe: Recipe, step_log: Path | None) -> dict[str, Any]:
     """One run of ``recipe``: its curves and training wall time."""
-    from flowrl.controller import Controller
-    from flowrl.run import compile_recipe
-
-    spec = await asyncio.to_thread(compile_recipe, recipe)
-    async with Controller(spec) as ctl:
-        summary = await ctl.run(recipe.steps)
-        log = list(ctl.step_log)
-    if step_log is not None:
-        await asyncio.to_thread(step_log.write_text, "".join(json.dumps(e) + "\n" for e in log))
+    summary, log = await run_logged(recipe, step_log)
     return {**curves(log), "train_s": round(float(summary["wall_s"]), 1)}
 
 
