@@ -99,9 +99,11 @@ def token_level_rewards(
     *,
     kl: Tensor | None = None,
     kl_coef: float = 0.0,
+    per_token: Tensor | None = None,
 ) -> Tensor:
-    """Per-token rewards ``[B, T]``: the sequence reward on each row's last valid token,
-    minus ``kl_coef · kl`` on every valid token (RLHF-style KL penalty in the reward).
+    """Per-token rewards ``[B, T]``: the sequence reward on each row's last valid token (or
+    ``per_token`` ``[B, T]`` rewards as given, such as an episode's per-turn ones), minus
+    ``kl_coef · kl`` on every valid token (RLHF-style KL penalty in the reward).
 
     A row with no valid token gets no reward.
     """
@@ -110,12 +112,16 @@ def token_level_rewards(
             f"need rewards [B] and mask [B, T]; got {tuple(rewards.shape)}, {tuple(mask.shape)}"
         )
     m = mask != 0
-    t = mask.shape[1]
-    positions = torch.arange(t, device=mask.device).expand(m.shape)
-    last = torch.where(m, positions, -1).amax(dim=1) if t > 0 else positions.new_full((0,), -1)
-    r = rewards.detach().to(float_dtype(rewards))
-    r = torch.where(last >= 0, r, torch.zeros_like(r))
-    out = r.new_zeros(m.shape).scatter(1, last.clamp(min=0)[:, None], r[:, None])
+    if per_token is not None:
+        out = per_token.detach().to(float_dtype(per_token))
+    else:
+        t = mask.shape[1]
+        positions = torch.arange(t, device=mask.device).expand(m.shape)
+        last = (torch.where(m, positions, -1).amax(dim=1) if t > 0
+                else positions.new_full((0,), -1))
+        r = rewards.detach().to(float_dtype(rewards))
+        r = torch.where(last >= 0, r, torch.zeros_like(r))
+        out = r.new_zeros(m.shape).scatter(1, last.clamp(min=0)[:, None], r[:, None])
     if kl is not None and kl_coef != 0.0:
         out = out - kl_coef * kl.detach().to(out.dtype).masked_fill(~as_bool_mask(mask, kl), 0.0)
     return out.masked_fill(~m, 0.0)

@@ -172,11 +172,9 @@ def critic_targets(
     ``token_rewards`` ``[B, L]`` (an episode's per-turn rewards) replace the outcome reward on
     each row's last token when given; with per-token ``kl`` ``[B, L]``, every token's reward
     gets ``−kl_coef·kl_t``."""
-    if token_rewards is None:
-        token_rewards = token_level_rewards(rewards, mask, kl=kl, kl_coef=kl_coef)
-    elif kl is not None and kl_coef != 0.0:
-        token_rewards = token_rewards - kl_coef * kl.detach().to(token_rewards.dtype) * mask
-    return gae_advantages(token_rewards, values, mask, gamma=gamma, lam=lam, whiten=False)
+    per_token = token_level_rewards(rewards, mask, kl=kl, kl_coef=kl_coef,
+                                    per_token=token_rewards)
+    return gae_advantages(per_token, values, mask, gamma=gamma, lam=lam, whiten=False)
 
 
 @dataclass
