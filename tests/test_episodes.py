@@ -380,8 +380,10 @@ def test_the_recipe_names_an_episode(tmp_path: Path) -> None:
     assert set(stages) == {"rollout", "train"}
     assert {"loss_mask", "token_versions", "reward"} <= set(stages["train"].needs)
     assert r.engine_spec().rollout.episode == f"{path}:count_up"
-    with pytest.raises(ValidationError, match=r"rollout\.episode: episodes run on the hf engine"):
-        Recipe(steps=1, rollout=RolloutConfig(episode=f"{path}:count_up", engine="vllm"))
+    on_vllm = Recipe(steps=1, rollout=RolloutConfig(episode=f"{path}:count_up", engine="vllm"))
+    assert on_vllm.engine_spec().rollout.episode == f"{path}:count_up"
+    with pytest.raises(ValidationError, match=r"rollout\.episode: episodes run on a real engine"):
+        Recipe(steps=1, rollout=RolloutConfig(episode=f"{path}:count_up", engine="sim"))
     with pytest.raises(ValidationError, match="an episode scores itself"):
         Recipe(steps=1, rollout=RolloutConfig(episode=f"{path}:count_up"), reward=RewardConfig())
     with pytest.raises(ValidationError, match="no such file"):
