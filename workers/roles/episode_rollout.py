@@ -153,7 +153,8 @@ class EpisodeRolloutRole:
                       stream_seed=mix_seed(self.sample_seed, position, index),
                       max_context=self.batcher.engine.max_positions,
                       tools=None if self.tools is None else self.tools.call,
-                      max_turns=self.max_turns, max_tokens=self.max_tokens)
+                      max_turns=self.max_turns, max_tokens=self.max_tokens,
+                      max_new_tokens=base.max_new_tokens)
 
     async def _one(self, row: int, position: int, index: int
                    ) -> tuple[Trajectory, collections.Counter[str]]:
