@@ -219,6 +219,18 @@ async def test_weights_swap_mid_generation_and_every_sequence_continues(
             assert not torch.allclose(after, lp_old[k:], atol=LOGPROB_TOL, rtol=0)
 
 
+async def test_more_prompt_tokens_than_a_step_prefills_arrive_at_once(
+    engine: VLLMRolloutEngine
+) -> None:
+    """16 seeded requests of 300 tokens: more than a step's 4096 prefill tokens on CPU."""
+    batcher = VLLMBatcher(engine)
+    short = SamplingParams(temperature=1.0, max_new_tokens=2)
+    gens = await asyncio.gather(*(
+        batcher.generate([(7 * i + j) % 250 + 3 for j in range(300)], short, stream_key=i)
+        for i in range(16)))
+    assert all(1 <= len(g.response_ids) <= 2 for g in gens)
+
+
 @pytest.mark.usefixtures("restore")
 def test_a_reload_is_not_served_from_blocks_the_old_weights_cached(
     engine: VLLMRolloutEngine, other_weights: dict[str, torch.Tensor]

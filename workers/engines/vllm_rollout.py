@@ -60,6 +60,8 @@ __all__ = ["StepOutput", "VLLMRolloutEngine", "checkpoint_shapes"]
 
 _GiB = 1 << 30
 _SEED_RANGE = 1 << 62
+# Tokens one engine step may prefill on CPU (vLLM's own default there), at least a whole context.
+_CPU_STEP_TOKENS = 4096
 # vLLM's name for the output head, which Qwen2/Llama-style models tie to the embedding.
 _TIED = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -77,6 +79,14 @@ def checkpoint_shapes(model_dir: str | os.PathLike[str]) -> dict[str, tuple[int,
             for name in st.keys():  # noqa: SIM118 (safe_open is not a Mapping)
                 shapes[name] = tuple(int(d) for d in st.get_slice(name).get_shape())
     return shapes
+
+
+def _positions(model_dir: Path) -> int:
+    """The model's context length from its config (0 when it names none)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    text = config.get("text_config")
+    source = text if isinstance(text, dict) else config
+    return int(source.get("max_position_embeddings") or 0)
 
 
 def _tied(model_dir: Path) -> bool:
@@ -204,6 +214,13 @@ class VLLMRolloutEngine:
         }
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
+        if on_cpu:
+            # vLLM 0.32's CPU runner fails a step in which a seeded request's prompt is
+            # prefilled in part ("CPU Generator does not use offset"), as chunked prefill does
+            # once a step's prompts exceed its token budget: prefill every prompt whole.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(
+                _CPU_STEP_TOKENS, max_model_len or _positions(self.model_dir))
         if kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
         elif on_cpu and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
