@@ -88,12 +88,12 @@ async def _swaps(engine: Any, states: list[Any], rows: int, swaps: int, *,
         t0 = time.perf_counter()
         await tokens_after(stats.rows + rows)
         step_ms.append((time.perf_counter() - t0) * 1e3)
-        before = stats.rows
         t0 = time.perf_counter()
         n = await batcher.swap(lambda i=i: engine.load_weights(states[i % 2], 100 + i),
                                rebuild_kv=rebuild_kv)
         swap_ms.append((time.perf_counter() - t0) * 1e3)
-        await tokens_after(before + n)
+        # The driver has not stepped since the swap: it needs this event loop to.
+        await tokens_after(stats.rows + n)
         next_ms.append((time.perf_counter() - t0) * 1e3)
         for t in tasks:
             t.cancel()
