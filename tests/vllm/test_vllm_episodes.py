@@ -219,6 +219,29 @@ async def test_weights_swap_mid_generation_and_every_sequence_continues(
             assert not torch.allclose(after, lp_old[k:], atol=LOGPROB_TOL, rtol=0)
 
 
+async def test_a_batched_request_samples_what_the_engine_samples_with_its_seed(
+    engine: VLLMRolloutEngine, model_dir: Path
+) -> None:
+    """Stop strings included: the token completing one ends the response and is kept."""
+    tokenizer = load_tokenizer(model_dir)
+    batcher = VLLMBatcher(engine)
+    params = SamplingParams(temperature=1.0, max_new_tokens=24, stop=("e",))
+    keys = list(range(100, 108))
+    batched = await asyncio.gather(*(batcher.generate(CONTEXTS[0], params, stream_key=k)
+                                     for k in keys))
+    alone = engine.generate([CONTEXTS[0]] * len(keys),
+                            SamplingParams(temperature=1.0, max_new_tokens=24, stop=("e",),
+                                           prompt_seeds=keys))
+    assert [g.response_ids.tolist() for g in batched] == [
+        g.response_ids.tolist() for g in alone]
+    stopped = [g for g in batched if g.finish_reason == "stop"]
+    assert stopped, "no response produced an 'e' in 24 tokens"
+    for g in stopped:
+        ids = g.response_ids.tolist()
+        assert "e" in tokenizer.decode(ids)
+        assert "e" not in tokenizer.decode(ids[:-1])
+
+
 async def test_more_prompt_tokens_than_a_step_prefills_arrive_at_once(
     engine: VLLMRolloutEngine
 ) -> None:

@@ -187,8 +187,9 @@ def _resume_adapter(spec: EngineSpec) -> dict[str, torch.Tensor] | None:
 
 def make_vllm_role(role: str, config: Config, seed: int, *, process: str | None = None,
                    run_id: str | None = None) -> Role:
-    """The ``vllm`` engine's roles: rollout on `workers.engines.vllm_rollout`, every other role
-    as `make_hf_role` builds it (scoring and training stay on torch)."""
+    """The ``vllm`` engine's roles: rollout on `workers.engines.vllm_rollout` (episodes on its
+    `workers.engines.vllm_continuous.VLLMBatcher`), every other role as `make_hf_role` builds
+    it (scoring and training stay on torch)."""
     if role != "rollout":
         return make_hf_role(role, config, seed, process=process, run_id=run_id)
     from workers.engines.vllm_rollout import VLLMRolloutEngine
