@@ -172,13 +172,11 @@ class Recipe(_Section):
         self._check_eval()
         if self.rollout.partial and self.rollout.episode is None:
             raise _rule("rollout.partial", "interruptible generation continues running "
-                        "episodes under new weights: it needs rollout.episode (episodes run "
-                        "on the hf engine's continuous batcher)")
+                        "episodes under new weights: it needs rollout.episode")
         if self.rollout.episode is not None:
-            if self.rollout.engine != "hf":
-                raise _rule("rollout.episode", f"episodes run on the hf engine; "
-                            f"rollout.engine {self.rollout.engine!r} serves single completions "
-                            "only")
+            if self.rollout.engine == "sim":
+                raise _rule("rollout.episode", "episodes run on a real engine (rollout.engine "
+                            "'hf' or 'vllm'); the sim engine models single completions only")
             if "reward" in self.model_fields_set:
                 raise _rule("reward", "an episode scores itself (policy.finish(reward) or its "
                             "return value): a run with rollout.episode has no reward section")

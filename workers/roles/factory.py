@@ -37,6 +37,7 @@ from flowrl.worker_spec import (
 if TYPE_CHECKING:
     import torch
 
+    from workers.engines.batching import RequestBatcher
     from workers.engines.protocols import RolloutEngine, SamplingParams
     from workers.runtime import Role
 
@@ -186,20 +187,22 @@ def _resume_adapter(spec: EngineSpec) -> dict[str, torch.Tensor] | None:
 
 def make_vllm_role(role: str, config: Config, seed: int, *, process: str | None = None,
                    run_id: str | None = None) -> Role:
-    """The ``vllm`` engine's roles: rollout on `workers.engines.vllm_rollout`, every other role
-    as `make_hf_role` builds it (scoring and training stay on torch)."""
+    """The ``vllm`` engine's roles: rollout on `workers.engines.vllm_rollout` (episodes on its
+    `workers.engines.vllm_continuous.VLLMBatcher`), every other role as `make_hf_role` builds
+    it (scoring and training stay on torch)."""
     if role != "rollout":
         return make_hf_role(role, config, seed, process=process, run_id=run_id)
     from workers.engines.vllm_rollout import VLLMRolloutEngine
 
     spec = engine_spec(config)
-    if spec.rollout.episode is not None:
-        raise ValueError("rollout.episode: episodes run on the hf engine (continuous batching "
-                         "of many episodes' requests); the vllm engine serves single "
-                         "completions only")
+    _check_partial(spec)
     path = model_dir(spec)
     # rollout.dtype names are vLLM's too ("auto": the checkpoint's dtype).
     engine = VLLMRolloutEngine(path, dtype=spec.rollout.dtype, seed=seed)
+    if spec.rollout.episode is not None:
+        from workers.engines.vllm_continuous import VLLMBatcher
+
+        return _episode_role(spec, VLLMBatcher(engine), path)
     return _rollout_role(spec, engine, path)
 
 
@@ -271,9 +274,7 @@ def _rollout(spec: EngineSpec, path: Path, seed: int) -> Role:
     from workers.devices import pick_device
     from workers.engines.hf_rollout import HFRolloutEngine
 
-    if spec.rollout.partial and spec.rollout.episode is None:
-        raise ValueError("rollout.partial: interruptible generation continues running episodes "
-                         "under new weights; it needs rollout.episode")
+    _check_partial(spec)
     device = pick_device()
     engine = HFRolloutEngine(path, device=device, dtype=rollout_dtype(spec, device), seed=seed,
                              version=spec.start_version)
@@ -281,23 +282,36 @@ def _rollout(spec: EngineSpec, path: Path, seed: int) -> Role:
     if adapter is not None:
         engine.load_weights(adapter, spec.start_version)
     if spec.rollout.episode is not None:
-        # The recipe refuses episodes with eval or a chat template: an episode renders its own
-        # chat messages and the held-out split is served by the single-completion role only.
-        from flowrl.episode import resolve_episode_fn
         from workers.engines.hf_continuous import ContinuousBatcher
-        from workers.roles.episode_rollout import EpisodeRolloutRole
-        from workers.tool_pool import ToolPool
 
-        r = spec.rollout
-        return EpisodeRolloutRole(
-            ContinuousBatcher(engine), load_tokenizer(path), dataset_from_config(spec),
-            sampling_from_config(spec), resolve_episode_fn(spec.rollout.episode),
-            episode_name=spec.rollout.episode, sample_seed=spec.seed,
-            endpoint=r.endpoint,
-            tools=ToolPool(r.tools, workers=r.tool_workers, timeout_s=r.tool_timeout_s,
-                           memory_mb=r.tool_memory_mb) if r.tools else None,
-            max_turns=r.max_turns, max_tokens=r.max_episode_tokens, interruptible=r.partial)
+        return _episode_role(spec, ContinuousBatcher(engine), path)
     return _rollout_role(spec, engine, path)
+
+
+def _check_partial(spec: EngineSpec) -> None:
+    if spec.rollout.partial and spec.rollout.episode is None:
+        raise ValueError("rollout.partial: interruptible generation continues running episodes "
+                         "under new weights; it needs rollout.episode")
+
+
+def _episode_role(spec: EngineSpec, batcher: RequestBatcher, path: Path) -> Role:
+    """The episode rollout role over ``batcher``, either engine's."""
+    # The recipe refuses episodes with eval or a chat template: an episode renders its own
+    # chat messages and the held-out split is served by the single-completion role only.
+    from flowrl.episode import resolve_episode_fn
+    from workers.roles.episode_rollout import EpisodeRolloutRole
+    from workers.tool_pool import ToolPool
+
+    r = spec.rollout
+    assert r.episode is not None
+    return EpisodeRolloutRole(
+        batcher, load_tokenizer(path), dataset_from_config(spec),
+        sampling_from_config(spec), resolve_episode_fn(r.episode),
+        episode_name=r.episode, sample_seed=spec.seed,
+        endpoint=r.endpoint,
+        tools=ToolPool(r.tools, workers=r.tool_workers, timeout_s=r.tool_timeout_s,
+                       memory_mb=r.tool_memory_mb) if r.tools else None,
+        max_turns=r.max_turns, max_tokens=r.max_episode_tokens, interruptible=r.partial)
 
 
 def _rollout_role(spec: EngineSpec, engine: RolloutEngine, path: Path) -> Role:
