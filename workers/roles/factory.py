@@ -197,8 +197,10 @@ def make_vllm_role(role: str, config: Config, seed: int, *, process: str | None 
     spec = engine_spec(config)
     _check_partial(spec)
     path = model_dir(spec)
-    # rollout.dtype names are vLLM's too ("auto": the checkpoint's dtype).
-    engine = VLLMRolloutEngine(path, dtype=spec.rollout.dtype, seed=seed)
+    # rollout.dtype names are vLLM's too ("auto": the checkpoint's dtype). A resumed run's
+    # model.path is its checkpoint (merged weights, adapters included): that version's weights.
+    engine = VLLMRolloutEngine(path, dtype=spec.rollout.dtype, seed=seed,
+                               version=spec.start_version)
     if spec.rollout.episode is not None:
         from workers.engines.vllm_continuous import VLLMBatcher
 
