@@ -175,7 +175,8 @@ async def test_colocated_placement_trains_the_same_and_recovers_a_killed_process
         run = losses_of(ctl)
         phases = [e["train_phase_switches"] for e in ctl.step_log]
         assert summary["rows_trained_twice"] == 0
-        assert pids["rollout"] == pids["train"] and len(pids["train"]) == 1
+        assert pids["rollout"] == pids["train"]
+        assert len(pids["train"]) == 1
         # Strict alternation: each step switches to generate once and to train once (the
         # first from no phase); a micro-batch trained between two generate tasks would add two.
         assert phases == [2.0] * STEPS
