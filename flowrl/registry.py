@@ -64,8 +64,9 @@ class Registry:
         info = WorkerInfo(worker_id, name, role, node, pid, max(1, capacity), version,
                           deadline=now + self.heartbeat_timeout_s,
                           token=secrets.token_bytes(16))
-        for other in self._workers.values():
-            if other.pid == pid and other.node == node and other.role != role:
+        for other in self._workers.values():  # one process, named for it (`process`)
+            if (other.process == info.process and other.pid == pid and other.node == node
+                    and other.role != role):
                 info.partner, other.partner = other, info
         self._workers[worker_id] = info
         self._by_role.setdefault(role, {})[worker_id] = info

@@ -86,7 +86,7 @@ def test_colocated_workers_take_turns_and_separate_ones_do_not() -> None:
     reg.assign(train, 2, 10)
     assert reg.least_loaded("rollout") is None  # and now training
     # Same pid on another node is another process; a gone partner frees the survivor.
-    elsewhere = reg.register(name="rollout.0.0", role="rollout", node="node1", pid=7,
+    elsewhere = reg.register(name="train.0.1", role="rollout", node="node1", pid=7,
                              capacity=1, version=0, now=0.0)
     assert elsewhere.partner is None
     reg.remove(train.worker_id)
@@ -103,6 +103,10 @@ def test_simulated_workers_of_one_role_in_one_process_are_not_partners() -> None
     reg.assign(a, 1, 10)
     assert a.partner is None
     assert reg.least_loaded("rollout") is b
+    # Workers of several roles that one test process hosts are not one colocated process.
+    c = reg.register(name="train.0.0", role="train", node="node0", pid=7, capacity=1,
+                     version=0, now=0.0)
+    assert c.partner is None
 
 
 # ---- the process: phases ------------------------------------------------------------------------
