@@ -9,37 +9,35 @@ on a node that runs a trainer.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from flowrl.recipe.placement import CONTROLLER_NODE
+from flowrl.recipe.model import ModelConfig
+from flowrl.recipe.placement import CONTROLLER_NODE, PlacementConfig
+from flowrl.recipe.rollout import RolloutConfig
 from flowrl.recipe.section import _rule
-
-if TYPE_CHECKING:
-    from flowrl.recipe.recipe import Recipe
+from flowrl.recipe.trainer import TrainerConfig
 
 __all__ = ["check_colocated"]
 
 
-def check_colocated(recipe: Recipe) -> None:
+def check_colocated(placement: PlacementConfig, *, model: ModelConfig, rollout: RolloutConfig,
+                    trainer: TrainerConfig) -> None:
     """Raise a rule error naming the first field colocated placement cannot serve."""
-    placement = recipe.placement
     if placement.mode != "colocated":
         return
-    if recipe.rollout.engine != "hf":
+    if rollout.engine != "hf":
         raise _rule("placement.mode", f"colocated placement generates with the trainer's "
-                    f"module on the hf engine; rollout.engine is {recipe.rollout.engine!r}")
-    if recipe.trainer.ranks != 1:
+                    f"module on the hf engine; rollout.engine is {rollout.engine!r}")
+    if trainer.ranks != 1:
         raise _rule("trainer.ranks", f"colocated placement runs one trainer, got "
-                    f"{recipe.trainer.ranks} ranks: ranks hold replicas or shards whose layout "
+                    f"{trainer.ranks} ranks: ranks hold replicas or shards whose layout "
                     "the rollout engine cannot serve in place (use mode = 'separated')")
-    if recipe.rollout.workers != recipe.trainer.ranks:
+    if rollout.workers != trainer.ranks:
         raise _rule("rollout.workers", f"colocated placement hosts one rollout engine in each "
-                    f"trainer process: {recipe.trainer.ranks} (trainer.ranks), got "
-                    f"{recipe.rollout.workers}")
-    if recipe.model.lora is not None:
+                    f"trainer process: {trainer.ranks} (trainer.ranks), got "
+                    f"{rollout.workers}")
+    if model.lora is not None:
         raise _rule("model.lora", "colocated placement serves whole trained weights; adapters "
                     "need mode = 'separated'")
-    if recipe.rollout.episode is not None:
+    if rollout.episode is not None:
         raise _rule("rollout.episode", "colocated placement serves single completions; "
                     "episodes need mode = 'separated'")
     trainers = placement.roles.get("train", (CONTROLLER_NODE,))

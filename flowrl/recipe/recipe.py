@@ -192,7 +192,8 @@ class Recipe(_Section):
                 if name in self.rollout.model_fields_set and getattr(self.rollout, name):
                     raise _rule(f"rollout.{name}", "only episodes call tools and take turns: "
                                 "name the episode function in rollout.episode")
-        check_colocated(self)
+        check_colocated(self.placement, model=self.model, rollout=self.rollout,
+                        trainer=self.trainer)
         unrun = sorted(set(self.placement.roles) - set(self.roles))
         if unrun:
             raise _rule(f"placement.roles.{unrun[0]}", f"this run has no {unrun[0]} workers "
