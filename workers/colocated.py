@@ -285,7 +285,9 @@ class ColocatedTrainer:
         return out
 
     async def load_version(self, version: int, weights: dict[str, Tensor]) -> None:
-        if version > self.role.version and not weights:
+        if version <= self.role.version:
+            return  # its own step coming back through the broadcast: no phase to take
+        if not weights:
             raise RuntimeError(
                 f"this colocated process joins the run at policy version {version}, but no "
                 f"copy of those weights exists (placement.keep_weight_copy = false); it "
