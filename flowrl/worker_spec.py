@@ -30,6 +30,7 @@ __all__ = [
     "DEFAULT_DP_TIMEOUT_S",
     "AlgorithmSpec",
     "ArithmeticDataSpec",
+    "ColocatedSpec",
     "CorrectionName",
     "CriticSpec",
     "DataParallelSpec",
@@ -295,6 +296,18 @@ def engine_spec(config: EngineSpec | Mapping[str, Any]) -> EngineSpec:
 _SimValue = int | float
 
 
+class ColocatedSpec(_Spec):
+    """A trainer process's second worker under colocated placement: the rollout engine that
+    generates with the trainer's module (`workers.colocated`)."""
+
+    role: Literal["rollout"]
+    #: tasks the rollout worker runs concurrently.
+    capacity: int = Field(ge=1)
+    #: the trainer still writes each version into the store (what a restarted process joins
+    #: from); False: the weights exist once, and the process cannot be restarted.
+    keep_weight_copy: bool
+
+
 class ProcessSpec(_Spec):
     """One worker process, as the controller decides it (the same on every node)."""
 
@@ -315,6 +328,8 @@ class ProcessSpec(_Spec):
     config: EngineSpec | None = None
     #: ``engine="sim"``: the cost model (``workers.sim.SimCost`` fields).
     sim: dict[str, _SimValue] | None = None
+    #: colocated placement (a trainer process): the rollout worker it hosts as well.
+    colocated: ColocatedSpec | None = None
     #: the secret a process that cannot start reports its error with (``start_failed``,
     #: before it has a worker's token); fresh for every start.
     start_token: str = Field(min_length=16, max_length=128, repr=False)
@@ -326,6 +341,9 @@ class ProcessSpec(_Spec):
             raise ValueError(f"engine {self.engine!r} takes "
                              f"{'sim costs' if self.engine == 'sim' else 'an engine config'}"
                              " and nothing else")
+        if self.colocated is not None and (self.role != "train" or self.count != 1
+                                           or self.engine != "hf"):
+            raise ValueError("a colocated rollout worker lives in a process of one hf trainer")
         return self
 
 

@@ -144,6 +144,8 @@ async def publish_weights(
     segment with one copy, and the handles of a field form one contiguous run, so the reader
     maps it once. (A field per tensor would cost a plan, a copy call and a run per tensor.)
     """
+    if not weights:  # served in place (colocated placement): nothing to write
+        return {}
     by_dtype: dict[torch.dtype, list[str]] = {}
     for name, w in weights.items():
         by_dtype.setdefault(w.dtype, []).append(name)
@@ -163,6 +165,8 @@ async def fetch_weights(store: Store, wire: Mapping[str, Any]) -> dict[str, torc
     """The tensors `publish_weights` wrote, as read-only views of the store's memory (no copy,
     and no page fault once the store recycles weight segments this process has seen)."""
     names = list(wire)
+    if not names:
+        return {}
     flat = await store.get_readonly([Handle.from_wire(wire[n][0]) for n in names])
     return {n: t.view(*wire[n][1]) for n, t in zip(names, flat, strict=True)}
 

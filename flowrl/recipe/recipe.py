@@ -18,6 +18,7 @@ from flowrl.recipe.algorithm import (
     TRUNCATING_CORRECTIONS,
     AlgorithmConfig,
 )
+from flowrl.recipe.colocated import check_colocated
 from flowrl.recipe.critic import CriticConfig
 from flowrl.recipe.data import DataConfig
 from flowrl.recipe.evaluation import EvalConfig
@@ -189,6 +190,8 @@ class Recipe(_Section):
                 if name in self.rollout.model_fields_set and getattr(self.rollout, name):
                     raise _rule(f"rollout.{name}", "only episodes call tools and take turns: "
                                 "name the episode function in rollout.episode")
+        check_colocated(self.placement, model=self.model, rollout=self.rollout,
+                        trainer=self.trainer)
         unrun = sorted(set(self.placement.roles) - set(self.roles))
         if unrun:
             raise _rule(f"placement.roles.{unrun[0]}", f"this run has no {unrun[0]} workers "
@@ -313,7 +316,10 @@ class Recipe(_Section):
             pools.append(PoolSpec("reference", count=1, threads=self.rollout.threads))
         if self.uses_critic:
             pools.append(PoolSpec("critic", count=1, threads=self.critic.threads))
-        pools.append(PoolSpec("train", count=self.trainer.ranks, threads=self.trainer.threads))
+        # A colocated process runs one phase at a time: each gets the threads it would have.
+        train_threads = (max(self.trainer.threads, self.rollout.threads)
+                         if self.placement.mode == "colocated" else self.trainer.threads)
+        pools.append(PoolSpec("train", count=self.trainer.ranks, threads=train_threads))
         pools = [dataclasses.replace(p, nodes=self.placement.roles.get(p.role, ()))
                  for p in pools]
         shape: dict[str, Any] = dict(
@@ -339,6 +345,8 @@ class Recipe(_Section):
             seed=self.seed,
             stability=self.stability.model_dump(mode="json"),
             eval=None if self.eval is None else self.eval.model_dump(mode="json"),
+            colocated=self.placement.mode == "colocated",
+            keep_weight_copy=self.placement.keep_weight_copy,
         )
 
     def sim_cost(self) -> dict[str, Any]:

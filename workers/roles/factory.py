@@ -46,6 +46,7 @@ __all__ = [
     "data_splits",
     "dataset_from_config",
     "load_tokenizer",
+    "make_colocated_roles",
     "make_hf_role",
     "make_vllm_role",
     "model_dir",
@@ -165,6 +166,44 @@ def make_hf_role(role: str, config: Config, seed: int, *, process: str | None = 
     if role == "critic":
         return _critic(spec, path, seed, run_id)
     return _trainer(spec, _policy_base(spec, path), seed, process, run_id)
+
+
+def make_colocated_roles(config: Config, seed: int, *, keep_weight_copy: bool,
+                         process: str | None = None, run_id: str | None = None,
+                         ) -> tuple[Role, Role]:
+    """A colocated process's trainer and rollout roles (`workers.colocated`): the rollout
+    engine generates with the trainer's module, so it serves the trainer's weights in place;
+    both take turns in one `Phases`. Raises ValueError when the layouts differ (the rollout's
+    dtype is not the trainer's): serving them would need a copy in another layout."""
+    from workers.colocated import (
+        ColocatedRollout,
+        ColocatedTrainer,
+        Phases,
+        RolloutMemory,
+        TrainerMemory,
+    )
+    from workers.engines.hf_rollout import HFRolloutEngine
+    from workers.engines.torch_trainer import TorchTrainerEngine
+    from workers.roles.trainer import TrainerRole
+
+    spec = engine_spec(config)
+    path = _policy_base(spec, model_dir(spec))
+    trainer = _trainer(spec, path, seed, process, run_id)
+    assert isinstance(trainer, TrainerRole)
+    engine = trainer.engine
+    assert isinstance(engine, TorchTrainerEngine)  # what `_trainer` builds
+    held = next(engine.model.parameters()).dtype
+    wanted = rollout_dtype(spec, engine.device)
+    if wanted != held:
+        raise ValueError(f"rollout.dtype: resolves to {wanted} on {engine.device}, but the "
+                         f"colocated trainer holds {held} weights; serving them in place needs "
+                         f"the same dtype (set rollout.dtype = '{str(held)[6:]}')")
+    generator = HFRolloutEngine(path, device=engine.device, seed=seed, model=engine.model,
+                                version=spec.start_version)
+    phases = Phases({"train": TrainerMemory(engine), "generate": RolloutMemory(engine.device)})
+    train = ColocatedTrainer(trainer, phases, keep_weight_copy=keep_weight_copy)
+    rollout = ColocatedRollout(_rollout_role(spec, generator, path), generator, train, phases)
+    return train, rollout
 
 
 def _policy_base(spec: EngineSpec, path: Path) -> Path:
