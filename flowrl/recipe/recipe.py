@@ -170,10 +170,11 @@ class Recipe(_Section):
                             f"policy's) model.tiny.max_positions = "
                             f"{self.model.tiny.max_positions}")
         self._check_eval()
-        if self.rollout.partial and self.rollout.episode is None:
+        if self.rollout.partial and self.rollout.episode is None and not self.sim_episodes:
             raise _rule("rollout.partial", "interruptible generation continues running "
                         "episodes under new weights: it needs rollout.episode (episodes run "
-                        "on the hf engine's continuous batcher)")
+                        "on the hf engine's continuous batcher), or with rollout.engine 'sim' "
+                        "sim.episode_turns > 0")
         if self.rollout.episode is not None:
             if self.rollout.engine != "hf":
                 raise _rule("rollout.episode", f"episodes run on the hf engine; "
@@ -276,7 +277,13 @@ class Recipe(_Section):
         """The worker roles this run has (the pools of `to_pipeline`)."""
         return tuple(r for r in ROLES if (r != "reference" or self.uses_reference)
                      and (r != "critic" or self.uses_critic)
-                     and (r != "reward" or self.rollout.episode is None))
+                     and (r != "reward" or (self.rollout.episode is None
+                                            and not self.sim_episodes)))
+
+    @property
+    def sim_episodes(self) -> bool:
+        """Whether simulated rollout workers run episodes (``sim.episode_turns > 0``)."""
+        return self.rollout.engine == "sim" and self.sim.episode_turns > 0
 
     @property
     def uses_critic(self) -> bool:
@@ -302,7 +309,7 @@ class Recipe(_Section):
         # `concurrency` calls busy.
         reward_rows = group * self.rollout.groups_per_task
         reward_capacity = max(1, math.ceil(self.reward.concurrency / reward_rows))
-        episode = self.rollout.episode is not None
+        episode = self.rollout.episode is not None or self.sim_episodes
         pools = [
             PoolSpec("rollout", count=self.rollout.workers, per_process=rollout_per_process,
                      threads=self.rollout.threads),
@@ -345,7 +352,8 @@ class Recipe(_Section):
 
     def sim_cost(self) -> dict[str, Any]:
         """The ``workers.sim.SimCost`` field values of this recipe."""
-        return {**self.sim.model_dump(mode="json"), "max_new_tokens": self.rollout.max_new_tokens}
+        return {**self.sim.model_dump(mode="json"), "max_new_tokens": self.rollout.max_new_tokens,
+                "partial": self.rollout.partial}
 
     def _rollout_spec(self) -> RolloutSpec:
         r = self.rollout
