@@ -118,6 +118,18 @@ async def test_a_new_version_continues_running_simulated_episodes_only_with_part
         assert role.batcher.engine.version == 1
 
 
+async def test_simulated_episode_workers_of_one_process_decode_at_once() -> None:
+    # More workers than the default executor's threads on a small machine (cpus + 4): each
+    # one's modelled prefill (a 1 s sleep in its thread) must not wait for another's.
+    workers = 16
+    cost = SimCost(prompt_len=1, max_new_tokens=1, log_mean=0.0, log_sigma=0.0,
+                   episode_turns=1, rollout_base_s=1.0, rollout_token_s=0.0)
+    roles = [sim_episode_role(cost, seed=i) for i in range(workers)]
+    t0 = time.perf_counter()
+    await asyncio.gather(*(r.run(*_task(1)) for r in roles))
+    assert time.perf_counter() - t0 < 1.8
+
+
 def test_sim_episode_fields_are_validated_and_compiled() -> None:
     with pytest.raises(ValidationError, match=r"tool_s: models episodes: set episode_turns"):
         SimConfig(tool_s=0.1)

@@ -23,17 +23,20 @@ Episode model (`sim_episode`; all times in seconds, `workers.sim.SimCost` fields
 - the reward is ``1 / (1 + generated tokens)``, so groups have non-zero variance.
 
 Each worker's decode steps run in a thread of its process's default executor (as the real
-batcher's do), one at a time: keep simulated rollout workers per process below that pool's size
-(``min(32, cpus + 4)``).
+batcher's do), one at a time; simulated workers share a process, so building one gives that
+executor a thread more (`_thread_per_worker`), and no worker's modelled step waits for a thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import os
 import random
 import time
+import weakref
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -179,10 +182,28 @@ def sim_episode(cost: SimCost, rng: random.Random) -> Any:
     return episode
 
 
+#: simulated episode workers built on each event loop
+_HOSTED: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, int] = weakref.WeakKeyDictionary()
+
+
+def _thread_per_worker() -> None:
+    """Size the running loop's default executor for one more worker's decode loop, on top of
+    the default's ``min(32, cpus + 4)`` (threads start only when used)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # built outside a loop: its thread is the default executor's
+        return
+    hosted = _HOSTED[loop] = _HOSTED.get(loop, 0) + 1
+    spare = min(32, (os.cpu_count() or 1) + 4)
+    loop.set_default_executor(ThreadPoolExecutor(max_workers=hosted + spare,
+                                                 thread_name_prefix="sim-decode"))
+
+
 def sim_episode_role(cost: SimCost, seed: int) -> EpisodeRolloutRole:
     """A simulated rollout worker that runs episodes (``cost.episode_turns > 0``). The casts
     stand the modelled engine, dataset and tools in for the real ones: each has exactly the
     attributes the batcher and the role use."""
+    _thread_per_worker()
     engine = SimEngine(cost)
     batcher = ContinuousBatcher(cast("HFRolloutEngine", engine), max_running=cost.max_running,
                                 batch=SimBatch(engine, cost))
