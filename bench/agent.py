@@ -1,7 +1,8 @@
 """Agentic-rollouts benchmark: multi-turn episodes with tools, and what ``rollout.partial`` buys.
 
-Two workloads, each run with ``rollout.partial`` off and on at the same ``max_staleness``, one
-run at a time, through a real `Controller` (real processes, sockets, shared memory, weight sync):
+Two workloads, each run with ``rollout.partial`` off and on at the same ``max_staleness``,
+``--repeats`` times each way (off-on, on-off, ...: 2, ``--quick`` 1), one run at a time,
+through a real `Controller` (real processes, sockets, shared memory, weight sync):
 
 - **sim**: simulation mode's episodes (``sim.episode_turns``, `workers.sim_episode`: the real
   episode rollout role and continuous batcher on a decode loop of modelled cost), long-tailed:
@@ -10,25 +11,27 @@ run at a time, through a real `Controller` (real processes, sockets, shared memo
 - **real**: the tool recipe (``recipes/tool_cpu.py``) on the real tiny model and its tool
   sandboxes, a handful of steps (``--quick``) or more.
 
-Prints one JSON line. Keys (the real model's run with ``partial`` off unless named otherwise):
+Prints one JSON line. Keys (the real model's runs with ``partial`` off, means over the runs,
+unless named otherwise):
 
 - ``episodes_per_s`` (trained episodes), ``turns_per_s``, ``tool_calls_per_s`` (of the rollout
   tasks reported during the run), over the run's wall time;
 - ``engine_batch_occupancy``: decoded sequences per decode forward (the step log's
   ``rollout_decode_rows / rollout_decode_forwards``) over the episodes a rollout worker runs at
   once (group size × groups per task);
-- ``partial_speedup``: the sim workload's samples/s with ``partial`` on ÷ off;
+- ``partial_speedup``: the sim workload's mean samples/s with ``partial`` on ÷ off;
   ``partial_speedup_real``: the same on the real model;
 - ``reward_final_partial`` / ``reward_final_full``: the real model's mean reward over its last
   10 steps (`bench.learning.first_and_final`) with ``partial`` on / off;
-- ``sim.partial_speedup_4_tasks`` (full run only): ``partial_speedup`` where each rollout
+- ``sim.4_tasks.partial_speedup`` (full run only): ``partial_speedup`` where each rollout
   worker runs 4 tasks at once (a compiled-spec change, `tasks_per_worker`; a recipe's workers
   run one), so its running batch holds several groups' episodes;
-- ``sim`` and ``real``: each run's figures (``samples_per_s``, ``wall_s``, ``stale_dropped``,
-  ``interrupted_episodes``, the rates above); ``load_before`` / ``load_after``: the machine's
-  1-minute load average; ``quick``, ``cpus``.
+- ``sim`` and ``real``: each run's figures, listed under ``off`` and ``on``
+  (``samples_per_s``, ``wall_s``, ``stale_dropped``, ``interrupted_episodes``, the rates
+  above, ``reward_final``), and the workload's ``partial_speedup``; ``load_before`` /
+  ``load_after``: the machine's 1-minute load average; ``repeats``, ``quick``, ``cpus``.
 
-    python bench/agent.py [--quick]
+    python bench/agent.py [--quick] [--repeats N]
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import asyncio
 import dataclasses
 import math
 import os
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -123,51 +127,69 @@ async def measure(recipe: Recipe, tasks: int = 1) -> dict[str, Any]:
             "load_after": load_average()}
 
 
-def speedup(on: dict[str, Any], off: dict[str, Any]) -> float:
-    return round(on["samples_per_s"] / off["samples_per_s"], 3) if off["samples_per_s"] else 0.0
+def speedup(on: list[dict[str, Any]], off: list[dict[str, Any]]) -> float:
+    """Mean samples/s of the ``on`` runs over the ``off`` runs'."""
+    off_rate = mean_of(off, "samples_per_s")
+    return round(mean_of(on, "samples_per_s") / off_rate, 3) if off_rate else 0.0
 
 
-async def main_async(quick: bool) -> dict[str, Any]:
+def mean_of(runs: list[dict[str, Any]], key: str) -> float:
+    return round(statistics.fmean(float(r[key]) for r in runs), 4)
+
+
+async def pairs(make: Callable[[bool], Recipe], repeats: int, tasks: int = 1
+                ) -> dict[str, Any]:
+    """``repeats`` runs of ``make(partial)`` each way, ordered off-on, on-off, ... (a load that
+    drifts across the runs weighs on both sides alike); their figures and ``partial_speedup``."""
+    runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    for r in range(repeats):
+        for partial in ((False, True) if r % 2 == 0 else (True, False)):
+            runs["on" if partial else "off"].append(await measure(make(partial), tasks))
+    return {**runs, "partial_speedup": speedup(runs["on"], runs["off"])}
+
+
+async def main_async(quick: bool, repeats: int) -> dict[str, Any]:
     from flowrl.run import prepare_model
 
     sim_steps, real_steps = (3, 3) if quick else (20, 40)
-    sim: dict[str, Any] = {"off": await measure(sim_recipe(sim_steps, False)),
-                           "on": await measure(sim_recipe(sim_steps, True))}
+    sim = await pairs(lambda partial: sim_recipe(sim_steps, partial), repeats)
     if not quick:  # what partial buys where a worker's batch holds several tasks' episodes
-        sim["off_4_tasks"] = await measure(sim_recipe(sim_steps, False), tasks=4)
-        sim["on_4_tasks"] = await measure(sim_recipe(sim_steps, True), tasks=4)
-        sim["partial_speedup_4_tasks"] = speedup(sim["on_4_tasks"], sim["off_4_tasks"])
+        sim["4_tasks"] = await pairs(lambda partial: sim_recipe(sim_steps, partial), repeats,
+                                     tasks=4)
     tool = load_recipe(TOOL_RECIPE, [f"steps={real_steps}"])
     await asyncio.to_thread(prepare_model, tool)  # built once (cached after), not timed
-    real = {}
-    for name, partial in (("off", False), ("on", True)):
-        recipe = apply_overrides(tool, [(("rollout", "partial"), partial)],
-                                 file=str(TOOL_RECIPE))
-        real[name] = await measure(recipe)
+    real = await pairs(lambda partial: apply_overrides(
+        tool, [(("rollout", "partial"), partial)], file=str(TOOL_RECIPE)), repeats)
     off = real["off"]
     return {
-        "episodes_per_s": off["episodes_per_s"], "turns_per_s": off["turns_per_s"],
-        "tool_calls_per_s": off["tool_calls_per_s"],
-        "engine_batch_occupancy": off["engine_batch_occupancy"],
-        "partial_speedup": speedup(sim["on"], sim["off"]),
-        "partial_speedup_real": speedup(real["on"], off),
-        "reward_final_partial": real["on"]["reward_final"],
-        "reward_final_full": off["reward_final"],
+        **{k: mean_of(off, k) for k in ("episodes_per_s", "turns_per_s", "tool_calls_per_s",
+                                        "engine_batch_occupancy")},
+        "partial_speedup": sim["partial_speedup"],
+        "partial_speedup_real": real["partial_speedup"],
+        "reward_final_partial": mean_of(real["on"], "reward_final"),
+        "reward_final_full": mean_of(off, "reward_final"),
         "sim": sim, "real": real, "sim_steps": sim_steps, "real_steps": real_steps,
-        "quick": quick, "cpus": os.cpu_count(),
+        "repeats": repeats, "quick": quick, "cpus": os.cpu_count(),
     }
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="a few steps per run (under 60 s)")
-    return p.parse_args(argv)
+    p.add_argument("--quick", action="store_true", help="a few steps per run, one pair")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="runs each way per workload (default: 2, --quick: 1)")
+    args = p.parse_args(argv)
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 2
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     configure(level="warning")
-    run_and_print(main_async(args.quick))
+    run_and_print(main_async(args.quick, args.repeats))
 
 
 if __name__ == "__main__":

@@ -162,7 +162,8 @@ def test_agent_bench_figures_of_a_run() -> None:
                    "episodes_per_s": 16.0, "turns_per_s": 30.0, "tool_calls_per_s": 6.0,
                    "engine_batch_occupancy": 0.375, "interrupted_episodes": 3,
                    "reward_final": 0.6}
-    assert agent.speedup({"samples_per_s": 18.0}, {"samples_per_s": 12.0}) == 1.5
+    assert agent.speedup([{"samples_per_s": 18.0}, {"samples_per_s": 12.0}],
+                         [{"samples_per_s": 10.0}]) == 1.5
 
 
 @pytest.mark.slow
