@@ -15,7 +15,8 @@ _EPISODE_FIELDS = ("tool_s", "tool_tokens", "decode_row_s", "max_running")
 class SimConfig(_Section):
     """Modelled costs of simulated workers (``rollout.engine="sim"``); see ``workers.sim``.
 
-    Mirrors ``workers.sim.SimCost`` except its length cap, which is `RolloutConfig.max_new_tokens`.
+    Mirrors ``workers.sim.SimCost`` except its length cap, which is `RolloutConfig.max_new_tokens`,
+    and ``partial``, which is `RolloutConfig.partial`.
     """
 
     prompt_len: int = Field(default=64, ge=1, le=1 << 20)
