@@ -171,13 +171,15 @@ class Recipe(_Section):
                             f"policy's) model.tiny.max_positions = "
                             f"{self.model.tiny.max_positions}")
         self._check_eval()
-        if self.rollout.partial and self.rollout.episode is None:
+        if self.rollout.partial and self.rollout.episode is None and not self.sim_episodes:
             raise _rule("rollout.partial", "interruptible generation continues running "
-                        "episodes under new weights: it needs rollout.episode")
+                        "episodes under new weights: it needs rollout.episode, or with "
+                        "rollout.engine 'sim' sim.episode_turns > 0")
         if self.rollout.episode is not None:
             if self.rollout.engine == "sim":
                 raise _rule("rollout.episode", "episodes run on a real engine (rollout.engine "
-                            "'hf' or 'vllm'); the sim engine models single completions only")
+                            "'hf' or 'vllm'); the sim engine models episodes of its own "
+                            "(sim.episode_turns)")
             if "reward" in self.model_fields_set:
                 raise _rule("reward", "an episode scores itself (policy.finish(reward) or its "
                             "return value): a run with rollout.episode has no reward section")
@@ -277,7 +279,13 @@ class Recipe(_Section):
         """The worker roles this run has (the pools of `to_pipeline`)."""
         return tuple(r for r in ROLES if (r != "reference" or self.uses_reference)
                      and (r != "critic" or self.uses_critic)
-                     and (r != "reward" or self.rollout.episode is None))
+                     and (r != "reward" or (self.rollout.episode is None
+                                            and not self.sim_episodes)))
+
+    @property
+    def sim_episodes(self) -> bool:
+        """Whether simulated rollout workers run episodes (``sim.episode_turns > 0``)."""
+        return self.rollout.engine == "sim" and self.sim.episode_turns > 0
 
     @property
     def uses_critic(self) -> bool:
@@ -303,7 +311,7 @@ class Recipe(_Section):
         # `concurrency` calls busy.
         reward_rows = group * self.rollout.groups_per_task
         reward_capacity = max(1, math.ceil(self.reward.concurrency / reward_rows))
-        episode = self.rollout.episode is not None
+        episode = self.rollout.episode is not None or self.sim_episodes
         pools = [
             PoolSpec("rollout", count=self.rollout.workers, per_process=rollout_per_process,
                      threads=self.rollout.threads),
@@ -351,7 +359,8 @@ class Recipe(_Section):
 
     def sim_cost(self) -> dict[str, Any]:
         """The ``workers.sim.SimCost`` field values of this recipe."""
-        return {**self.sim.model_dump(mode="json"), "max_new_tokens": self.rollout.max_new_tokens}
+        return {**self.sim.model_dump(mode="json"), "max_new_tokens": self.rollout.max_new_tokens,
+                "partial": self.rollout.partial}
 
     def _rollout_spec(self) -> RolloutSpec:
         r = self.rollout

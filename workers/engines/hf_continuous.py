@@ -289,13 +289,16 @@ class RunningBatch:
 class ContinuousBatcher:
     """Serves generation requests from many coroutines on one `HFRolloutEngine`."""
 
-    def __init__(self, engine: HFRolloutEngine, *, max_running: int = 256) -> None:
+    def __init__(self, engine: HFRolloutEngine, *, max_running: int = 256,
+                 batch: RunningBatch | None = None) -> None:
+        """``batch``: the decode state to drive (default: a `RunningBatch` of ``engine``;
+        simulation mode passes one whose steps cost modelled time, `workers.sim_episode`)."""
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
         self.engine = engine
         self.max_running = max_running
         self.stats = BatchStats()
-        self._batch = RunningBatch(engine)
+        self._batch = RunningBatch(engine) if batch is None else batch
         self._queue: list[_Seq] = []
         self._driver: asyncio.Task[None] | None = None
         self._gate = StepGate()

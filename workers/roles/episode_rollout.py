@@ -215,6 +215,9 @@ class EpisodeRolloutRole:
                 "gen_s": gen_s,
                 "tokens_per_s": generated / gen_s if gen_s > 0 else 0.0,
                 "batch_rows_mean": (stats.rows - carried) / forwards if forwards else 0.0,
+                # counted into the step log (occupancy over a step, whatever its tasks)
+                "decode_forwards": float(forwards),
+                "decode_rows": float(stats.rows - carried),
                 "tool_calls": float(tools["calls"]),
                 **{f"tool_errors_{k}": float(tools[k]) for k in TOOL_ERROR_KINDS},
                 "episodes_cut_turns": float(cut["turns"]),
