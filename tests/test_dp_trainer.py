@@ -337,7 +337,10 @@ def test_a_split_that_leaves_a_rank_idle_names_the_field() -> None:
         ranks=2, groups_per_step=4, sharding="fsdp2", compute_dtype="bfloat16"),
     ).engine_config()["data_parallel"]
     assert dp == {"world": 2, "sharding": "fsdp2", "compute_dtype": "bfloat16",
-                  "timeout_s": 600.0, "store": "", "generation": 0}
+                  "export_bucket_bytes": 256 << 20, "timeout_s": 600.0, "store": "",
+                  "generation": 0}
+    with pytest.raises(ValidationError, match=r"export_bucket_mb"):
+        TrainerConfig(ranks=2, groups_per_step=4, export_bucket_mb=0)
     with pytest.raises(ValidationError, match=r"trainer\.ranks"):
         Recipe(steps=1, rollout=RolloutConfig(engine="sim"), trainer=TrainerConfig(ranks=2))
     with pytest.raises(ValidationError, match=r"placement\.roles\.train"):
