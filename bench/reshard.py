@@ -196,7 +196,7 @@ def main(quick: bool) -> dict[str, Any]:
         model = Path(d) / "model"
         hidden, layers = (256, 8) if quick else (512, 8)
         build(model, hidden=hidden, layers=layers)
-        return measure_reshard(model, repeats=2 if quick else 5)
+        return measure_reshard(model, repeats=1 if quick else 5)
 
 
 if __name__ == "__main__":
@@ -205,5 +205,5 @@ if __name__ == "__main__":
                   [int(b) for b in sys.argv[5].split(",")], int(sys.argv[6]), sys.argv[7])
     else:
         parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-        parser.add_argument("--quick", action="store_true", help="a smaller model, 2 repeats")
+        parser.add_argument("--quick", action="store_true", help="a smaller model, 1 repeat")
         print(json.dumps(main(parser.parse_args().quick)))
