@@ -52,6 +52,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import Tensor  # noqa: E402
 
 from workers.engines.torch_trainer import TorchTrainerEngine  # noqa: E402
+from workers.resharding import copy_into  # noqa: E402
 
 #: the bucket counts the benchmark measures by default.
 BUCKETS = (1, 16)
@@ -103,10 +104,7 @@ def rank_main(rank: int, store: str, model: str, buckets: Sequence[int], repeats
         # weights go (the store, an engine), not memory the export adds.
         dest = {n: torch.ones(s, dtype=d) for n, (s, d) in shapes.items()} if rank == 0 else {}
 
-        def into_dest(bucket: dict[str, Tensor]) -> None:
-            for name, value in bucket.items():
-                if rank == 0:
-                    dest[name].copy_(value)
+        into_dest = copy_into(dest) if rank == 0 else (lambda bucket: None)
 
         def whole() -> None:
             into_dest(engine.export_weights())

@@ -20,6 +20,7 @@ if str(_ROOT) not in sys.path:  # bench/ is not a package the tests' path holds
 check = importlib.import_module("bench.device_check")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_dry_run_on_the_cpu_passes_every_section_it_can_run() -> None:
     proc = subprocess.run([sys.executable, str(_ROOT / "bench" / "device_check.py"), "--cpu"],

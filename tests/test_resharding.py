@@ -19,7 +19,7 @@ from transport.handles import Handle
 from transport.store import SampleStore
 from transport.store_client import StoreClient
 from transport.store_server import StoreServer
-from workers.resharding import export_bucketed, plan_buckets
+from workers.resharding import copy_into, export_bucketed, plan_buckets
 from workers.runtime import WeightPublisher, fetch_weights, publish_weights
 
 pytestmark = pytest.mark.timeout(60)
@@ -59,6 +59,21 @@ def test_a_bucket_is_dropped_before_the_next_is_gathered() -> None:
     assert all(torch.equal(t, torch.full((256,), float(i))) for i, (_, t) in enumerate(named))
 
 
+def test_buckets_copied_into_place_fill_the_targets_and_check_their_shapes() -> None:
+    named = [(f"w{i}", torch.randn(8, 4)) for i in range(5)]
+    targets = {n: torch.zeros(8, 4) for n, _ in named}
+    pointers = {n: t.data_ptr() for n, t in targets.items()}
+    assert export_bucketed(named, 2 * 8 * 4 * 4, copy_into(targets)) == 3
+    assert all(torch.equal(targets[n], t) for n, t in named)
+    assert {n: t.data_ptr() for n, t in targets.items()} == pointers  # in place
+    with pytest.raises(ValueError, match=r"w0: shape \(8, 4\) into \(4, 8\)"):
+        export_bucketed(named, 1 << 20, copy_into({n: torch.zeros(4, 8) for n, _ in named}))
+    with pytest.raises(KeyError, match="w4"):
+        export_bucketed(named, 1 << 20, copy_into({n: t for n, t in targets.items()
+                                                   if n != "w4"}))
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_bucketed_export_equals_a_whole_gather_bit_for_bit_in_one_bucket_of_memory(
     tmp_path: Path,

@@ -3,10 +3,10 @@
 A sharded trainer (FSDP2: each rank holds 1/N of every parameter) publishes whole tensors.
 Gathering the whole model first would hold a second, whole copy of it in the trainer's memory
 while it is written out. `export_bucketed` gathers one bucket of parameters (whole tensors,
-about ``bucket_bytes``), hands it to a sink (the node's store, an engine's weights, or nothing
-on a rank that only takes part in the gathers), drops it and goes on to the next: the memory
-held beyond the destination at any moment is one bucket plus one tensor's gather, not the
-model.
+about ``bucket_bytes``), hands it to a sink (the node's store, an engine's weights in place
+through `copy_into`, or nothing on a rank that only takes part in the gathers), drops it and
+goes on to the next: the memory held beyond the destination at any moment is one bucket plus
+one tensor's gather, not the model.
 
 The buckets follow the parameters' order; a tensor larger than ``bucket_bytes`` is a bucket on
 its own. Every rank must call `export_bucketed` with the same tensors and bucket size: each
@@ -16,7 +16,7 @@ sharded tensor's gather is a collective. The values are those of a whole gather,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from workers.distributed import full_tensor
 
-__all__ = ["BucketSink", "export_bucketed", "plan_buckets", "whole_copy"]
+__all__ = ["BucketSink", "copy_into", "export_bucketed", "plan_buckets", "whole_copy"]
 
 #: takes one bucket of whole CPU tensors; the exporter drops its reference after the call.
 BucketSink = Callable[[dict[str, Tensor]], None]
@@ -57,6 +57,23 @@ def whole_copy(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     # what is asked for. A local tensor (or a one-rank shard) may be the parameter itself.
     fresh = isinstance(t, DTensor) and t.device_mesh.size() > 1
     return whole.to("cpu", dtype=dtype, copy=not fresh).contiguous()
+
+
+def copy_into(targets: Mapping[str, Tensor]) -> BucketSink:
+    """A sink that copies each tensor of a bucket into ``targets[name]`` in place (an engine's
+    own parameters, or buffers allocated beforehand): the export then adds no memory beyond
+    the bucket. KeyError for a name without a target, ValueError for another shape."""
+
+    def sink(bucket: dict[str, Tensor]) -> None:
+        with torch.no_grad():
+            for name, value in bucket.items():
+                target = targets[name]
+                if target.shape != value.shape:
+                    raise ValueError(f"{name}: shape {tuple(value.shape)} into "
+                                     f"{tuple(target.shape)}")
+                target.copy_(value)
+
+    return sink
 
 
 def _nbytes(t: Tensor, dtype: torch.dtype | None) -> int:
