@@ -141,7 +141,8 @@ def device_section(ctx: Context) -> dict[str, Any]:
 def model_section(ctx: Context) -> dict[str, Any]:
     from flowrl.tiny_model import build_tiny_model
 
-    ctx.model = build_tiny_model(ctx.tmp / "tiny", vocab_size=512, hidden=64, layers=2,
+    # Heads of 64: every attention backend of vLLM on a device takes that size.
+    ctx.model = build_tiny_model(ctx.tmp / "tiny", vocab_size=512, hidden=256, layers=2,
                                  heads=4, kv_heads=2, max_positions=128)
     return {"path": str(ctx.model)}
 
@@ -269,10 +270,14 @@ def vllm_section(ctx: Context) -> dict[str, Any]:
     from workers.engines.vllm_rollout import VLLMRolloutEngine
 
     kwargs: dict[str, Any] = {}
-    if ctx.device == "cuda":  # sleep mode: the colocated section puts the engine to sleep
+    if ctx.device == "cuda":  # sleep mode: the engine is put to sleep and woken up below
         kwargs = {"enable_sleep_mode": True, "gpu_memory_utilization": 0.3}
     start = time.perf_counter()
-    engine = VLLMRolloutEngine(ctx.model, seed=0, max_model_len=128, llm_kwargs=kwargs)
+    # bfloat16 on a device (what its attention kernels take), the CPU build's float32 here;
+    # eager: this checks what runs, not how fast (no graph capture at start).
+    engine = VLLMRolloutEngine(ctx.model, seed=0, max_model_len=128, enforce_eager=True,
+                               dtype="float32" if ctx.device == "cpu" else "bfloat16",
+                               llm_kwargs=kwargs)
     ctx.facts["vllm_engine"] = engine
     init_s = time.perf_counter() - start
     greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
