@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from transport.endpoints import ipc_endpoint
 from transport.handles import Handle
@@ -122,3 +123,57 @@ async def test_buckets_published_from_a_thread_are_one_version(run_id: str) -> N
             await client.free([Handle.from_wire(v[0]) for v in whole.values()])
     finally:
         store.close()
+
+
+async def test_a_data_parallel_rank_publishes_in_buckets_and_frees_them_if_its_step_fails(
+    tmp_path: Path, run_id: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from test_dp_trainer import PAD, SETTINGS, micro_batches, train_task
+
+    import workers.roles.dp_trainer as dp_trainer
+    from flowrl.tiny_model import build_tiny_model
+    from workers.distributed import DataParallel
+    from workers.engines import TorchTrainerEngine
+
+    model = build_tiny_model(tmp_path / "tiny", vocab_size=300, hidden=32, layers=2, heads=2,
+                             kv_heads=1, max_positions=64)
+    # Rank 0 of a replicated group whose collectives run in a group of this one process: the
+    # role's export and publication are the real ones, without a second process.
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+    endpoint = ipc_endpoint(run_id, "store")
+    store = SampleStore(run_id, "node0", capacity_bytes=64 << 20)
+    try:
+        group = DataParallel(rank=0, world=2, init_method="file:///unused",
+                             export_bucket_bytes=16 << 10)
+        engine = TorchTrainerEngine(model, lr=1e-3, device="cpu")
+        role = dp_trainer.DataParallelTrainerRole(engine, SETTINGS, pad_token_id=PAD,
+                                                  group=group)
+        async with StoreServer(store, endpoint), StoreClient(run_id, "node0", endpoint) as client:
+            role.bind_weight_publisher(WeightPublisher(client, asyncio.get_running_loop()))
+            inputs, groups = micro_batches(1)[0]
+            out = await role.run(train_task(len(groups), groups, end=True), inputs)
+            assert out.weights is None
+            assert out.published is not None
+            segments = {Handle.from_wire(v[0]).segment for v in out.published.values()}
+            assert len(segments) > 3  # bucket by bucket ...
+            loaded = await fetch_weights(client, out.published)
+            want = engine.export_weights()
+            assert list(loaded) == list(want)  # ... one version: what one export holds
+            assert all(torch.equal(loaded[n], w) for n, w in want.items())
+            del loaded
+            await client.free([Handle.from_wire(v[0]) for v in out.published.values()])
+            assert store.statistics().segments == 0
+
+            def peer_gone(params: object) -> float:
+                raise RuntimeError("a peer rank is gone")
+
+            # A step end that fails after its export (a collective whose peer died) reports
+            # nothing: the buckets it wrote are freed, not left taken until the run ends.
+            monkeypatch.setattr(dp_trainer, "parameter_checksum", peer_gone)
+            with pytest.raises(RuntimeError, match="a peer rank is gone"):
+                await role.run(train_task(len(groups), groups, end=True), inputs)
+            assert store.statistics().segments == 0
+    finally:
+        store.close()
+        dist.destroy_process_group()

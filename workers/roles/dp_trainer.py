@@ -14,9 +14,9 @@ is bucketed (`workers.resharding`, buckets of ``group.export_bucket_bytes``): on
 whole tensors is gathered, written into the node's store (through the worker's
 `WeightPublisher`) and dropped before the next, so exporting holds one bucket beyond the
 store's copy, not a second model; the rollout workers load the buckets' handles as one
-version, as before. Every rank
-reports ``param_checksum`` (`workers.distributed.parameter_checksum`) and ``rank_tokens`` (its
-own share), which the controller compares and summarises (`flowrl.dp.merge_step_ends`).
+version, as before (a step end that fails after its export frees them). Every rank reports
+``param_checksum`` (`workers.distributed.parameter_checksum`) and ``rank_tokens`` (its own
+share), which the controller compares and summarises (`flowrl.dp.merge_step_ends`).
 
 Sharded (``sharding="fsdp2"``), each backward already reduce-scatters the ranks' gradients
 (averaged: the step multiplies them by N, so the sum of the ranks' sums is the same
@@ -104,6 +104,8 @@ class DataParallelTrainerRole(TrainerRole):
         #: writes a bucket into the store (the worker binds it); None: the export is returned
         #: whole (`RoleOutput.weights`), as when the role runs without a worker.
         self._publish: _Publisher | None = None
+        #: buckets of this step end already in the store, not yet in its report.
+        self._unreported: dict[str, list[Any]] = {}
 
     def bind_weight_publisher(self, publish: _Publisher) -> None:
         self._publish = publish
@@ -128,13 +130,9 @@ class DataParallelTrainerRole(TrainerRole):
             else:
                 published.update(publish(bucket))
 
-        try:
-            engine.export_bucketed(self.group.export_bucket_bytes, sink)
-        except BaseException:
-            if publish is not None and published:
-                with contextlib.suppress(Exception):  # the export's own error is the one to see
-                    publish.discard(published)
-            raise
+        # Until the step end returns them, what is in the store is freed on a failure.
+        self._unreported = published
+        engine.export_bucketed(self.group.export_bucket_bytes, sink)
         if self.group.rank != 0:
             return None, None
         return (None, published) if publish is not None else (weights, None)
@@ -158,12 +156,25 @@ class DataParallelTrainerRole(TrainerRole):
         for name, value in zip(_SUMS, sums, strict=True):
             # The integer counts are exact in float64 (below 2**53).
             setattr(st, name, round(value) if isinstance(getattr(st, name), int) else value)
-        out = super().finish_step()
+        try:
+            out = super().finish_step()
+            out.metrics["param_checksum"] = parameter_checksum(self._params)
+        except BaseException:
+            # A step end that fails after its export reports no handles: free the buckets
+            # already in the store.
+            self._discard(self._unreported)
+            raise
+        finally:
+            self._unreported = {}
         if self.group.rank != 0:
             out.weights = out.published = None
-        out.metrics["param_checksum"] = parameter_checksum(self._params)
         out.metrics["rank_tokens"] = float(own_tokens)
         return out
+
+    def _discard(self, published: dict[str, list[Any]]) -> None:
+        if self._publish is not None and published:
+            with contextlib.suppress(Exception):  # the step's own error is the one to see
+                self._publish.discard(published)
 
     def _checkpoint_due(self) -> bool:
         # Replicated, every rank holds the same state and rank 0 writes it, once; sharded,
