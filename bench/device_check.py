@@ -194,6 +194,10 @@ def rank_main(rank: int, world: int, device_kind: str, store: str, model: str,
     from workers.engines.torch_trainer import TorchTrainerEngine
 
     torch.set_num_threads(1)
+    if device_kind == "npu":  # torch knows the npu device once torch_npu is imported
+        from workers.devices import npu_available
+
+        npu_available()
     base = torch.device(device_kind)
     if world >= 2:
         group = DataParallel(rank=rank, world=world, init_method=f"file://{store}",
