@@ -31,6 +31,7 @@ import, so every path this script takes on a device is exercised before a device
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib
 import json
@@ -40,7 +41,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -348,6 +349,21 @@ SECTIONS: tuple[tuple[str, Callable[[Context], dict[str, Any]]], ...] = (
 )
 
 
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Send what is written to stdout (vLLM's logs, a library's prints, at the descriptor)
+    to stderr meanwhile: stdout carries the one JSON line."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def main(cpu: bool, budget_s: float = BUDGET_S) -> tuple[dict[str, Any], int]:
     start = time.monotonic()
     kind, count = detect(cpu)
@@ -374,6 +390,7 @@ if __name__ == "__main__":
                             help="sections that would start after this many seconds are "
                                  "skipped")
         args = parser.parse_args()
-        result, status = main(args.cpu, args.budget_s)
+        with stdout_to_stderr():
+            result, status = main(args.cpu, args.budget_s)
         print(json.dumps(result))
         sys.exit(status)

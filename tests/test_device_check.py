@@ -26,8 +26,8 @@ def test_the_dry_run_on_the_cpu_passes_every_section_it_can_run() -> None:
     proc = subprocess.run([sys.executable, str(_ROOT / "bench" / "device_check.py"), "--cpu"],
                           capture_output=True, text=True, timeout=220, cwd=_ROOT)
     lines = proc.stdout.strip().splitlines()
-    assert lines, proc.stderr[-3000:]
-    result = json.loads(lines[-1])  # one JSON line
+    assert len(lines) == 1, (proc.stdout[-2000:], proc.stderr[-2000:])  # one JSON line
+    result = json.loads(lines[0])
     sections = result["sections"]
     assert proc.returncode == 0, json.dumps(sections)[-3000:]
     assert result["ok"] is True
@@ -40,11 +40,12 @@ def test_the_dry_run_on_the_cpu_passes_every_section_it_can_run() -> None:
     assert ranks["world"] == 2
     assert ranks["backend"] == "gloo"
     assert ranks["buckets"] >= 4
-    try:  # (tests/vllm makes "vllm" importable as a namespace package: not vLLM)
-        vllm_here = hasattr(importlib.import_module("vllm"), "LLM")
-    except Exception:
-        vllm_here = False
-    assert sections["vllm"]["status"] == ("passed" if vllm_here else "skipped")
+    # vLLM runs where it imports (`make test-vllm`'s venv: generation and reloads pass) and is
+    # skipped, saying so, where it does not.
+    vllm = sections["vllm"]
+    if vllm["status"] != "passed":
+        assert vllm["status"] == "skipped", vllm
+        assert vllm["reason"].startswith(("vllm does not import", "vllm is not installed"))
     assert sections["colocated"]["status"] == "not built"
 
 
