@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
     "DEFAULT_DP_TIMEOUT_S",
+    "DEFAULT_EXPORT_BUCKET_BYTES",
     "AlgorithmSpec",
     "ArithmeticDataSpec",
     "ColocatedSpec",
@@ -56,6 +57,8 @@ __all__ = [
 
 #: how long one collective (or the rendezvous) of data-parallel trainer ranks may wait.
 DEFAULT_DP_TIMEOUT_S = 600.0
+#: the size of one bucket of a data-parallel trainer's weight export (a model up to it: one).
+DEFAULT_EXPORT_BUCKET_BYTES = 256 << 20
 
 
 PolicyLossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -245,6 +248,8 @@ class DataParallelSpec(_Spec):
     world: int = Field(ge=2)
     sharding: Literal["replicate", "fsdp2"]
     compute_dtype: Literal["float32", "bfloat16"]
+    #: rank 0 publishes a version in buckets of about this many bytes (`workers.resharding`).
+    export_bucket_bytes: int = Field(default=DEFAULT_EXPORT_BUCKET_BYTES, ge=1)
     timeout_s: float = Field(default=DEFAULT_DP_TIMEOUT_S, gt=0.0)
     #: ranks on several nodes: the controller's rendezvous store, ``host:port``; "" on one node.
     store: str = ""

@@ -416,7 +416,8 @@ class Recipe(_Section):
                 **self.critic.model_dump(exclude={"threads"}),
                 rows_per_step=t.groups_per_step * a.group_size) if self.uses_critic else None,
             data_parallel=DataParallelSpec(
-                world=t.ranks, sharding=t.sharding, compute_dtype=t.compute_dtype)
+                world=t.ranks, sharding=t.sharding, compute_dtype=t.compute_dtype,
+                export_bucket_bytes=max(1, round(t.export_bucket_mb * (1 << 20))))
             if t.ranks > 1 else None,
             steps=self.steps,
             seed=self.seed,
