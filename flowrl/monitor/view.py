@@ -47,6 +47,10 @@ class RunView(Protocol):
         """``(worker id, role)`` of every registered worker (the trace's lanes)."""
         ...
 
+    def plan_trace(self) -> list[str]:
+        """The run's trace so far (`flowrl.run_trace` lines), for ``GET /plan-trace``."""
+        ...
+
     def status(self) -> dict[str, Any]:
         """A JSON-ready snapshot: exactly what ``GET /status`` serves."""
         ...

@@ -37,3 +37,8 @@ class SimConfig(_Section):
     """Critic cost per response token (values, GAE and its own backward; PPO only)."""
     weight_numel: int = Field(default=1 << 16, ge=1, le=1 << 34)
     """float32 weights published after each step (weight-sync traffic)."""
+    trace: str | None = None
+    """A recorded run's trace file (``--record-trace``): task times, response lengths and weight
+    loads are drawn from it instead of the costs above (``python -m flowrl.plan`` sets it)."""
+    trace_stretch: float = Field(default=1.0, gt=0.0, le=1000.0)
+    """Multiplies every time drawn from ``trace`` (the planner's CPU-contention factor)."""
