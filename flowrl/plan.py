@@ -9,12 +9,13 @@ the trace (`flowrl.trace_costs`), once per combination of the ``--set`` values: 
 spread the workers over. Prints one line per plan (predicted samples/s, the staleness of the
 trained samples, the idle share of each pool) and a recommendation.
 
-CPU contention. A plan that runs more busy worker threads than the recorded one on the same
-cores slows every task: each time is stretched by ``max(1, demand / cores)`` over the recorded
-run's own, where ``demand`` sums each worker's threads times its busy share in the recorded
-run (a pool of more workers keeps its workers' share) and ``cores`` is the recorded run's
-``cpus`` times ``nodes``. The prediction is for the machine the trace was recorded on, under
-the load it had then.
+CPU contention. A plan that keeps more worker threads busy than the cores it has slows every
+task. Its demand is the busy worker threads it keeps on average (each pool's busy share times
+its workers times their threads); the recorded run's is measured on its trace, a plan's on a
+first replay at the recorded speed. When a plan's demand exceeds its cores (the recorded run's
+``cpus`` times ``nodes``) by more than the recorded run's did, it is replayed again with every
+time stretched by the ratio of the two overloads (``cpu x``; under 1.05 it is taken as 1). The prediction is for the
+machine the trace was recorded on, under the load it had then.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ NODES = "nodes"
 #: a plan within this share of the fastest one counts as as fast (the recommendation then
 #: prefers fresher samples)
 SAME_SPEED = 0.05
+#: a CPU stretch below this is noise in the busy shares, not worth a second replay
+MIN_STRETCH = 1.05
 
 
 @dataclass
@@ -117,20 +120,21 @@ def role_threads(recipe: Recipe) -> dict[str, int]:
             "train": recipe.trainer.threads}
 
 
-def cpu_stretch(trace: RunTrace, recorded: Recipe, planned: Recipe, nodes: int) -> float:
-    """How much slower each task runs in ``planned`` than in the recorded run, from the busy
-    threads each asks of the cores (the module's docstring)."""
-    shares = busy_shares(trace)
-    cores = int(trace.header["cpus"])
+def demand(recipe: Recipe, busy: dict[str, float]) -> float:
+    """Busy worker threads on average: ``busy`` is each role's busy share per worker."""
+    threads = role_threads(recipe)
+    pools = {p.role: p.count for p in recipe.to_pipeline().pools}
+    return sum(n * threads.get(r, 1) * busy.get(r, 0.0) for r, n in pools.items())
 
-    def demand(recipe: Recipe) -> float:
-        threads = role_threads(recipe)
-        pools = {p.role: p.count for p in recipe.to_pipeline().pools}
-        return sum(n * threads.get(r, 1) * shares.get(r, 0.0) for r, n in pools.items())
 
-    before = max(1.0, demand(recorded) / cores)
-    after = max(1.0, demand(planned) / (cores * nodes))
-    return after / before
+def cpu_stretch(recorded_demand: float, recorded_cores: int, planned_demand: float,
+                planned_cores: int) -> float:
+    """How much slower each task runs in the plan than in the recorded run: the ratio of the
+    two overloads (1 when the plan's cores keep up with its demand as well as the recorded
+    run's did)."""
+    before = max(1.0, recorded_demand / recorded_cores)
+    after = max(1.0, planned_demand / planned_cores)
+    return max(1.0, after / before)
 
 
 def sim_recipe(recorded: Recipe, knobs: dict[str, Any], trace_path: Path,
@@ -230,14 +234,22 @@ async def plan(trace_path: Path, knobs: Sequence[tuple[tuple[str, ...], list[Any
     recorded = Recipe.model_validate(trace.recipe)
     steps = steps or max(1, len(trace.steps))
     out: list[Plan] = []
+    cores = int(trace.header["cpus"])
+    recorded_demand = demand(recorded, busy_shares(trace))
     for combo in plans_of(knobs) or [{}]:
         nodes = int(combo.get(NODES, 1))
         if nodes < 1:
             raise ValueError(f"--set {NODES}: must be at least 1, got {nodes}")
         planned = sim_recipe(recorded, combo, trace_path, 1.0)
-        stretch = cpu_stretch(trace, recorded, planned, nodes)
-        planned = sim_recipe(recorded, combo, trace_path, stretch)
         summary, idle = await replay(planned, steps)
+        stretch = cpu_stretch(recorded_demand, cores,
+                              demand(planned, {r: 1 - v for r, v in idle.items()}),
+                              cores * nodes)
+        if stretch < MIN_STRETCH:
+            stretch = 1.0
+        else:
+            summary, idle = await replay(sim_recipe(recorded, combo, trace_path, stretch),
+                                         steps)
         out.append(Plan(combo, stretch, float(summary["samples_per_s"]),
                         {int(k): int(v) for k, v in summary["staleness"].items()}, idle))
     return out
