@@ -19,6 +19,7 @@ samples per second of `Controller.run` wall time. ``--quick``: one round of 30 s
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -83,8 +84,10 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     steps, rounds = (30, 1) if args.quick else (args.steps, args.rounds)
     results = []
     for _ in range(rounds):
-        with tempfile.TemporaryDirectory(prefix="flowrl-plan-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="planner-bench-") as tmp:
             results.append(await one_round(steps, Path(tmp)))
+        print(json.dumps({"round": len(results), "runs": results[-1]}), file=sys.stderr,
+              flush=True)  # a long series says each round as it ends
     median = {f"s{s[0]}_w{s[1]}": statistics.median(r[i]["error"] for r in results)
               for i, s in enumerate(SETTINGS)}
     return {"steps": steps, "rounds": results, "median_error": median,

@@ -1,7 +1,9 @@
 """Simulated costs drawn from a recorded run (`flowrl.run_trace`), for ``workers.sim``.
 
-Per role, a task's time is modelled as ``base + per_row × rows`` (least squares over the
-recorded tasks; with one task size only, ``base`` is 0 and the time scales with the rows), times
+Per role, a task's time is modelled as ``base + per_row × rows``: least squares over the
+recorded tasks when at least two task sizes are common in the trace (each a tenth of the
+tasks, five at least), else through 0 (the time scales with the rows: a few tasks of a rare
+size, often measured while something else ran, would set the fixed part badly); times
 a ratio drawn from the recorded tasks' own ratios to that line, so the replay keeps the run's
 spread and its long tail. A train task that ends a step draws its ratio from the recorded step
 ends' own (they also run the optimizer step and write the weights). Response lengths and weight
@@ -14,12 +16,16 @@ runs more busy processes on the same cores than the recorded run did.
 
 from __future__ import annotations
 
+import collections
 import random
 from dataclasses import dataclass
 
 from flowrl.run_trace import RunTrace, TaskRecord
 
 __all__ = ["RoleCost", "TraceCosts"]
+
+#: a task size is common in a trace with this share of its tasks, and this many at least
+COMMON_SHARE, COMMON_MIN = 0.1, 5
 
 
 @dataclass(frozen=True)
@@ -40,7 +46,13 @@ class RoleCost:
             t for t in tasks if t.rows > 0]
         if not plain:
             return None
-        base, per_row = _line([t.rows for t in plain], [t.s for t in plain])
+        sizes = collections.Counter(t.rows for t in plain)
+        common = {n for n, k in sizes.items() if k >= max(COMMON_MIN, len(plain) * COMMON_SHARE)}
+        fitted = [t for t in plain if t.rows in common]
+        if len(common) >= 2:
+            base, per_row = _line([t.rows for t in fitted], [t.s for t in fitted])
+        else:
+            base, per_row = 0.0, sum(t.s for t in plain) / sum(t.rows for t in plain)
         cost = cls(base, per_row, ())
         ratios = tuple(t.s / cost.line(t.rows) for t in plain if cost.line(t.rows) > 0)
         ends = tuple(t.s / cost.line(t.rows) for t in tasks

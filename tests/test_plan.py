@@ -115,9 +115,14 @@ def test_role_costs_fit_the_recorded_times_and_draw_repeatably() -> None:
     def task(rows: int, s: float, end: bool = False) -> TaskRecord:
         return TaskRecord("train", "train", "t", rows, 0.0, s, (), end)
 
-    two_sizes = RoleCost.fit([task(2, 0.3), task(4, 0.5), task(4, 0.5), task(2, 0.3)])
+    two_sizes = RoleCost.fit([task(2, 0.3), task(4, 0.5)] * 5)
     assert two_sizes is not None
     assert (round(two_sizes.base, 6), round(two_sizes.per_row, 6)) == (0.1, 0.1)
+    # Two tasks of a rare size do not set the fixed part: the time scales with the rows.
+    rare = RoleCost.fit([task(4, 0.4)] * 18 + [task(1, 0.4)] * 2)
+    assert rare is not None
+    assert rare.base == 0.0
+    assert rare.per_row == pytest.approx(8.0 / 74)
     one_size = RoleCost.fit([task(8, 0.4), task(8, 0.8), task(8, 1.0, end=True)])
     assert one_size is not None
     assert (one_size.base, one_size.per_row) == (0.0, pytest.approx(0.075))  # through 0
