@@ -48,7 +48,7 @@ from flowrl.pipeline import PipelineSpec
 from flowrl.recipe.stability import StabilityConfig
 from flowrl.registry import Registry, WorkerInfo
 from flowrl.resume import RunState
-from flowrl.run_trace import trace_lines
+from flowrl.run_trace import TraceRecord
 from flowrl.staleness import StalenessGate
 from transport.endpoints import ipc_endpoint, new_run_id, remove_run_dir
 from transport.pubsub import Publisher
@@ -431,8 +431,8 @@ class Controller:
     def worker_roles(self) -> list[tuple[str, str]]:
         return [(w.worker_id, w.role) for w in self.registry.all()]
 
-    def plan_trace(self) -> list[str]:
-        return list(trace_lines(self.trace.header(), list(self.trace.records)))
+    def plan_trace(self) -> tuple[dict[str, Any], list[TraceRecord]]:
+        return self.trace.header(), list(self.trace.records)
 
     def _log(self) -> Any:
         """The controller's logger with the context every line carries."""

@@ -14,8 +14,8 @@ task. Its demand is the busy worker threads it keeps on average (each pool's bus
 its workers times their threads); the recorded run's is measured on its trace, a plan's on a
 first replay at the recorded speed. When a plan's demand exceeds its cores (the recorded run's
 ``cpus`` times ``nodes``) by more than the recorded run's did, it is replayed again with every
-time stretched by the ratio of the two overloads (``cpu x``; under 1.05 it is taken as 1). The prediction is for the
-machine the trace was recorded on, under the load it had then.
+time stretched by the ratio of the two overloads (``cpu x``; under 1.05 it is taken as 1).
+The prediction is for the machine the trace was recorded on, under the load it had then.
 """
 
 from __future__ import annotations

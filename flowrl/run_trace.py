@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["FORMAT", "VERSION", "RunTrace", "StepRecord", "SyncRecord", "TaskRecord",
-           "TraceError", "read_trace", "trace_lines", "write_trace"]
+           "TraceError", "TraceRecord", "read_trace", "trace_lines", "write_trace"]
 
 FORMAT = "flowrl-trace"
 VERSION = 1
@@ -79,6 +79,10 @@ class StepRecord:
         return {"k": "step", "step": self.step, "t": round(self.t, 6), "samples": self.samples}
 
 
+#: one record of a trace after its header
+TraceRecord = TaskRecord | SyncRecord | StepRecord
+
+
 @dataclass
 class RunTrace:
     header: dict[str, Any]
@@ -107,7 +111,7 @@ def header(*, recipe: dict[str, Any] | None, pools: dict[str, int], max_stalenes
 
 
 def trace_lines(head: dict[str, Any],
-                records: Iterable[TaskRecord | SyncRecord | StepRecord]) -> Iterator[str]:
+                records: Iterable[TraceRecord]) -> Iterator[str]:
     """The file's lines, each ending in a newline."""
     yield json.dumps(head, separators=(",", ":")) + "\n"
     for r in records:
@@ -115,7 +119,7 @@ def trace_lines(head: dict[str, Any],
 
 
 def write_trace(path: str | os.PathLike[str], head: dict[str, Any],
-                records: Iterable[TaskRecord | SyncRecord | StepRecord]) -> Path:
+                records: Iterable[TraceRecord]) -> Path:
     """Write the trace to ``path`` (through a temporary file: a reader never sees half)."""
     out = Path(path)
     tmp = out.with_name(out.name + ".tmp")

@@ -27,6 +27,7 @@ from flowrl.run_trace import (
     SyncRecord,
     TaskRecord,
     TraceError,
+    TraceRecord,
     header,
     read_trace,
     write_trace,
@@ -34,7 +35,7 @@ from flowrl.run_trace import (
 from flowrl.trace_costs import RoleCost, TraceCosts
 
 
-def small_trace() -> tuple[dict[str, object], list[TaskRecord | SyncRecord | StepRecord]]:
+def small_trace() -> tuple[dict[str, object], list[TraceRecord]]:
     head = header(recipe={"steps": 3}, pools={"rollout": 1, "train": 1}, max_staleness=1,
                   groups_per_step=2, group_size=4, cpus=2)
     return head, [TaskRecord("rollout", "rollout", "rollout-0", 4, 0.5, 0.25, (3, 1, 4, 1)),

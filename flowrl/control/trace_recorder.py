@@ -15,7 +15,7 @@ import collections
 from collections.abc import Mapping
 from typing import Any
 
-from flowrl.run_trace import StepRecord, SyncRecord, TaskRecord, header
+from flowrl.run_trace import StepRecord, SyncRecord, TaskRecord, TraceRecord, header
 
 __all__ = ["TraceRecorder"]
 
@@ -33,7 +33,7 @@ class TraceRecorder:
         #: the recipe's fields as given (set by whoever started the run from a recipe)
         self.recipe: dict[str, Any] | None = None
         self.t0 = now
-        self.records: collections.deque[TaskRecord | SyncRecord | StepRecord] = (
+        self.records: collections.deque[TraceRecord] = (
             collections.deque(maxlen=keep))
         self._last_end: dict[str, float] = {}
         self._published: dict[int, float] = {}

@@ -57,6 +57,7 @@ from flowrl.monitor.fanout import KEEPALIVE, EventFanout
 from flowrl.monitor.limits import BoundedSite, ConnectionLimits
 from flowrl.monitor.metrics import CONTENT_TYPE, ControllerMetrics
 from flowrl.monitor.trace import chrome_trace, recent_marks, recent_spans
+from flowrl.run_trace import trace_lines
 from transport.errors import BindRefused
 
 if TYPE_CHECKING:
@@ -327,8 +328,8 @@ class MonitorServer:
         return web.Response(text=body, content_type="application/json", headers=_NO_STORE)
 
     async def _plan_trace(self, request: web.Request) -> web.Response:
-        lines = self._run.plan_trace()  # a snapshot in the loop; joined in a thread
-        body = await asyncio.to_thread("".join, lines)
+        head, records = self._run.plan_trace()  # a snapshot in the loop; encoded in a thread
+        body = await asyncio.to_thread(lambda: "".join(trace_lines(head, records)))
         name = f"flowrl-{self._run.run_id}.trace.jsonl"
         return web.Response(text=body, content_type="application/x-ndjson", headers={
             **_NO_STORE, "Content-Disposition": f'attachment; filename="{name}"'})

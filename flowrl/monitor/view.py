@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from flowrl.events import EventBus
+    from flowrl.run_trace import TraceRecord
 
 __all__ = ["RunView"]
 
@@ -47,8 +48,9 @@ class RunView(Protocol):
         """``(worker id, role)`` of every registered worker (the trace's lanes)."""
         ...
 
-    def plan_trace(self) -> list[str]:
-        """The run's trace so far (`flowrl.run_trace` lines), for ``GET /plan-trace``."""
+    def plan_trace(self) -> tuple[dict[str, Any], list[TraceRecord]]:
+        """The run's trace so far (`flowrl.run_trace`: its header and records), for
+        ``GET /plan-trace``; a snapshot, cheap enough for the event loop."""
         ...
 
     def status(self) -> dict[str, Any]:
