@@ -346,7 +346,7 @@ def test_the_step_log_sums_the_rollout_tasks_tool_and_cut_counts() -> None:
                                "episodes_cut_turns": 2.0, "tool_errors_memory": math.nan}))
     out, _ = stages.take([], lambda _: True)
     assert out == {"rollout_tool_calls": 5.0, "rollout_tool_errors_timeout": 1.0,
-                   "rollout_episodes_cut_turns": 3.0}
+                   "rollout_episodes_cut_turns": 3.0, "rollout_turns": 9.0}
     assert stages.take([], lambda _: True)[0] == {}  # since the last step only
 
 
