@@ -48,7 +48,7 @@ from workers.roles.episode_rollout import EpisodeRolloutRole
 
 if TYPE_CHECKING:
     from workers.engines.hf_rollout import HFRolloutEngine
-    from workers.sim import SimCost
+    from workers.sim_cost import SimCost
     from workers.tool_pool import ToolPool
 
 __all__ = ["SimBatch", "SimEngine", "sim_episode", "sim_episode_role"]
