@@ -7,7 +7,8 @@ through a real `Controller` (real processes, sockets, shared memory, weight sync
 - **sim**: simulation mode's episodes (``sim.episode_turns``, `workers.sim_episode`: the real
   episode rollout role and continuous batcher on a decode loop of modelled cost), long-tailed:
   1-4 turns per episode, per-turn lengths lognormal (median 32 tokens, sigma 1.2, capped at 512),
-  a 20 ms tool call inserting 16 tokens between turns, a 10 ms weight load;
+  a 20 ms tool call inserting 16 tokens between turns, a 10 ms weight load, each rollout
+  worker running ``rollout.tasks_per_worker = "auto"`` tasks at once (4);
 - **real**: the tool recipe (``recipes/tool_cpu.py``) on the real tiny model and its tool
   sandboxes, a handful of steps (``--quick``) or more.
 
@@ -18,7 +19,7 @@ unless named otherwise):
   tasks reported during the run), over the run's wall time;
 - ``engine_batch_occupancy``: decoded sequences per decode forward (the step log's
   ``rollout_decode_rows / rollout_decode_forwards``) over the episodes a rollout worker runs at
-  once (group size × groups per task);
+  once (group size × groups per task × ``rollout.tasks_per_worker``);
 - ``partial_speedup``: the sim workload's mean samples/s with ``partial`` on ÷ off;
   ``partial_speedup_real``: the same on the real model;
 - ``reward_final_partial`` / ``reward_final_full``: the real model's mean reward over its last
