@@ -18,8 +18,10 @@ Sections (each says ``status``: passed, failed, skipped or not built; its second
   not import.
   On CUDA it also puts the engine to sleep and wakes it up (vLLM's sleep mode, what colocated
   mode builds on): the memory freed, the times, and the same generation after.
-- ``colocated``: colocated mode, a trainer step on the device while vLLM sleeps; ``not
-  built`` until colocated mode lands (`check_colocated`, a placeholder).
+- ``colocated``: colocated mode's parts on the device (`check_colocated`): a trainer step
+  whose optimizer state and gradients go to pinned host memory while the HF engine generates
+  with the trainer's own tensors (the same tokens as from a copy), and come back bit for bit.
+  vLLM does not run colocated in this build; its sleep and wake-up are the vllm section's.
 
 ``--cpu`` is the dry run the normal test suite makes (``tests/test_device_check.py``): the
 same code on the CPU with two gloo ranks (bfloat16 passes), vLLM skipped where it does not
@@ -31,6 +33,7 @@ import, so every path this script takes on a device is exercised before a device
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import datetime
 import importlib
@@ -333,11 +336,87 @@ def _sleep_and_wake(engine: Any, prompts: list[list[int]], greedy: Any,
 
 
 def check_colocated(ctx: Context) -> dict[str, Any]:
-    """Colocated mode: the trainer and vLLM on one device, vLLM asleep while the trainer
-    steps. A placeholder that reports ``not built`` until colocated mode is in this tree; its
-    check (a trainer step between vLLM's sleep and wake-up, then generation) replaces it.
-    vLLM's sleep and wake-up themselves are checked in the vllm section on CUDA."""
-    raise NotBuilt("colocated mode is not in this build yet")
+    """Colocated mode's parts on the device, wired as `workers.roles.factory` wires them: a
+    trainer engine and an HF rollout engine over the trainer's module taking turns in one
+    `Phases`. The trainer steps and leaves gradients part-way; switching to generate moves its
+    optimizer state and gradients to (pinned) host memory, the engine serves the trainer's
+    tensors in place and generates what an engine loaded with a copy of them generates;
+    switching back restores them bit for bit and the step finishes. The CPU dry run offloads
+    host to host, so it takes the same path. vLLM does not run colocated in this build
+    (`placement.mode = "colocated"` refuses it); its sleep and wake-up are the vllm section's."""
+    if ctx.model is None:
+        raise Skip("no model (its section failed)")
+    from workers.colocated import Phases, RolloutMemory, TrainerMemory
+    from workers.engines.hf_rollout import HFRolloutEngine
+    from workers.engines.protocols import SamplingParams
+    from workers.engines.torch_trainer import TorchTrainerEngine
+
+    trainer = TorchTrainerEngine(ctx.model, device=None if ctx.device == "cpu" else ctx.device,
+                                 lr=1e-2)
+    device = trainer.device
+    engine = HFRolloutEngine(ctx.model, device=device, model=trainer.model)
+    phases = Phases({"train": TrainerMemory(trainer, offloads=True),
+                     "generate": RolloutMemory(device)})
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]], device=device)
+
+    def backward() -> None:
+        trainer.model.train()
+        trainer.model(input_ids=ids, labels=ids).loss.backward()
+
+    def snapshot() -> dict[str, torch.Tensor]:
+        out = {f"grad.{n}": p.grad.detach().clone() for n, p in trainer.model.named_parameters()
+               if p.grad is not None}
+        for i, state in enumerate(trainer.optimizer.state.values()):
+            out.update({f"state.{i}.{k}": v.clone() for k, v in state.items()
+                        if isinstance(v, torch.Tensor)})
+        return out
+
+    async def turns() -> dict[str, Any]:
+        async with phases.enter("train"):
+            backward()
+            trainer.optimizer.step()  # optimizer state exists from here
+            trainer.optimizer.zero_grad(set_to_none=True)
+            backward()  # a step part-way: its gradients outlive the phase
+            held = snapshot()
+            train_bytes = _device_allocated(device)
+        async with phases.enter("generate"):
+            generate_bytes = _device_allocated(device)
+            engine.serve_in_place(1)
+            in_place = [g.response_ids.tolist() for g in engine.generate(prompts, greedy)]
+            served = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        async with phases.enter("train"):
+            back = snapshot()
+            trainer.optimizer.step()
+        if back.keys() != held.keys() or not all(torch.equal(back[k], held[k]) for k in held):
+            raise RuntimeError("the optimizer state or gradients came back changed")
+        copy = HFRolloutEngine(ctx.model, device=device)
+        copy.load_weights(served, 1)
+        copied = [g.response_ids.tolist() for g in copy.generate(prompts, greedy)]
+        if copied != in_place:
+            raise RuntimeError(f"served in place it generates {in_place}, from a copy of the "
+                               f"same weights {copied}")
+        metrics = phases.take_metrics()
+        return {"switches": int(metrics["phase_switches"]),
+                "switch_ms": round(metrics["phase_switch_ms"], 2),
+                "moved_mb": round(metrics["phase_moved_mb"], 3),
+                "device_mb_train": round(train_bytes / (1 << 20), 2),
+                "device_mb_generate": round(generate_bytes / (1 << 20), 2),
+                "tokens": sum(len(t) for t in in_place),
+                "vllm": "not built: colocated mode serves with the HF engine"}
+
+    return asyncio.run(turns())
+
+
+def _device_allocated(device: torch.device) -> int:
+    """Bytes the accelerator's allocator holds for tensors (0 on the CPU, where host memory is
+    the device's and the phases' RSS says it)."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    if device.type == "npu":
+        return int(torch.npu.memory_allocated(device))  # type: ignore[attr-defined]
+    return 0
 
 
 SECTIONS: tuple[tuple[str, Callable[[Context], dict[str, Any]]], ...] = (

@@ -35,6 +35,7 @@ from flowrl.control.scheduler import Scheduler, find_source_stage
 from flowrl.control.stability import StabilityGuard
 from flowrl.control.step_metrics import FailureBudget, TooManyFailures
 from flowrl.control.store_feed import StoreFeed
+from flowrl.control.trace_recorder import TraceRecorder
 from flowrl.control.versions import Versions
 from flowrl.control.weights import WeightVersions
 from flowrl.control.worker_api import WorkerApi
@@ -47,6 +48,7 @@ from flowrl.pipeline import PipelineSpec
 from flowrl.recipe.stability import StabilityConfig
 from flowrl.registry import Registry, WorkerInfo
 from flowrl.resume import RunState
+from flowrl.run_trace import TraceRecord
 from flowrl.staleness import StalenessGate
 from transport.endpoints import ipc_endpoint, new_run_id, remove_run_dir
 from transport.pubsub import Publisher
@@ -154,6 +156,13 @@ class Controller:
         #: called with each step's line (the launcher prints them, the monitor streams them)
         self.on_step = self.versions.on_step
         self.step_log = self.versions.step_log
+        #: the run's trace for `flowrl.plan` (`--record-trace`, the monitor's export)
+        self.trace = TraceRecorder(
+            stage_roles={s.name: s.role for s in self.graph.order},
+            pools={p.role: p.count for p in spec.pools}, max_staleness=spec.max_staleness,
+            groups_per_step=spec.groups_per_step, group_size=spec.group_size,
+            rollout_role=self.scheduler.source.role, now=time.time())
+        self.on_step.append(lambda e: self.trace.step(e, time.time()))
         #: called with each evaluation round's line (`flowrl.control.evaluation`)
         self.on_eval: list[Callable[[dict[str, Any]], None]] = []
         if self.evaluation is not None:
@@ -422,6 +431,9 @@ class Controller:
     def worker_roles(self) -> list[tuple[str, str]]:
         return [(w.worker_id, w.role) for w in self.registry.all()]
 
+    def plan_trace(self) -> tuple[dict[str, Any], list[TraceRecord]]:
+        return self.trace.header(), list(self.trace.records)
+
     def _log(self) -> Any:
         """The controller's logger with the context every line carries."""
         return log.bind(run_id=self.run_id, role="controller", version=self.version)
@@ -501,6 +513,8 @@ class Controller:
         train = self.scheduler.is_train(task)
         check_report(report, task, self.graph.stage(task.stage), train=train)
         self._finish(a, ok=True)
+        self.trace.task(a.worker, task.stage, len(task.rows), a.started_at, report.lengths,
+                        bool(a.params.get("step_end")), time.time())
         if train:
             try:
                 ready = self.ledger.trained(task, a.params, report.raw)
@@ -545,6 +559,7 @@ class Controller:
     def worker_serves(self, info: WorkerInfo, version: int, interrupted: int = 0,
                       continued: int = 0) -> None:
         info.version = version
+        self.trace.served(info.worker_id, version, time.time())
         if interrupted:  # loaded while tasks ran, which continue under it (rollout.partial)
             detail = {"version": version, "tasks": interrupted, "sequences": continued}
             self.events.emit("interrupted", worker=info.worker_id, **detail)

@@ -1,5 +1,5 @@
 """``python -m flowrl.launch RECIPE.py [--set K=V ...] [--steps N] [--output DIR] [--resume DIR]
-[--overwrite]``
+[--overwrite] [--record-trace FILE]``
 
 Validates the recipe before anything starts (a wrong field fails naming the field and the
 file), builds the tiny model if the recipe asks for one, starts the controller with its node
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flowrl.staleness import describe_staleness
@@ -55,6 +56,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--overwrite", action="store_true",
                    help="start afresh in an output directory that holds another run's results, "
                         "removing them")
+    p.add_argument("--record-trace", metavar="FILE",
+                   help="write the run's trace (task times, response lengths, weight syncs) to "
+                        "FILE when it ends, for the planner: python -m flowrl.plan FILE")
     return p.parse_args(argv)
 
 
@@ -242,7 +246,8 @@ def _main(argv: list[str] | None = None) -> int:
             recipe, on_step=show_step, monitor=not args.no_monitor,
             on_start=_announce_monitor, resume=resume, run_id=run_id,
             overwrite=args.overwrite, progress=progress, interrupts=interrupts,
-            on_eval=show_eval),
+            on_eval=show_eval,
+            record_trace=None if args.record_trace is None else Path(args.record_trace)),
             progress, interrupts, recipe))
     except (OutputInUse, ResumeMismatch) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -257,6 +262,9 @@ def _main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_RUN
     print(json.dumps(summary, default=str))
+    if args.record_trace is not None:
+        print(f"trace saved to {args.record_trace} (plan with: python -m flowrl.plan "
+              f"{args.record_trace} --set max_staleness=0,1,2)", flush=True)
     line, code = _outcome(summary, recipe)
     print(line, file=sys.stderr if code else sys.stdout, flush=True)
     return code

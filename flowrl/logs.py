@@ -26,6 +26,18 @@ LEVEL_ENV = "FLOWRL_LOG_LEVEL"
 FORMAT_ENV = "FLOWRL_LOG_FORMAT"  # "json" or "console"; default: console on a TTY
 
 
+class _CurrentStderr:
+    """Writes to whatever ``sys.stderr`` is when a line is written, not when logging was set
+    up: a caller that swaps stderr (a notebook cell's capture, a test's) and later closes its
+    stream must not leave every later line writing to a closed file."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure(*, level: str | None = None, json_lines: bool | None = None) -> None:
     """Set up structlog for this process (idempotent; safe to call again with new settings)."""
     name = (level or os.environ.get(LEVEL_ENV) or "info").upper()
@@ -45,7 +57,7 @@ def configure(*, level: str | None = None, json_lines: bool | None = None) -> No
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),  # type: ignore[arg-type]
         cache_logger_on_first_use=False,
     )
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import structlog
 
+from flowrl.control.trace_recorder import TraceRecorder
 from flowrl.controller import Controller
 from flowrl.data import scan
 from flowrl.interrupts import Interrupts
@@ -33,6 +34,7 @@ from flowrl.recipe.inputs import check_inputs
 from flowrl.recipe_file import apply_overrides
 from flowrl.resume import STATE_FILE, RunState, latest_checkpoint
 from flowrl.run_output import FINAL_DIR, RunRecord, check_resume, claim, run_dir_of
+from flowrl.run_trace import write_trace
 from flowrl.tiny_model import HeadKind
 from flowrl.tracking import Tracking, check_installed
 from flowrl.worker_spec import ResumeSpec
@@ -263,6 +265,23 @@ def say_saves(entry: dict[str, Any], out: Path, progress: Progress) -> None:
                        entry.get("train_final_s"))
 
 
+def trace_recipe(recipe: Recipe) -> dict[str, Any]:
+    """The recipe as a trace's header keeps it: the fields as given (so that the planner's
+    overrides are judged as the launcher's are), the monitor token left out."""
+    return recipe.model_dump(mode="json", exclude_unset=True, exclude={"monitor": {"token"}})
+
+
+def save_trace(recorder: TraceRecorder, path: Path) -> None:
+    """Write what ``recorder`` kept to ``path``; a failed write is logged, the run's own
+    outcome stands."""
+    try:
+        write_trace(path, recorder.header(), list(recorder.records))
+    except OSError as exc:
+        log.error("trace not saved", path=str(path), error=repr(exc))
+    else:
+        log.info("trace saved", path=str(path), records=len(recorder.records))
+
+
 def check_store_room(recipe: Recipe) -> None:
     """Refuse a store this node's shared memory cannot hold, before anything starts (the node
     agent checks again, on every node, when it creates its store)."""
@@ -281,6 +300,7 @@ async def run_recipe(
     run_id: str | None = None, overwrite: bool = False, progress: Progress | None = None,
     interrupts: Interrupts | None = None,
     on_eval: Callable[[dict[str, Any]], None] | None = None,
+    record_trace: Path | None = None,
 ) -> dict[str, Any]:
     """Train until version ``steps`` (default: the recipe's; given, it replaces the recipe's
     ``steps`` as ``--steps`` does); SIGTERM stops cleanly.
@@ -316,7 +336,8 @@ async def run_recipe(
     reading the data, the workers' start, each save) and what the run did so far; a tiny model
     the cache lacks is built in a child process that stops when the run is cancelled.
     ``interrupts`` learns the run's processes and shared memory, for a forced stop
-    (`flowrl.interrupts`).
+    (`flowrl.interrupts`). ``record_trace``: write the run's trace there when it ends, however
+    it ends (`flowrl.run_trace`; ``python -m flowrl.plan`` replays it).
     """
     if steps is not None and steps != recipe.steps:
         # The trainer's schedule ends, and its final model is written, at the recipe's steps.
@@ -354,6 +375,7 @@ async def run_recipe(
     me = asyncio.current_task()
     loop = asyncio.get_running_loop()
     handled = False
+    recorder: TraceRecorder | None = None
     # Signal handlers can only be installed from the main thread (not in a notebook's helper).
     if me is not None and threading.current_thread() is threading.main_thread():
         loop.add_signal_handler(signal.SIGTERM, me.cancel)
@@ -362,6 +384,8 @@ async def run_recipe(
         async with placed_controller(recipe, spec, monitor=monitor, resume=state,
                                      run_id=run_id, progress=told,
                                      interrupts=interrupts) as ctl:
+            ctl.trace.recipe = trace_recipe(recipe)
+            recorder = ctl.trace
             told.doing, told.step = "training", ctl.version
             if on_start is not None:
                 on_start(ctl)
@@ -388,6 +412,8 @@ async def run_recipe(
     finally:
         if record is not None:
             record.close()
+        if recorder is not None and record_trace is not None:
+            save_trace(recorder, record_trace)
         if handled:
             loop.remove_signal_handler(signal.SIGTERM)
         await tracking.aclose(error)  # last: what else ends cannot wait on a tracker

@@ -298,7 +298,8 @@ def engine_spec(config: EngineSpec | Mapping[str, Any]) -> EngineSpec:
     return config if isinstance(config, EngineSpec) else EngineSpec.model_validate(config)
 
 
-_SimValue = int | float
+#: a cost (a number), or the trace file to draw costs from (a path, or None)
+_SimValue = int | float | str | None
 
 
 class ColocatedSpec(_Spec):

@@ -46,7 +46,12 @@ def test_the_dry_run_on_the_cpu_passes_every_section_it_can_run() -> None:
     if vllm["status"] != "passed":
         assert vllm["status"] == "skipped", vllm
         assert vllm["reason"].startswith(("vllm does not import", "vllm is not installed"))
-    assert sections["colocated"]["status"] == "not built"
+    colocated = sections["colocated"]
+    assert colocated["status"] == "passed", colocated
+    # train → generate → train; optimizer state (two moments) and gradients moved out and back
+    assert colocated["switches"] == 3
+    assert colocated["moved_mb"] > 0
+    assert colocated["tokens"] > 0
 
 
 def _ctx(tmp_path: Path, left_s: float = 60.0) -> Any:
@@ -64,9 +69,12 @@ def test_a_failed_section_is_reported_and_fails_the_check(tmp_path: Path) -> Non
     def absent(ctx: Any) -> dict[str, Any]:
         raise check.Skip("no vllm")
 
+    def unbuilt(ctx: Any) -> dict[str, Any]:
+        raise check.NotBuilt("not in this build")
+
     sections = {"a": check.run_section("a", fine, _ctx(tmp_path)),
                 "b": check.run_section("b", absent, _ctx(tmp_path)),
-                "c": check.run_section("c", check.check_colocated, _ctx(tmp_path))}
+                "c": check.run_section("c", unbuilt, _ctx(tmp_path))}
     assert [s["status"] for s in sections.values()] == ["passed", "skipped", "not built"]
     assert sections["a"]["x"] == 1
     assert check.exit_code(sections) == 0

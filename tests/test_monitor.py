@@ -715,3 +715,27 @@ async def test_the_event_fanout_drops_a_reader_a_whole_ring_behind() -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await task
     assert fanout.read(fanout.start(None)) is None  # closed: readers end
+
+
+async def test_plan_trace_export_needs_the_token_and_reads_as_a_trace(
+        live: Live, tmp_path: Any) -> None:
+    from flowrl.run_trace import read_trace
+
+    async with live.http.get(live.url + "plan-trace") as r:  # loopback, yet refused
+        assert r.status == 401
+        assert await r.text() == "a bearer token is required"
+    async with live.http.get(live.url + "plan-trace", headers=live.auth) as r:
+        assert r.status == 200, await r.text()
+        assert "attachment" in r.headers["Content-Disposition"]
+        body = await r.text()
+    path = tmp_path / "live.trace.jsonl"
+    path.write_text(body)
+    trace = read_trace(path)
+    assert trace.header["pools"] == WORKERS
+    assert {t.role for t in trace.tasks} == set(WORKERS)
+    assert all(len(t.lengths) == t.rows for t in trace.tasks_of("rollout"))
+    assert any(t.step_end for t in trace.tasks_of("train"))
+    assert trace.steps
+    assert trace.syncs
+    html = await (await live.http.get(live.url)).text()
+    assert 'id="export-trace"' in html

@@ -19,13 +19,19 @@ Cost model (all times in seconds):
 With ``episode_turns > 0`` each response is a multi-turn episode with tool calls, run by the
 real episode rollout role on a decode loop of modelled cost (``workers.sim_episode``, which
 states that model); ``partial`` is the recipe's ``rollout.partial``.
+
+With ``trace`` (a recorded run's trace file, `flowrl.run_trace`), task times, response lengths
+and weight loads are drawn from that run instead (`flowrl.trace_costs`, every time multiplied by
+``trace_stretch``); a role the trace has no task of keeps the model above.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import math
 import random
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -35,12 +41,52 @@ from flowrl import messages as m
 from workers.runtime import Role, RoleOutput
 from workers.sim_cost import SimCost
 
-__all__ = ["SIM_ROLES", "SimCost", "SimCritic", "SimReference", "SimReward", "SimRollout",
-           "SimTrainer", "sim_rollout"]
-
 
 def _lengths_of(values: list[Any]) -> list[int]:
     return [int(t.numel()) for t in values]
+
+
+class Overhead:
+    """What a worker spends on a task besides its role's work: reading the inputs, writing
+    the outputs, the report and the next poll.
+
+    A recorded task's time includes it, and so does a replayed one's, so a replay waits the
+    recorded time less this. It is the gap between one task's end and the next one's start
+    while tasks queue (the low end of the recent gaps: a longer gap is a wait for work).
+    """
+
+    KEEP = 64
+
+    def __init__(self) -> None:
+        self._gaps: collections.deque[float] = collections.deque(maxlen=self.KEEP)
+        self._ended = 0.0
+
+    def started(self) -> float:
+        now = time.perf_counter()
+        if self._ended:
+            self._gaps.append(now - self._ended)
+        return self.estimate()
+
+    def ended(self) -> None:
+        self._ended = time.perf_counter()
+
+    def estimate(self) -> float:
+        if len(self._gaps) < 4:
+            return 0.0
+        return sorted(self._gaps)[len(self._gaps) // 5]
+
+
+async def _work(role: str, rows: int, rng: random.Random, cost: SimCost, modelled: float,
+                overhead: Overhead, *, step_end: bool = False) -> None:
+    """Wait as long as the trace says a task of ``role`` takes (less the worker's own
+    overhead, which the recorded time includes), else ``modelled`` seconds."""
+    replay = cost.replay()
+    drawn = None if replay is None else replay.task_s(role, rows, rng, step_end=step_end)
+    spent = overhead.started()
+    try:
+        await asyncio.sleep(modelled if drawn is None else max(0.0, drawn - spent))
+    finally:
+        overhead.ended()
 
 
 class SimRollout:
@@ -50,9 +96,14 @@ class SimRollout:
         self.cost = cost
         self.rng = random.Random(seed)
         self.version = 0
+        self.overhead = Overhead()
 
     def _length(self) -> int:
         c = self.cost
+        replay = c.replay()
+        recorded = None if replay is None else replay.length(self.rng)
+        if recorded is not None:
+            return max(1, min(c.max_new_tokens, recorded))
         draw = round(math.exp(self.rng.gauss(c.log_mean, c.log_sigma)))
         return max(1, min(c.max_new_tokens, draw))
 
@@ -60,7 +111,8 @@ class SimRollout:
         c = self.cost
         version = self.version
         lengths = [self._length() for _ in task["rows"]]
-        await asyncio.sleep(c.rollout_base_s + max(lengths) * c.rollout_token_s)
+        await _work("rollout", len(lengths), self.rng, c,
+                    c.rollout_base_s + max(lengths) * c.rollout_token_s, self.overhead)
         prompt = torch.zeros(c.prompt_len, dtype=torch.int64)
         return RoleOutput(
             fields={
@@ -74,8 +126,11 @@ class SimRollout:
         )
 
     async def load_version(self, version: int, weights: dict[str, torch.Tensor]) -> None:
-        if self.cost.weight_load_s:
-            await asyncio.sleep(self.cost.weight_load_s)
+        replay = self.cost.replay()
+        recorded = None if replay is None else replay.sync_s(self.rng)
+        wait = self.cost.weight_load_s if recorded is None else recorded
+        if wait:
+            await asyncio.sleep(wait)
         self.version = version
 
 
@@ -87,10 +142,13 @@ class SimReward:
 
     def __init__(self, cost: SimCost, seed: int) -> None:
         self.cost = cost
+        self.rng = random.Random(seed)
+        self.overhead = Overhead()
 
     async def run(self, task: m.TaskMsg, inputs: dict[str, list[Any]]) -> RoleOutput:
         lengths = _lengths_of(inputs["response_ids"])
-        await asyncio.sleep(sum(lengths) * self.cost.reward_token_s)
+        await _work("reward", len(lengths), self.rng, self.cost,
+                    sum(lengths) * self.cost.reward_token_s, self.overhead)
         return RoleOutput(fields={"reward": [1.0 / (1 + n) for n in lengths]})
 
     async def load_version(self, version: int, weights: dict[str, torch.Tensor]) -> None:
@@ -103,10 +161,13 @@ class SimReference:
 
     def __init__(self, cost: SimCost, seed: int) -> None:
         self.cost = cost
+        self.rng = random.Random(seed)
+        self.overhead = Overhead()
 
     async def run(self, task: m.TaskMsg, inputs: dict[str, list[Any]]) -> RoleOutput:
         lengths = _lengths_of(inputs["response_ids"])
-        await asyncio.sleep(sum(lengths) * self.cost.reference_token_s)
+        await _work("reference", len(lengths), self.rng, self.cost,
+                    sum(lengths) * self.cost.reference_token_s, self.overhead)
         return RoleOutput(fields={"ref_logprobs": [torch.full((n,), -1.0) for n in lengths]})
 
     async def load_version(self, version: int, weights: dict[str, torch.Tensor]) -> None:
@@ -121,10 +182,13 @@ class SimCritic:
 
     def __init__(self, cost: SimCost, seed: int) -> None:
         self.cost = cost
+        self.rng = random.Random(seed)
+        self.overhead = Overhead()
 
     async def run(self, task: m.TaskMsg, inputs: dict[str, list[Any]]) -> RoleOutput:
         lengths = _lengths_of(inputs["response_ids"])
-        await asyncio.sleep(sum(lengths) * self.cost.critic_token_s)
+        await _work("critic", len(lengths), self.rng, self.cost,
+                    sum(lengths) * self.cost.critic_token_s, self.overhead)
         rewards = [float(r) for r in inputs["reward"]]
         return RoleOutput(fields={
             "values": [torch.zeros(n) for n in lengths],
@@ -142,14 +206,18 @@ class SimTrainer:
     def __init__(self, cost: SimCost, seed: int) -> None:
         self.cost = cost
         self.version = 0
+        self.rng = random.Random(seed)
+        self.overhead = Overhead()
 
     async def run(self, task: m.TaskMsg, inputs: dict[str, list[Any]]) -> RoleOutput:
         c = self.cost
         tokens = sum(_lengths_of(inputs["response_ids"]))
-        await asyncio.sleep(tokens * c.train_token_s)
+        step_end = bool(task["params"].get("step_end"))
+        await _work("train", len(task["rows"]), self.rng, c,
+                    tokens * c.train_token_s + (c.train_step_s if step_end else 0.0),
+                    self.overhead, step_end=step_end)
         out = RoleOutput(fields={}, metrics={"tokens": float(tokens)})
-        if task["params"].get("step_end"):
-            await asyncio.sleep(c.train_step_s)
+        if step_end:
             self.version += 1
             out.version = self.version
             out.weights = {"w": torch.full((c.weight_numel,), float(self.version))}

@@ -1,13 +1,15 @@
-"""The simulated workers' cost model (`workers.sim` states it): its own module, so that
-`workers.sim_episode` reads it without importing `workers.sim`, which loads that module."""
+"""The cost model of simulated workers (`workers.sim`, `workers.sim_episode`): a recipe's
+``sim`` section as the workers read it from their spec."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["SimCost"]
+from flowrl.run_trace import read_trace
+from flowrl.trace_costs import TraceCosts
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,14 @@ class SimCost:
     decode_row_s: float = 0.0
     max_running: int = 256
     partial: bool = False
+    #: a recorded run's trace to draw times and lengths from (None: the model above)
+    trace: str | None = None
+    #: multiplies every time drawn from the trace (CPU contention the recorded run did not have)
+    trace_stretch: float = 1.0
+
+    def replay(self) -> TraceCosts | None:
+        """The trace's costs, read once per process; None without a trace."""
+        return None if self.trace is None else _trace_costs(self.trace, self.trace_stretch)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SimCost:
@@ -41,3 +51,8 @@ class SimCost:
         if unknown:
             raise ValueError(f"unknown simulation cost field(s): {sorted(unknown)}")
         return cls(**values)
+
+
+@functools.cache
+def _trace_costs(path: str, stretch: float) -> TraceCosts:
+    return TraceCosts(read_trace(path), stretch=stretch)

@@ -13,6 +13,9 @@ Endpoints (all in the controller's own event loop; every handler is O(snapshot),
 - ``GET /trace[?window=S][&after=US]`` — Chrome trace-event JSON of the kept spans that ended
   (and marks made) in the last ``S`` seconds and after ``US`` (a ``ts`` in microseconds, e.g.
   the previous answer's ``otherData.now_us``, so a poller fetches only what is new);
+- ``GET /plan-trace`` — the run's trace so far (`flowrl.run_trace`, JSON lines, as a file
+  download) for ``python -m flowrl.plan``; it holds the recipe, so it always requires the
+  bearer token, on loopback too;
 - ``POST /pause``, ``POST /resume``, ``POST /stop``, ``POST /staleness`` (JSON
   ``{"max_staleness": n}``) — require ``Authorization: Bearer <token>``; 401 without it
   ("a bearer token is required") or with another token ("invalid token").
@@ -54,6 +57,7 @@ from flowrl.monitor.fanout import KEEPALIVE, EventFanout
 from flowrl.monitor.limits import BoundedSite, ConnectionLimits
 from flowrl.monitor.metrics import CONTENT_TYPE, ControllerMetrics
 from flowrl.monitor.trace import chrome_trace, recent_marks, recent_spans
+from flowrl.run_trace import trace_lines
 from transport.errors import BindRefused
 
 if TYPE_CHECKING:
@@ -195,6 +199,7 @@ class MonitorServer:
         app.router.add_get("/metrics", self._metrics_text)
         app.router.add_get("/events", self._events)
         app.router.add_get("/trace", self._trace)
+        app.router.add_get("/plan-trace", self._plan_trace)
         app.router.add_post("/pause", self._control(lambda _: self._run.pause()))
         app.router.add_post("/resume", self._control(lambda _: self._run.resume()))
         app.router.add_post("/stop", self._control(lambda _: self._run.stop()))
@@ -260,7 +265,9 @@ class MonitorServer:
             raise web.HTTPMisdirectedRequest(text="this monitor answers loopback host names only")
         read = request.method in ("GET", "HEAD")
         public = request.path == "/" or request.path.startswith("/static/")
-        if not (public or (read and self.loopback)):
+        # The run's trace carries its recipe: only a token holder may take it away.
+        open_read = read and self.loopback and request.path != "/plan-trace"
+        if not (public or open_read):
             bearer = self._bearer(request)
             if bearer is None:
                 raise web.HTTPUnauthorized(
@@ -319,6 +326,13 @@ class MonitorServer:
         body = await asyncio.to_thread(_render_trace, spans, bus.t0, roles, workers, other,
                                        marks)
         return web.Response(text=body, content_type="application/json", headers=_NO_STORE)
+
+    async def _plan_trace(self, request: web.Request) -> web.Response:
+        head, records = self._run.plan_trace()  # a snapshot in the loop; encoded in a thread
+        body = await asyncio.to_thread(lambda: "".join(trace_lines(head, records)))
+        name = f"flowrl-{self._run.run_id}.trace.jsonl"
+        return web.Response(text=body, content_type="application/x-ndjson", headers={
+            **_NO_STORE, "Content-Disposition": f'attachment; filename="{name}"'})
 
     async def _events(self, request: web.Request) -> web.StreamResponse:
         last_id = _event_id(request.query.get("last_id"), "last_id")

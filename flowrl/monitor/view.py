@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from flowrl.events import EventBus
+    from flowrl.run_trace import TraceRecord
 
 __all__ = ["RunView"]
 
@@ -45,6 +46,11 @@ class RunView(Protocol):
 
     def worker_roles(self) -> list[tuple[str, str]]:
         """``(worker id, role)`` of every registered worker (the trace's lanes)."""
+        ...
+
+    def plan_trace(self) -> tuple[dict[str, Any], list[TraceRecord]]:
+        """The run's trace so far (`flowrl.run_trace`: its header and records), for
+        ``GET /plan-trace``; a snapshot, cheap enough for the event loop."""
         ...
 
     def status(self) -> dict[str, Any]:

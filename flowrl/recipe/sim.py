@@ -58,6 +58,11 @@ class SimConfig(_Section):
     """Decode-step cost per running sequence, on top of `rollout_token_s` (episodes only)."""
     max_running: int = Field(default=256, ge=1, le=1 << 20)
     """Sequences a rollout worker's running batch holds at most (episodes only)."""
+    trace: str | None = None
+    """A recorded run's trace file (``--record-trace``): task times, response lengths and weight
+    loads are drawn from it instead of the costs above (``python -m flowrl.plan`` sets it)."""
+    trace_stretch: float = Field(default=1.0, gt=0.0, le=1000.0)
+    """Multiplies every time drawn from ``trace`` (the planner's CPU-contention factor)."""
 
     @model_validator(mode="after")
     def _episode_fields(self) -> SimConfig:

@@ -400,7 +400,25 @@ async function control(path, body) {
   else if (!r.ok) alert(await r.text());
 }
 
+// The run's trace for the planner (python -m flowrl.plan): fetched with the token, saved as a file.
+async function exportTrace() {
+  if (!state.token) {
+    state.token = window.prompt("monitor token (printed when the run started)") || "";
+    if (!state.token) return;
+  }
+  const r = await fetch("plan-trace", {headers: headers()});
+  if (r.status === 401) { state.token = ""; alert("wrong token"); return; }
+  if (!r.ok) { alert(await r.text()); return; }
+  const name = (/filename="([^"]+)"/.exec(r.headers.get("Content-Disposition") || "") || [])[1];
+  const a = document.createElement("a");
+  a.href = URL.createObjectURL(await r.blob());
+  a.download = name || "flowrl.trace.jsonl";
+  a.click();
+  URL.revokeObjectURL(a.href);
+}
+
 el("pause").onclick = () => control("pause");
+el("export-trace").onclick = exportTrace;
 el("resume").onclick = () => control("resume");
 el("set-staleness").onclick = () =>
   control("staleness", {max_staleness: parseInt(el("staleness").value, 10)});

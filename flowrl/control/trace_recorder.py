@@ -1,0 +1,71 @@
+"""The run's trace, kept as the controller sees it (`flowrl.run_trace` says the format).
+
+Fed from what the controller handles anyway: a task's report (its worker, rows, the response
+lengths it carries), a step's commit and a worker's ``served``, so recording asks nothing new of
+the workers. A worker may hold a task in its queue while it runs the one before (prefetch), so a
+task's time is counted from when the worker took it or finished its previous task, whichever is
+later. The newest ``keep`` records are kept (bounded memory on a long run).
+
+Pure: no sockets; callers pass ``now`` (wall-clock seconds).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Mapping
+from typing import Any
+
+from flowrl.run_trace import StepRecord, SyncRecord, TaskRecord, TraceRecord, header
+
+__all__ = ["TraceRecorder"]
+
+
+class TraceRecorder:
+    def __init__(self, *, stage_roles: Mapping[str, str], pools: Mapping[str, int],
+                 max_staleness: int, groups_per_step: int, group_size: int,
+                 rollout_role: str, now: float, keep: int = 200_000) -> None:
+        self.stage_roles = dict(stage_roles)
+        self.pools = dict(pools)
+        self.max_staleness = max_staleness
+        self.groups_per_step = groups_per_step
+        self.group_size = group_size
+        self.rollout_role = rollout_role
+        #: the recipe's fields as given (set by whoever started the run from a recipe)
+        self.recipe: dict[str, Any] | None = None
+        self.t0 = now
+        self.records: collections.deque[TraceRecord] = (
+            collections.deque(maxlen=keep))
+        self._last_end: dict[str, float] = {}
+        self._published: dict[int, float] = {}
+
+    def task(self, worker: str, stage: str, rows: int, started_at: float,
+             lengths: list[int], step_end: bool, now: float) -> None:
+        """A task reported done; ``started_at``: when its worker took it (0.0: unknown)."""
+        role = self.stage_roles.get(stage, stage)
+        begun = max(started_at or now, self._last_end.get(worker, 0.0))
+        self._last_end[worker] = now
+        self.records.append(TaskRecord(
+            stage, role, worker, rows, now - self.t0, max(0.0, now - begun),
+            tuple(lengths) if role == self.rollout_role else (), step_end))
+
+    def step(self, entry: Mapping[str, Any], now: float) -> None:
+        """A step's line (an ``on_step`` callback): its version is published now."""
+        version = int(entry["step"])
+        self._published[version] = now
+        self.records.append(StepRecord(version, now - self.t0, int(entry.get("samples", 0))))
+
+    def served(self, worker: str, version: int, now: float) -> None:
+        """``worker`` loaded ``version``: it could start once the version was published and
+        its last task was done."""
+        published = self._published.get(version)
+        if published is None:  # the start's version, or one published before recording
+            return
+        begun = max(published, self._last_end.get(worker, 0.0))
+        self.records.append(SyncRecord(worker, version, now - self.t0, max(0.0, now - begun)))
+        # Versions every worker has loaded are no longer needed to time a sync.
+        for v in [v for v in self._published if v < version - 8]:
+            del self._published[v]
+
+    def header(self) -> dict[str, Any]:
+        return header(recipe=self.recipe, pools=self.pools, max_staleness=self.max_staleness,
+                      groups_per_step=self.groups_per_step, group_size=self.group_size)
