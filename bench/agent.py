@@ -7,7 +7,8 @@ through a real `Controller` (real processes, sockets, shared memory, weight sync
 - **sim**: simulation mode's episodes (``sim.episode_turns``, `workers.sim_episode`: the real
   episode rollout role and continuous batcher on a decode loop of modelled cost), long-tailed:
   1-4 turns per episode, per-turn lengths lognormal (median 32 tokens, sigma 1.2, capped at 512),
-  a 20 ms tool call inserting 16 tokens between turns, a 10 ms weight load;
+  a 20 ms tool call inserting 16 tokens between turns, a 10 ms weight load, each rollout
+  worker running ``rollout.tasks_per_worker = "auto"`` tasks at once (4);
 - **real**: the tool recipe (``recipes/tool_cpu.py``) on the real tiny model and its tool
   sandboxes, a handful of steps (``--quick``) or more.
 
@@ -18,14 +19,14 @@ unless named otherwise):
   tasks reported during the run), over the run's wall time;
 - ``engine_batch_occupancy``: decoded sequences per decode forward (the step log's
   ``rollout_decode_rows / rollout_decode_forwards``) over the episodes a rollout worker runs at
-  once (group size × groups per task);
+  once (group size × groups per task × ``rollout.tasks_per_worker``);
 - ``partial_speedup``: the sim workload's mean samples/s with ``partial`` on ÷ off;
   ``partial_speedup_real``: the same on the real model;
 - ``reward_final_partial`` / ``reward_final_full``: the real model's mean reward over its last
   10 steps (`bench.learning.first_and_final`) with ``partial`` on / off;
-- ``sim.4_tasks.partial_speedup`` (full run only): ``partial_speedup`` where each rollout
-  worker runs 4 tasks at once (a compiled-spec change, `tasks_per_worker`; a recipe's workers
-  run one), so its running batch holds several groups' episodes;
+- ``sim.1_task.partial_speedup`` (full run only): ``partial_speedup`` where each rollout
+  worker runs one task at a time (``rollout.tasks_per_worker = 1``; the sim workload's own is
+  ``"auto"``, 4 here), so its running batch drains to a group's tail at every task's end;
 - ``sim`` and ``real``: each run's figures, listed under ``off`` and ``on``
   (``samples_per_s``, ``wall_s``, ``stale_dropped``, ``interrupted_episodes``, the rates
   above, ``reward_final``), and the workload's ``partial_speedup``; ``load_before`` /
@@ -38,14 +39,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import math
 import os
 import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -55,9 +55,6 @@ from bench.runner import run_and_print
 from flowrl.logs import configure
 from flowrl.recipe import Recipe
 from flowrl.recipe_file import apply_overrides, load_recipe
-
-if TYPE_CHECKING:
-    from flowrl.pipeline import PipelineSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL_RECIPE = ROOT / "recipes" / "tool_cpu.py"
@@ -70,14 +67,16 @@ SIM: dict[str, Any] = {
     "reference_token_s": 0.0, "reward_token_s": 0.0}
 
 
-def sim_recipe(steps: int, partial: bool) -> Recipe:
+def sim_recipe(steps: int, partial: bool, tasks: int | str = "auto") -> Recipe:
     """The simulated episode workload: 4 rollout workers (one process), groups of 8, 8 groups
-    per step, staleness 1."""
+    per step, staleness 1; ``tasks``: ``rollout.tasks_per_worker`` ("auto": 4 here, every
+    group the staleness bound lets run at once)."""
     from flowrl import AlgorithmConfig, RolloutConfig, SimConfig, TrainerConfig
 
     return Recipe(
         steps=steps, max_staleness=1, algorithm=AlgorithmConfig(group_size=8),
-        rollout=RolloutConfig(engine="sim", workers=4, max_new_tokens=512, partial=partial),
+        rollout=RolloutConfig(engine="sim", workers=4, max_new_tokens=512, partial=partial,
+                              tasks_per_worker=tasks),
         trainer=TrainerConfig(groups_per_step=8, micro_batch_groups=2),
         sim=SimConfig(**SIM))
 
@@ -107,22 +106,11 @@ def run_figures(summary: dict[str, Any], log: list[dict[str, Any]], capacity: in
     }
 
 
-def tasks_per_worker(tasks: int) -> Callable[[PipelineSpec], PipelineSpec]:
-    """A compiled spec whose rollout workers each run ``tasks`` tasks at once (one running
-    batch for all their episodes); a recipe's run one."""
-
-    def adjust(spec: PipelineSpec) -> PipelineSpec:
-        pools = tuple(dataclasses.replace(p, capacity=tasks) if p.role == "rollout" else p
-                      for p in spec.pools)
-        return dataclasses.replace(spec, pools=pools)
-
-    return adjust
-
-
-async def measure(recipe: Recipe, tasks: int = 1) -> dict[str, Any]:
+async def measure(recipe: Recipe) -> dict[str, Any]:
     before = load_average()
-    summary, log = await run_logged(recipe, adjust=tasks_per_worker(tasks) if tasks > 1 else None)
-    capacity = recipe.algorithm.group_size * recipe.rollout.groups_per_task * tasks
+    summary, log = await run_logged(recipe)
+    capacity = (recipe.algorithm.group_size * recipe.rollout.groups_per_task
+                * recipe.rollout_tasks_per_worker)
     return {**run_figures(summary, log, capacity), "load_before": before,
             "load_after": load_average()}
 
@@ -137,25 +125,23 @@ def mean_of(runs: list[dict[str, Any]], key: str) -> float:
     return round(statistics.fmean(float(r[key]) for r in runs), 4)
 
 
-async def pairs(make: Callable[[bool], Recipe], repeats: int, tasks: int = 1
-                ) -> dict[str, Any]:
+async def pairs(make: Callable[[bool], Recipe], repeats: int) -> dict[str, Any]:
     """``repeats`` runs of ``make(partial)`` each way, ordered off-on, on-off, ... (a load that
     drifts across the runs weighs on both sides alike); their figures and ``partial_speedup``."""
     runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
     for r in range(repeats):
         for partial in ((False, True) if r % 2 == 0 else (True, False)):
-            runs["on" if partial else "off"].append(await measure(make(partial), tasks))
+            runs["on" if partial else "off"].append(await measure(make(partial)))
     return {**runs, "partial_speedup": speedup(runs["on"], runs["off"])}
 
 
 async def main_async(quick: bool, repeats: int) -> dict[str, Any]:
     from flowrl.run import prepare_model
 
-    sim_steps, real_steps = (3, 3) if quick else (20, 40)
+    sim_steps, real_steps = (3, 2) if quick else (20, 40)
     sim = await pairs(lambda partial: sim_recipe(sim_steps, partial), repeats)
-    if not quick:  # what partial buys where a worker's batch holds several tasks' episodes
-        sim["4_tasks"] = await pairs(lambda partial: sim_recipe(sim_steps, partial), repeats,
-                                     tasks=4)
+    if not quick:  # the same where each worker runs one task at a time: its batch drains
+        sim["1_task"] = await pairs(lambda partial: sim_recipe(sim_steps, partial, 1), repeats)
     tool = load_recipe(TOOL_RECIPE, [f"steps={real_steps}"])
     await asyncio.to_thread(prepare_model, tool)  # built once (cached after), not timed
     real = await pairs(lambda partial: apply_overrides(

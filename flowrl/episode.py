@@ -51,6 +51,7 @@ from flowrl.reward_fn import RewardFnError, resolve_reward_fn
 
 __all__ = [
     "INSERTED_VERSION",
+    "MAX_RUNNING",
     "EndpointAccess",
     "EpisodeError",
     "EpisodeFn",
@@ -68,6 +69,9 @@ __all__ = [
 
 #: the policy version recorded for an inserted token (no policy produced it)
 INSERTED_VERSION = -1
+
+#: sequences an episode rollout worker's running batch holds at most (its batcher's limit)
+MAX_RUNNING = 256
 
 
 class EpisodeError(RuntimeError):

@@ -177,3 +177,53 @@ async def test_a_simulated_agentic_run_with_partial_rollout_gives_the_bench_figu
     assert got["tool_calls_per_s"] > 0
     assert 0.0 < got["engine_batch_occupancy"] <= 1.0
     assert got["stale_dropped"] == 0
+
+
+def test_rollout_tasks_per_worker_is_validated_and_compiled() -> None:
+    def capacity(r: Recipe) -> int:
+        return next(p.capacity for p in r.to_pipeline().pools if p.role == "rollout")
+
+    for bad in (0, 4097, "all"):
+        with pytest.raises(ValidationError, match="tasks_per_worker"):
+            RolloutConfig(tasks_per_worker=bad)
+    # A single-completion rollout worker runs one task at a time: more is refused, by name.
+    with pytest.raises(ValidationError, match=r"rollout\.tasks_per_worker: a single-completion"):
+        Recipe(steps=1, rollout=RolloutConfig(engine="sim", tasks_per_worker=2))
+    assert capacity(Recipe(steps=1, rollout=RolloutConfig(engine="sim",
+                                                          tasks_per_worker="auto"))) == 1
+    assert capacity(agent.sim_recipe(2, partial=False, tasks=3)) == 3
+    # auto: every group the staleness bound lets run at once, (1 + 1) x 8 over 4 workers...
+    auto = agent.sim_recipe(2, partial=True)
+    assert auto.rollout.tasks_per_worker == "auto"
+    assert auto.rollout_tasks_per_worker == capacity(auto) == 4
+    # ... but no more than the running batch holds (16 sequences: two tasks of 8).
+    small = auto.model_copy(update={"sim": auto.sim.model_copy(update={"max_running": 16})})
+    assert small.rollout_tasks_per_worker == 2
+    assert capacity(agent.sim_recipe(2, partial=True, tasks=1)) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_a_worker_of_several_tasks_batches_them_and_drains_before_a_load() -> None:
+    from flowrl import AlgorithmConfig, TrainerConfig
+    from flowrl.controller import Controller
+
+    steps, group = 3, 4
+    r = Recipe(
+        steps=steps, max_staleness=1, algorithm=AlgorithmConfig(group_size=group),
+        rollout=RolloutConfig(engine="sim", workers=1, max_new_tokens=64, tasks_per_worker=4),
+        trainer=TrainerConfig(groups_per_step=4, micro_batch_groups=2),
+        sim=SimConfig(prompt_len=4, episode_turns=2, log_mean=math.log(16), log_sigma=1.0,
+                      tool_s=0.005, tool_tokens=2, rollout_token_s=0.001, weight_load_s=0.01))
+    async with Controller(r.to_pipeline()) as ctl:
+        out = await ctl.run(steps=steps, timeout_s=100)
+    assert out["version"] == steps
+    log = ctl.step_log
+    rows = sum(e.get("rollout_decode_rows", 0.0) for e in log)
+    forwards = sum(e.get("rollout_decode_forwards", 0.0) for e in log)
+    # One running batch for several tasks' episodes: more rows per decode than a task has.
+    assert rows / forwards > group
+    # partial off: the worker loaded every version with no task running (it admitted none
+    # while the version waited), so no episode spans two versions.
+    assert not [e for e in ctl.events.recent if e["kind"] == "interrupted"]
+    assert sum(e.get("rollout_interrupted_episodes", 0.0) for e in log) == 0

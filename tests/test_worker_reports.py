@@ -96,7 +96,7 @@ class Script:
 
 @asynccontextmanager
 async def worker_against(
-    script: Script, role: Any = None
+    script: Script, role: Any = None, capacity: int = 1
 ) -> AsyncIterator[tuple[Worker, asyncio.Task[None]]]:
     run_id = new_run_id()
     run_dir(run_id)
@@ -108,7 +108,8 @@ async def worker_against(
         script.publisher = pub
         config = WorkerConfig(name="reward.0", role="reward", node="node0",
                               controller=server.endpoint, broadcast=pub.endpoint,
-                              heartbeat_s=5.0, poll_s=5.0, rpc_timeout_s=5.0)
+                              heartbeat_s=5.0, poll_s=5.0, rpc_timeout_s=5.0,
+                              capacity=capacity)
         store = StoreClient(run_id, "node0", ipc_endpoint(run_id, "store"))  # never used
         worker = Worker(config, role or Echo(), store)
         running = asyncio.create_task(worker.run())
@@ -200,3 +201,72 @@ async def test_an_interruptible_role_loads_a_version_while_its_task_runs() -> No
         await script.until(lambda: ("get_task", 1) in script.calls and script.served)
         assert worker.version == 1
     assert script.served == [{"version": 1, "interrupted": 1, "continued": 3}]
+
+
+class Gate(asyncio.Event):
+    """The worker's admission gate, seen from outside: ``closed`` is set once it closes (a
+    version waits to load), ``blocking`` once a task waits at it closed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.set()
+        self.closed = asyncio.Event()
+        self.blocking = asyncio.Event()
+
+    def clear(self) -> None:
+        super().clear()
+        self.closed.set()
+
+    async def wait(self) -> bool:
+        if not self.is_set():
+            self.blocking.set()
+        return await super().wait()
+
+
+class Exclusive(Echo):
+    """A rollout that loads a version only with no task running (``rollout.partial`` off);
+    task 1 runs until released. Keeps the order of what happened."""
+
+    loads_weights = True
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, int]] = []
+        self.started = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def run(self, task: m.TaskMsg, inputs: dict[str, list[Any]]) -> RoleOutput:
+        self.log.append(("start", task["task_id"]))
+        self.started.set()
+        if task["task_id"] == 1:
+            await self.release.wait()
+        self.log.append(("end", task["task_id"]))
+        return await super().run(task, inputs)
+
+    async def load_version(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        self.log.append(("load", version))
+
+
+async def test_a_worker_of_several_tasks_admits_none_while_a_version_waits() -> None:
+    # Two pull loops: the second one's task arrives while a version waits for the first task.
+    # Started, it would keep the worker busy (and a stream of them, never idle to load).
+    script = Script()
+    script.fail_first_report = False
+    role = Exclusive()
+    async with worker_against(script, role, capacity=2) as (worker, _):
+        gate = Gate()
+        worker._gate = gate
+        script.tasks.put_nowait(task(1))
+        await role.started.wait()
+        assert script.publisher is not None
+        await script.publisher.publish(m.TOPIC_VERSION, {"version": 1, "weights": {}})
+        async with asyncio.timeout(10):
+            await gate.closed.wait()
+            script.tasks.put_nowait(task(2))
+            await gate.blocking.wait()  # task 2 is held, not started
+        assert role.log == [("start", 1)]
+        role.release.set()
+        await script.until(lambda: ("get_task", 2) in script.calls)
+        assert worker.version == 1
+    # Task 1 ended, the version loaded with nothing running, then task 2 ran under it.
+    assert role.log == [("start", 1), ("end", 1), ("load", 1), ("start", 2), ("end", 2)]
+    assert script.served == [{"version": 1}]

@@ -11,7 +11,9 @@ A worker registers (role, node, capacity), then runs three owned loops until sto
 - *broadcast*: listens for new policy versions and for ``stop``.
 
 A new policy version is applied at a safe point: new tasks wait while the role loads the weights,
-and loading waits for tasks in flight to finish, so no task ever sees two versions. A role that
+and loading waits for tasks in flight to finish, so no task ever sees two versions. New tasks
+wait from the moment the version arrives: a worker of several tasks at once (``capacity``) that
+went on starting them might never be idle to load it. A role that
 sets ``interruptible`` (episodes with ``rollout.partial``) loads it while its tasks run, between
 two decode steps, and says how many running sequences continue under it: the ``served`` report
 then carries how many tasks were running (``interrupted``) and that count (``continued``).

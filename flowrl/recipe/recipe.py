@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
+from flowrl.episode import MAX_RUNNING
 from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages, ppo_stages
 from flowrl.recipe.algorithm import (
     DEFAULT_TIS_CAP,
@@ -188,6 +189,12 @@ class Recipe(_Section):
             if self.rollout.endpoint:
                 raise _rule("rollout.endpoint", "the endpoint serves episodes: name the agent "
                             "loop that uses it in rollout.episode")
+            tasks = self.rollout.tasks_per_worker
+            if not self.sim_episodes and isinstance(tasks, int) and tasks > 1:
+                raise _rule("rollout.tasks_per_worker", "a single-completion rollout worker "
+                            "runs one task at a time (its engine generates a task's groups in "
+                            "one call): more than 1 needs episodes (rollout.episode, or with "
+                            "rollout.engine 'sim' sim.episode_turns > 0)")
             for name in ("tools", "max_turns", "max_episode_tokens"):
                 if name in self.rollout.model_fields_set and getattr(self.rollout, name):
                     raise _rule(f"rollout.{name}", "only episodes call tools and take turns: "
@@ -288,6 +295,20 @@ class Recipe(_Section):
         return self.rollout.engine == "sim" and self.sim.episode_turns > 0
 
     @property
+    def rollout_tasks_per_worker(self) -> int:
+        """`RolloutConfig.tasks_per_worker` resolved: tasks one rollout worker runs at once."""
+        r = self.rollout
+        if not (r.episode is not None or self.sim_episodes):
+            return 1
+        if isinstance(r.tasks_per_worker, int):
+            return r.tasks_per_worker
+        rows = self.algorithm.group_size * r.groups_per_task
+        running = self.sim.max_running if self.sim_episodes else MAX_RUNNING
+        in_flight = (self.max_staleness + 1) * self.trainer.groups_per_step
+        per_worker = math.ceil(in_flight / (r.groups_per_task * r.workers))
+        return max(1, min(running // rows, per_worker))
+
+    @property
     def uses_critic(self) -> bool:
         """Whether the run has a critic stage (PPO)."""
         return self.algorithm.name == "ppo"
@@ -314,7 +335,7 @@ class Recipe(_Section):
         episode = self.rollout.episode is not None or self.sim_episodes
         pools = [
             PoolSpec("rollout", count=self.rollout.workers, per_process=rollout_per_process,
-                     threads=self.rollout.threads),
+                     capacity=self.rollout_tasks_per_worker, threads=self.rollout.threads),
         ]
         if not episode:  # an episode scores itself
             pools.append(PoolSpec("reward", count=self.reward.workers,

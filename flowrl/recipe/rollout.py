@@ -74,6 +74,21 @@ class RolloutConfig(_Section):
     version loads it at the next decode step instead of waiting for its running episodes, and
     continues every running sequence under it, its tokens kept (each records the version that
     produced it). A row's version, for the staleness bound, is its oldest token's."""
+    tasks_per_worker: int | Literal["auto"] = 1
+    """Rollout tasks one episode rollout worker runs at once (each ``groups_per_task`` groups),
+    their episodes all in its engine's one running batch, so that the batch does not drain to a
+    group's long tail at every task's end. ``"auto"``: enough to fill the running batch
+    (``sim.max_running`` in simulation, else `flowrl.episode.MAX_RUNNING` sequences), but no
+    more than the run has groups in flight per worker (``(max_staleness + 1) ×
+    groups_per_step`` over ``workers``). Episodes only: single-completion rollout (no
+    ``episode``) runs one task at a time, and ``"auto"`` is then 1."""
+
+    @field_validator("tasks_per_worker")
+    @classmethod
+    def _tasks_in_range(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and not 1 <= v <= 4096:
+            raise ValueError(f"must be 'auto' or an integer in 1..4096, got {v}")
+        return v
 
     @field_validator("episode")
     @classmethod

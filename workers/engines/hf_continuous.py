@@ -43,6 +43,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
+from flowrl.episode import MAX_RUNNING
 from workers.engines.batching import BatchStats, StepGate, generation_of
 from workers.engines.hf_rollout import HFRolloutEngine, _sample, new_cache
 from workers.engines.protocols import (
@@ -289,7 +290,7 @@ class RunningBatch:
 class ContinuousBatcher:
     """Serves generation requests from many coroutines on one `HFRolloutEngine`."""
 
-    def __init__(self, engine: HFRolloutEngine, *, max_running: int = 256,
+    def __init__(self, engine: HFRolloutEngine, *, max_running: int = MAX_RUNNING,
                  batch: RunningBatch | None = None) -> None:
         """``batch``: the decode state to drive (default: a `RunningBatch` of ``engine``;
         simulation mode passes one whose steps cost modelled time, `workers.sim_episode`)."""
