@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 
@@ -84,6 +85,11 @@ class Registry:
 
     def of_role(self, role: str) -> list[WorkerInfo]:
         return list(self._by_role.get(role, {}).values())
+
+    def iter_role(self, role: str) -> Iterator[WorkerInfo]:
+        """The workers of ``role`` without a copy: for a scan that may stop early (the
+        registry must not change while it runs)."""
+        return iter(self._by_role.get(role, {}).values())
 
     def by_pid(self, pid: int) -> list[WorkerInfo]:
         return [w for w in self._workers.values() if w.pid == pid]

@@ -138,8 +138,20 @@ class Versions:
         self.events.emit("stability", **detail)
 
     def release_unserved(self) -> None:
-        """Free the weight versions no rollout worker serves or may still load."""
-        self._free(self.weights.release(self._served(), self.ledger.version))
+        """Free the weight versions no rollout worker serves or may still load.
+
+        Every ``served`` report calls this. It looks at the workers only while a version older
+        than the current one is kept, and then stops at the first worker still at or before the
+        oldest (nothing can be freed): a step's reports from W workers cost about W log W
+        looks instead of W² (a million at 1,024 workers).
+        """
+        current = self.ledger.version
+        oldest = self.weights.oldest()
+        if oldest is None or oldest >= current:
+            return
+        if any(w.version <= oldest for w in self.registry.iter_role(self.rollout_role)):
+            return
+        self._free(self.weights.release(self._served(), current))
 
     def _served(self) -> set[int]:
         return {w.version for w in self.registry.of_role(self.rollout_role)}
