@@ -20,7 +20,9 @@ Keys, per ``<n>w`` (64, 256, 1024 workers):
   the event loop and ZeroMQ's I/O threads) ÷ trained samples — the cost this benchmark exists
   to cut;
 - ``controller_cpu_share_<n>w``: that CPU time ÷ wall time (near 1.0: the controller is the
-  bottleneck; well under: the workers are, on cores they share with it).
+  bottleneck; well under: the workers are, on cores they share with it);
+- ``event_loop_cpu_share_<n>w``: the part of that CPU time spent in the event loop's thread
+  (the rest is ZeroMQ's I/O threads: socket I/O, and curve encryption for other nodes).
 
 And: ``samples_per_s_max``: the highest of the measured rates; ``samples_per_s_ceiling``:
 1e6 ÷ ``cpu_us_per_sample_1024w``, the rate a controller with one core of its own sustains at
@@ -42,6 +44,7 @@ import argparse
 import math
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -89,6 +92,13 @@ def workload(workers: int, agents: int) -> tuple[PipelineSpec, tuple[str, ...]]:
     ), nodes
 
 
+def loop_cpu(me: psutil.Process) -> float:
+    """CPU seconds of this process's main thread (the event loop: everything but ZeroMQ's
+    I/O threads)."""
+    main = threading.main_thread().native_id
+    return next(t.user_time + t.system_time for t in me.threads() if t.id == main)
+
+
 async def measure(workers: int, agents: int, steps: int) -> dict[str, Any]:
     spec, nodes = workload(workers, agents)
     me = psutil.Process()
@@ -96,16 +106,17 @@ async def measure(workers: int, agents: int, steps: int) -> dict[str, Any]:
     async with started_with_agents(spec, nodes) as ctl:
         await ctl.run(steps=1, timeout_s=300)  # warm-up: every worker polling, first version
         ctl.dispatch_us.clear()
-        cpu0 = me.cpu_times()
+        cpu0, loop0 = me.cpu_times(), loop_cpu(me)
         out = await ctl.run(steps=steps, timeout_s=600)
-        cpu1 = me.cpu_times()
+        cpu1, loop1 = me.cpu_times(), loop_cpu(me)
         cpu = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
         samples = out["samples"]
         if out["rows_trained_twice"]:  # exactly once holds at any load
             raise RuntimeError(f"{out['rows_trained_twice']} rows trained twice")
         return {
             "samples_per_s": out["samples_per_s"], "cpu_us_per_sample": cpu / samples * 1e6,
-            "cpu_share": cpu / out["wall_s"], "dispatch_us": list(ctl.dispatch_us),
+            "cpu_share": cpu / out["wall_s"], "loop_share": (loop1 - loop0) / cpu,
+            "dispatch_us": list(ctl.dispatch_us),
             "rss": me.memory_info().rss, "rss_growth": me.memory_info().rss - rss0,
         }
 
@@ -119,6 +130,7 @@ async def main_async(quick: bool) -> dict[str, Any]:
         result[f"samples_per_s_{workers}w"] = round(r["samples_per_s"], 1)
         result[f"cpu_us_per_sample_{workers}w"] = round(r["cpu_us_per_sample"], 1)
         result[f"controller_cpu_share_{workers}w"] = round(r["cpu_share"], 3)
+        result[f"event_loop_cpu_share_{workers}w"] = round(r["loop_share"], 3)
     big = runs[1024]
     d = big["dispatch_us"]
     result.update({

@@ -52,6 +52,8 @@ class Registry:
         self._by_role: dict[str, dict[str, WorkerInfo]] = {}
         # Workers that can take another task, by role: dispatch scans only these.
         self._open: dict[str, dict[str, WorkerInfo]] = {}
+        # Workers with no task, by role, longest idle first: dispatch takes one without a scan.
+        self._idle: dict[str, dict[str, WorkerInfo]] = {}
         self._ids = itertools.count()
 
     def register(
@@ -65,6 +67,7 @@ class Registry:
         self._workers[worker_id] = info
         self._by_role.setdefault(role, {})[worker_id] = info
         self._open.setdefault(role, {})[worker_id] = info
+        self._idle.setdefault(role, {})[worker_id] = info
         return info
 
     def get(self, worker_id: str) -> WorkerInfo | None:
@@ -81,6 +84,7 @@ class Registry:
         if info is not None:
             self._by_role[info.role].pop(worker_id, None)
             self._open[info.role].pop(worker_id, None)
+            self._idle[info.role].pop(worker_id, None)
         return info
 
     def of_role(self, role: str) -> list[WorkerInfo]:
@@ -103,6 +107,7 @@ class Registry:
     def assign(self, info: WorkerInfo, task_id: int, load: int) -> None:
         info.tasks[task_id] = load
         info.load += load
+        self._idle[info.role].pop(info.worker_id, None)
         if len(info.tasks) >= info.capacity * self.tasks_per_slot:
             self._open[info.role].pop(info.worker_id, None)
 
@@ -114,13 +119,18 @@ class Registry:
             info.failed += 1
         if info.worker_id in self._workers:
             self._open[info.role][info.worker_id] = info
+            if not info.tasks:
+                self._idle[info.role][info.worker_id] = info
 
     def least_loaded(self, role: str, min_version: int | None = None) -> WorkerInfo | None:
         """The worker of ``role`` with the least outstanding load that can take one more task.
 
-        Scans only workers with a free slot, and stops at the first idle one (nothing beats
-        it), so dispatch stays cheap with hundreds of workers.
+        An idle worker (nothing beats it) is taken without a scan; otherwise only workers with
+        a free slot are scanned, so dispatch stays cheap with a thousand workers.
         """
+        for w in self._idle.get(role, {}).values():
+            if min_version is None or w.version >= min_version:
+                return w
         best: WorkerInfo | None = None
         best_key = (0, 0)
         for w in self._open.get(role, {}).values():

@@ -71,3 +71,22 @@ def test_a_removed_worker_is_never_chosen_again() -> None:
     reg.finish(w, 1, ok=False)  # a late report after removal must not resurrect it
     assert reg.least_loaded("reward") is None
     assert len(reg) == 0
+
+
+def test_the_worker_idle_longest_gets_the_next_task() -> None:
+    """Idle workers are kept apart, longest idle first: dispatch takes one without scanning
+    the busy ones (a thousand of them ahead of it in registration order)."""
+    reg, ids = make(1001)
+    workers = [reg.get(x) for x in ids]
+    for i, w in enumerate(workers):
+        assert w is not None
+        reg.assign(w, i, load=1)
+    first, last = workers[0], workers[-1]
+    assert first is not None
+    assert last is not None
+    reg.finish(last, 1000, ok=True)
+    reg.finish(first, 0, ok=True)
+    assert reg.least_loaded("reward") is last
+    reg.assign(last, 1001, load=1)
+    assert reg.least_loaded("reward") is first
+    assert reg.least_loaded("reward", min_version=1) is None
