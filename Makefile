@@ -7,7 +7,7 @@ BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup chromium test lint types layers pytest demo bench clean test-vllm
+.PHONY: setup chromium test lint types layers pytest demo bench clean test-vllm test-gpu
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -58,6 +58,15 @@ $(VSTAMP): pyproject.toml
 
 test-vllm: $(VSTAMP)
 	$(VBIN)/pytest -q tests/vllm
+
+# On a CUDA or Ascend machine: the device readiness check (vLLM, NCCL/HCCL ranks, FSDP2 in
+# bfloat16, bucketed resharding, colocated mode), one JSON line, non-zero if a section failed.
+# It runs in that machine's Python (GPU_PY), which holds its device build of torch (and vLLM):
+# this project's .venv pins the CPU wheel. The normal suite runs it with --cpu.
+GPU_PY  ?= python3
+
+test-gpu:
+	timeout 600 $(GPU_PY) bench/device_check.py
 
 demo: $(STAMP)
 	$(BIN)/python -m flowrl.launch recipes/tiny_cpu.py

@@ -3,8 +3,8 @@ broadcast subscriber that never reads; check that no row is lost, none is traine
 completes without long stalls, and a controller resumed from its state finishes it.
 
     python bench/chaos.py [--quick] [--engine sim|tiny] [--kills N] [--stops N] [--stalls N]
-                          [--steps N] [--seed S] [--roles rollout,train] [--set KEY=VALUE ...]
-                          [--no-resume]
+                          [--steps N] [--seed S] [--roles rollout,train] [--recipe FILE]
+                          [--set KEY=VALUE ...] [--no-resume]
 
 Prints one JSON line. Modes:
 
@@ -12,7 +12,9 @@ Prints one JSON line. Modes:
   tiny model, shrunk so a step takes a fraction of a second (`TINY_OVERRIDES`: no warm start,
   4 groups of 4 responses per step in two micro-batches, two groups per rollout task) and with
   the KL term on (``algorithm.kl_coef=0.01``) so a reference stage exists; a checkpoint every
-  step; ``--set`` overrides more recipe fields. 20 kills, 4 stops and 1 stall over 40 steps.
+  step; ``--recipe`` names another recipe file (``recipes/tool_cpu.py``: multi-turn episodes
+  with tool sandboxes), ``--set`` overrides more recipe fields. 20 kills, 4 stops and 1 stall
+  over 40 steps.
 - ``--quick`` (``--engine sim``): the simulated pipeline (`sim_spec`: real processes, sockets,
   shared memory and weight sync; modelled compute, ``workers.sim``; two rollout processes, one
   each of reward, reference and train). 8 kills, 2 stops and 1 stall over 24 steps.
@@ -236,11 +238,13 @@ def sim_spec(*, seed: int = 0, max_restarts: int = 20) -> PipelineSpec:
 
 def tiny_recipe(
     *, steps: int, seed: int, output: Path, max_restarts: int, extra: Sequence[str] = (),
+    recipe: Path = RECIPE,
 ) -> Recipe:
-    """The default recipe with `TINY_OVERRIDES`, checkpointing every step into ``output``."""
+    """``recipe`` (the default one unless named) with `TINY_OVERRIDES`, checkpointing every step
+    into ``output``."""
     from flowrl.recipe_file import load_recipe
 
-    return load_recipe(RECIPE, [*TINY_OVERRIDES, f"steps={steps}", f"seed={seed}",
+    return load_recipe(recipe, [*TINY_OVERRIDES, f"steps={steps}", f"seed={seed}",
                                 f"output={output}", "checkpoint_every=1",
                                 f"placement.max_restarts={max_restarts}", *extra])
 
@@ -527,7 +531,8 @@ async def run_tiny(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="flowrl-chaos-") as tmp:
         output = Path(tmp) / "run"
         recipe = tiny_recipe(steps=args.steps, seed=args.seed, output=output,
-                             max_restarts=_max_restarts(args), extra=args.overrides)
+                             max_restarts=_max_restarts(args), extra=args.overrides,
+                             recipe=args.recipe)
         init = await asyncio.to_thread(prepare_model, recipe)
         assert init is not None
         spec = chaos_timing(await asyncio.to_thread(compile_recipe, recipe))
@@ -594,6 +599,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--roles", type=_roles, default=ROLES, metavar="R[,R...]",
                    help=f"roles to kill and stop, in equal shares (default {','.join(ROLES)})")
+    p.add_argument("--recipe", type=Path, default=RECIPE,
+                   help="tiny: the recipe file (default recipes/tiny_cpu.py; e.g. "
+                        "recipes/tool_cpu.py for multi-turn episodes with a tool)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="tiny: override a field of the recipe, as the launcher's --set")
     p.add_argument("--no-resume", dest="resume", action="store_false",

@@ -67,9 +67,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -79,6 +79,9 @@ from bench.task_accuracy import DEFAULT_SAMPLES, exact_accuracy
 from flowrl.logs import configure
 from flowrl.recipe import Recipe
 from flowrl.recipe_file import apply_overrides, load_recipe
+
+if TYPE_CHECKING:
+    from flowrl.pipeline import PipelineSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "tiny_cpu.py"
@@ -108,14 +111,18 @@ def load_average() -> float:
 
 
 async def run_logged(
-    recipe: Recipe, step_log: Path | None = None
+    recipe: Recipe, step_log: Path | None = None, *,
+    adjust: Callable[[PipelineSpec], PipelineSpec] | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """One run of ``recipe`` through a `Controller`: its summary and step log; with
-    ``step_log``, every step's entry is written there as JSON lines."""
+    ``step_log``, every step's entry is written there as JSON lines; ``adjust``: changes the
+    compiled spec (what a recipe cannot set, such as a pool's task capacity)."""
     from flowrl.controller import Controller
     from flowrl.run import compile_recipe
 
     spec = await asyncio.to_thread(compile_recipe, recipe)
+    if adjust is not None:
+        spec = adjust(spec)
     async with Controller(spec) as ctl:
         summary = await ctl.run(recipe.steps)
         log = list(ctl.step_log)

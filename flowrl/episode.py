@@ -204,14 +204,18 @@ class Policy:
 
     Before the first turn, what the episode adds is the prompt; after it, it is inserted (in
     the context, out of the loss). ``tools`` runs `call_tool`; ``max_turns`` and
-    ``max_tokens`` are the episode's limits (see the module docstring)."""
+    ``max_tokens`` are the episode's limits (see the module docstring); ``max_new_tokens`` is
+    a turn's budget unless the turn gives its own (the recipe's ``rollout.max_new_tokens``).
+    """
 
     def __init__(
         self, generate: GenerateFn, tokenizer: Any, *, stream_seed: int,
         max_context: int | None = None, tools: ToolCaller | None = None,
         max_turns: int | None = None, max_tokens: int | None = None,
+        max_new_tokens: int | None = None,
     ) -> None:
         self._generate = generate
+        self._max_new_tokens = max_new_tokens
         self.tokenizer = tokenizer
         self._chat = ChatRenderer(tokenizer)
         self._seed = stream_seed
@@ -258,7 +262,7 @@ class Policy:
         t = self.trajectory
         if not t.prompt_ids:
             raise EpisodeError("nothing to generate from: give messages or token_ids first")
-        budget = max_new_tokens
+        budget = self._max_new_tokens if max_new_tokens is None else max_new_tokens
         if self._max_context is not None:
             room = self._max_context - len(t.prompt_ids) - len(t.response_ids)
             if room < 1:

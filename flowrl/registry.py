@@ -31,6 +31,9 @@ class WorkerInfo:
     failed: int = 0
     #: the secret its register reply carried; every later call of the worker carries it
     token: bytes = field(default=b"", repr=False)
+    #: a worker of another role in the same process (colocated placement): the two take
+    #: turns, so neither is given a task while the other holds one
+    partner: WorkerInfo | None = field(default=None, repr=False)
 
     @property
     def in_flight(self) -> int:
@@ -64,6 +67,10 @@ class Registry:
         info = WorkerInfo(worker_id, name, role, node, pid, max(1, capacity), version,
                           deadline=now + self.heartbeat_timeout_s,
                           token=secrets.token_bytes(16))
+        for other in self._workers.values():  # one process, named for it (`process`)
+            if (other.process == info.process and other.pid == pid and other.node == node
+                    and other.role != role):
+                info.partner, other.partner = other, info
         self._workers[worker_id] = info
         self._by_role.setdefault(role, {})[worker_id] = info
         self._open.setdefault(role, {})[worker_id] = info
@@ -82,6 +89,8 @@ class Registry:
     def remove(self, worker_id: str) -> WorkerInfo | None:
         info = self._workers.pop(worker_id, None)
         if info is not None:
+            if info.partner is not None:
+                info.partner.partner = None
             self._by_role[info.role].pop(worker_id, None)
             self._open[info.role].pop(worker_id, None)
             self._idle[info.role].pop(worker_id, None)
@@ -123,7 +132,8 @@ class Registry:
                 self._idle[info.role][info.worker_id] = info
 
     def least_loaded(self, role: str, min_version: int | None = None) -> WorkerInfo | None:
-        """The worker of ``role`` with the least outstanding load that can take one more task.
+        """The worker of ``role`` with the least outstanding load that can take one more task
+        (and whose colocated partner, if any, holds none).
 
         An idle worker (nothing beats it) is taken without a scan; otherwise only workers with
         a free slot are scanned, so dispatch stays cheap with a thousand workers.
@@ -136,6 +146,8 @@ class Registry:
         for w in self._open.get(role, {}).values():
             if min_version is not None and w.version < min_version:
                 continue
+            if w.partner is not None and w.partner.tasks:
+                continue  # its process is in the other phase
             if not w.tasks:
                 return w
             key = (w.load, len(w.tasks))

@@ -64,7 +64,17 @@ def process_spec(pipeline: PipelineSpec, *, role: str, proc_no: int, count: int,
         "heartbeat_s": pipeline.heartbeat_s,
         "weight_sync_timeout_s": pipeline.weight_sync_timeout_s, "engine": pipeline.engine,
         "sim": engine_config if sim else None, "config": None if sim else engine_config,
+        "colocated": _colocated(pipeline) if role == "train" else None,
         "start_token": start_token})
+
+
+def _colocated(pipeline: PipelineSpec) -> dict[str, Any] | None:
+    """The rollout worker a train process hosts under colocated placement, or None."""
+    rollout = pipeline.pool("rollout")
+    if not pipeline.colocated or rollout is None:
+        return None
+    return {"role": "rollout", "capacity": rollout.capacity,
+            "keep_weight_copy": pipeline.keep_weight_copy}
 
 
 def engine_config_of_group(config: dict[str, Any], *, generation: int,

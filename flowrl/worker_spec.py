@@ -28,8 +28,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
     "DEFAULT_DP_TIMEOUT_S",
+    "DEFAULT_EXPORT_BUCKET_BYTES",
     "AlgorithmSpec",
     "ArithmeticDataSpec",
+    "ColocatedSpec",
     "CorrectionName",
     "CriticSpec",
     "DataParallelSpec",
@@ -55,6 +57,8 @@ __all__ = [
 
 #: how long one collective (or the rendezvous) of data-parallel trainer ranks may wait.
 DEFAULT_DP_TIMEOUT_S = 600.0
+#: the size of one bucket of a data-parallel trainer's weight export (a model up to it: one).
+DEFAULT_EXPORT_BUCKET_BYTES = 256 << 20
 
 
 PolicyLossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -244,6 +248,8 @@ class DataParallelSpec(_Spec):
     world: int = Field(ge=2)
     sharding: Literal["replicate", "fsdp2"]
     compute_dtype: Literal["float32", "bfloat16"]
+    #: rank 0 publishes a version in buckets of about this many bytes (`workers.resharding`).
+    export_bucket_bytes: int = Field(default=DEFAULT_EXPORT_BUCKET_BYTES, ge=1)
     timeout_s: float = Field(default=DEFAULT_DP_TIMEOUT_S, gt=0.0)
     #: ranks on several nodes: the controller's rendezvous store, ``host:port``; "" on one node.
     store: str = ""
@@ -295,6 +301,18 @@ def engine_spec(config: EngineSpec | Mapping[str, Any]) -> EngineSpec:
 _SimValue = int | float
 
 
+class ColocatedSpec(_Spec):
+    """A trainer process's second worker under colocated placement: the rollout engine that
+    generates with the trainer's module (`workers.colocated`)."""
+
+    role: Literal["rollout"]
+    #: tasks the rollout worker runs concurrently.
+    capacity: int = Field(ge=1)
+    #: the trainer still writes each version into the store (what a restarted process joins
+    #: from); False: the weights exist once, and the process cannot be restarted.
+    keep_weight_copy: bool
+
+
 class ProcessSpec(_Spec):
     """One worker process, as the controller decides it (the same on every node)."""
 
@@ -315,6 +333,8 @@ class ProcessSpec(_Spec):
     config: EngineSpec | None = None
     #: ``engine="sim"``: the cost model (``workers.sim.SimCost`` fields).
     sim: dict[str, _SimValue] | None = None
+    #: colocated placement (a trainer process): the rollout worker it hosts as well.
+    colocated: ColocatedSpec | None = None
     #: the secret a process that cannot start reports its error with (``start_failed``,
     #: before it has a worker's token); fresh for every start.
     start_token: str = Field(min_length=16, max_length=128, repr=False)
@@ -326,6 +346,9 @@ class ProcessSpec(_Spec):
             raise ValueError(f"engine {self.engine!r} takes "
                              f"{'sim costs' if self.engine == 'sim' else 'an engine config'}"
                              " and nothing else")
+        if self.colocated is not None and (self.role != "train" or self.count != 1
+                                           or self.engine != "hf"):
+            raise ValueError("a colocated rollout worker lives in a process of one hf trainer")
         return self
 
 

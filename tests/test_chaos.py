@@ -92,3 +92,20 @@ def test_a_killed_real_trainer_continues_from_the_published_weights(tmp_path: Pa
     # One optimizer step away from the last published weights, far from the initial ones.
     assert jump["d_prev"] < 0.5 * jump["d_init"], jump
     assert out["trainer_weights_continuous"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_rollout_worker_killed_or_hung_mid_episode_has_its_episodes_redone(
+        tmp_path: Path) -> None:
+    # The tool recipe's multi-turn episodes (tool sandboxes in the rollout worker's process
+    # group): one rollout process killed and one hung while episodes run; each episode it held
+    # is run again elsewhere and trained once, and no sandbox outlives its worker.
+    out = _chaos("--engine", "tiny", "--recipe", "recipes/tool_cpu.py", "--roles", "rollout",
+                 "--kills", "1", "--stops", "1", "--stalls", "0", "--steps", "4", "--seed", "0",
+                 "--no-resume", timeout=290, env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+    _assert_sound(out)
+    assert out["kills_by_role"] == {"rollout": 1}
+    assert out["stops_by_role"] == {"rollout": 1}
+    # a fault landed while the process held rollout tasks, so episodes were cut mid-run
+    assert any(f["tasks"] > 0 for f in out["kill_log"] + out["stop_log"]), out

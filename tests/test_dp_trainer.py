@@ -39,6 +39,7 @@ from flowrl.recipe import (
 )
 from flowrl.tiny_model import build_tiny_model
 from flowrl.worker_spec import DataParallelSpec
+from transport.handles import Handle
 from workers.distributed import DataParallel, full_tensor, local_part
 from workers.engines import TorchTrainerEngine
 from workers.engines.protocols import TrainerState
@@ -336,7 +337,10 @@ def test_a_split_that_leaves_a_rank_idle_names_the_field() -> None:
         ranks=2, groups_per_step=4, sharding="fsdp2", compute_dtype="bfloat16"),
     ).engine_config()["data_parallel"]
     assert dp == {"world": 2, "sharding": "fsdp2", "compute_dtype": "bfloat16",
-                  "timeout_s": 600.0, "store": "", "generation": 0}
+                  "export_bucket_bytes": 256 << 20, "timeout_s": 600.0, "store": "",
+                  "generation": 0}
+    with pytest.raises(ValidationError, match=r"export_bucket_mb"):
+        TrainerConfig(ranks=2, groups_per_step=4, export_bucket_mb=0)
     with pytest.raises(ValidationError, match=r"trainer\.ranks"):
         Recipe(steps=1, rollout=RolloutConfig(engine="sim"), trainer=TrainerConfig(ranks=2))
     with pytest.raises(ValidationError, match=r"placement\.roles\.train"):
@@ -370,8 +374,9 @@ async def test_a_two_rank_run_stays_in_sync_and_a_lost_rank_restarts_the_group(
         algorithm=AlgorithmConfig(group_size=2),
         reward=RewardConfig(fn=f"{tmp_path / 'reward.py'}:response_length"),
         rollout=RolloutConfig(max_new_tokens=4, groups_per_task=2),
+        # Buckets of 64 KiB: rank 0 publishes each version in many (the model is ~1 MB).
         trainer=TrainerConfig(lr=1e-3, groups_per_step=4, micro_batch_groups=1, ranks=2,
-                              sharding=sharding),
+                              sharding=sharding, export_bucket_mb=1 / 16),
         output=str(tmp_path / "out"), checkpoint_every=3,
         placement=PlacementConfig(max_restarts=1),
     )
@@ -403,6 +408,13 @@ async def test_a_two_rank_run_stays_in_sync_and_a_lost_rank_restarts_the_group(
         final = TorchTrainerEngine(tmp_path / "out" / "final", device="cpu")
         assert all(torch.equal(p, dict(reloaded.model.named_parameters())[n])
                    for n, p in final.model.named_parameters())
+        # The version was published bucket by bucket (several segments), whole: every weight
+        # once, at its shape, which the rollout workers loaded to serve it.
+        wire = ctl.weights.get(3)
+        assert wire is not None
+        assert len({Handle.from_wire(h).segment for h, _ in wire.values()}) > 4
+        assert {n: tuple(shape) for n, (_, shape) in wire.items()} == {
+            n: tuple(p.shape) for n, p in final.model.named_parameters()}
 
         # A rank that dies mid-run takes the group down: every rank is started again (in a
         # fresh rendezvous), loads the current version, and the step is redone; nothing is

@@ -172,6 +172,22 @@ class Scripted:
         return Generated(ids, [-1.5] * len(ids), [7] * len(ids), "stop")
 
 
+async def test_a_turn_takes_the_recipes_budget_unless_it_gives_its_own(tokenizer: Any) -> None:
+    asked: list[int | None] = []
+
+    async def generate(context: Sequence[int], *, stream_key: int,
+                       max_new_tokens: int | None, stop: tuple[str, ...] | None) -> Generated:
+        asked.append(max_new_tokens)
+        return Generated([9], [-1.0], [0], "stop")
+
+    policy = Policy(generate, tokenizer, stream_seed=0, max_context=64, max_new_tokens=8)
+    await policy.generate(token_ids=[3, 4, 5])
+    await policy.generate(max_new_tokens=20)
+    await policy.generate(token_ids=[6] * 53)  # 58 positions used: 6 left
+    # The recipe's budget, a turn's own, and either cut to the model's context.
+    assert asked == [8, 20, 6]
+
+
 def _non_canonical(tokenizer: Any) -> list[int]:
     """Ids of a word split into single characters, which the tokenizer encodes differently."""
     for word in ("the", "and", "answer", "number", "what", "plus"):
@@ -380,8 +396,10 @@ def test_the_recipe_names_an_episode(tmp_path: Path) -> None:
     assert set(stages) == {"rollout", "train"}
     assert {"loss_mask", "token_versions", "reward"} <= set(stages["train"].needs)
     assert r.engine_spec().rollout.episode == f"{path}:count_up"
-    with pytest.raises(ValidationError, match=r"rollout\.episode: episodes run on the hf engine"):
-        Recipe(steps=1, rollout=RolloutConfig(episode=f"{path}:count_up", engine="vllm"))
+    on_vllm = Recipe(steps=1, rollout=RolloutConfig(episode=f"{path}:count_up", engine="vllm"))
+    assert on_vllm.engine_spec().rollout.episode == f"{path}:count_up"
+    with pytest.raises(ValidationError, match=r"rollout\.episode: episodes run on a real engine"):
+        Recipe(steps=1, rollout=RolloutConfig(episode=f"{path}:count_up", engine="sim"))
     with pytest.raises(ValidationError, match="an episode scores itself"):
         Recipe(steps=1, rollout=RolloutConfig(episode=f"{path}:count_up"), reward=RewardConfig())
     with pytest.raises(ValidationError, match="no such file"):

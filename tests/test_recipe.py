@@ -284,6 +284,13 @@ def test_fields_are_documented() -> None:
         ("reward={'judge': {'default': float('nan')}}", "reward.judge.default"),
         ("reward={'max_failure_share': 1.5}", "reward.max_failure_share"),
         ("reward={'max_failure_steps': 0}", "reward.max_failure_steps"),
+        # colocated placement: a rollout engine on a node without a trainer, and what the
+        # trainer's module cannot serve in place
+        ("placement={'mode': 'colocated', 'roles': {'train': ('node0',), 'rollout': "
+         "('node1',)}, 'cluster': {'keys_file': '/tmp/k'}}", "placement.roles.rollout"),
+        ("trainer={'ranks': 2, 'groups_per_step': 2}, placement={'mode': 'colocated'}",
+         "trainer.ranks"),
+        ("model={'lora': {'rank': 2}}, placement={'mode': 'colocated'}", "model.lora"),
     ],
 )
 def test_rules_name_their_field(tmp_path: Path, kwargs: str, field: str) -> None:

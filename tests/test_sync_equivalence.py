@@ -10,6 +10,9 @@ loop draws the same responses without knowing how the run batched or placed its 
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,7 @@ from flowrl.recipe import (
     ArithmeticConfig,
     DataConfig,
     ModelConfig,
+    PlacementConfig,
     Recipe,
     RewardConfig,
     RolloutConfig,
@@ -43,10 +47,18 @@ SEED = 5
 
 
 @pytest.fixture(scope="module")
-def recipe(tmp_path_factory: pytest.TempPathFactory) -> Recipe:
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # A short warm start on arithmetic lines, so responses earn rewards and the loss is not 0.
-    model = build_tiny_model(tmp_path_factory.mktemp("sync") / "tiny", vocab_size=300,
-                             corpus_kind="arithmetic", pretrain_steps=40)
+    return build_tiny_model(tmp_path_factory.mktemp("sync") / "tiny", vocab_size=300,
+                            corpus_kind="arithmetic", pretrain_steps=40)
+
+
+@pytest.fixture(scope="module")
+def recipe(model: Path) -> Recipe:
+    return make_recipe(model)
+
+
+def make_recipe(model: Path, placement: PlacementConfig | None = None) -> Recipe:
     return Recipe(
         steps=STEPS, max_staleness=0, seed=SEED,
         model=ModelConfig(path=str(model)),
@@ -58,6 +70,7 @@ def recipe(tmp_path_factory: pytest.TempPathFactory) -> Recipe:
         # Two micro-batches per step: the run streams them, the loop takes the step at once.
         trainer=TrainerConfig(lr=1e-3, groups_per_step=GROUPS_PER_STEP, micro_batch_groups=2,
                               grad_clip=1.0),
+        placement=placement or PlacementConfig(),
     )
 
 
@@ -113,15 +126,12 @@ def plain_loop(recipe: Recipe) -> list[dict[str, float]]:
     return losses
 
 
-async def test_staleness_zero_equals_a_plain_synchronous_loop(recipe: Recipe) -> None:
-    assert recipe.tis_cap is None  # off at staleness 0: nothing to correct
-    spec = compile_recipe(recipe)
-    async with Controller(spec) as ctl:
-        summary = await ctl.run(STEPS, timeout_s=180)
-        run = [{k: float(e[f"train_{k}"]) for k in ("loss", "grad_norm", "reward_mean")}
-               for e in ctl.step_log]
-    assert summary["rows_trained_twice"] == 0
-    assert summary["staleness"] == {0: STEPS * GROUPS_PER_STEP * GROUP}
+def losses_of(ctl: Controller) -> list[dict[str, float]]:
+    return [{k: float(e[f"train_{k}"]) for k in ("loss", "grad_norm", "reward_mean")}
+            for e in ctl.step_log]
+
+
+def assert_equals_plain_loop(recipe: Recipe, run: list[dict[str, float]]) -> None:
     # The workers compute with one torch thread; so does the loop (same reduction order).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -137,3 +147,52 @@ async def test_staleness_zero_equals_a_plain_synchronous_loop(recipe: Recipe) ->
     assert [r["loss"] for r in run] == pytest.approx([e["loss"] for e in expected], abs=1e-6, rel=0)
     assert [r["grad_norm"] for r in run] == pytest.approx(
         [e["grad_norm"] for e in expected], rel=1e-5)
+
+
+async def test_staleness_zero_equals_a_plain_synchronous_loop(recipe: Recipe) -> None:
+    assert recipe.tis_cap is None  # off at staleness 0: nothing to correct
+    spec = compile_recipe(recipe)
+    async with Controller(spec) as ctl:
+        summary = await ctl.run(STEPS, timeout_s=180)
+        run = losses_of(ctl)
+    assert summary["rows_trained_twice"] == 0
+    assert summary["staleness"] == {0: STEPS * GROUPS_PER_STEP * GROUP}
+    assert_equals_plain_loop(recipe, run)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_colocated_placement_trains_the_same_and_recovers_a_killed_process(
+        model: Path) -> None:
+    # One process hosts the trainer and the rollout engine (generating with the trainer's
+    # module); reward stays a process of its own. At staleness 0 it trains what the plain
+    # loop trains (and so what separated placement trains, above).
+    recipe = make_recipe(model, PlacementConfig(mode="colocated"))
+    spec = compile_recipe(recipe)
+    async with Controller(spec) as ctl:
+        pids = {r: ctl.worker_pids(r) for r in ("rollout", "train")}
+        summary = await ctl.run(STEPS, timeout_s=180)
+        run = losses_of(ctl)
+        phases = [e["train_phase_switches"] for e in ctl.step_log]
+        assert summary["rows_trained_twice"] == 0
+        assert pids["rollout"] == pids["train"]
+        assert len(pids["train"]) == 1
+        # Strict alternation: each step switches to generate once and to train once (the
+        # first from no phase); a micro-batch trained between two generate tasks would add two.
+        assert phases == [2.0] * STEPS
+        assert all(e["train_phase_rss_mb_generate"] > 0 for e in ctl.step_log)
+        # A process killed as its next phase begins (a step just committed) is restarted like
+        # any worker, joins at the current version from the store's copy, and the run goes on
+        # training each row once.
+        victim = pids["train"][0]
+        more = asyncio.ensure_future(ctl.run(3, timeout_s=150))
+        await ctl.wait_for(lambda: ctl.version >= STEPS + 1)
+        os.kill(victim, signal.SIGKILL)
+        assert ctl.version < STEPS + 3  # the last steps need the restarted process
+        after = await more
+        assert ctl.restarts >= 1
+        assert victim not in ctl.worker_pids("train")
+        assert ctl.worker_pids("train") == ctl.worker_pids("rollout")
+    assert after["version"] == STEPS + 3
+    assert after["rows_trained_twice"] == 0
+    assert_equals_plain_loop(recipe, run)

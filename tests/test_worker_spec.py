@@ -187,6 +187,14 @@ async def test_every_field_of_the_spec_is_read_by_the_worker_side(
                     "name": f"{role}.0", "role": role, "count": 1, "engine": "hf",
                     "sim": None, "config": config})
                 worker_main.make_roles(spec.model_copy(update={"process": process}))
+        # A colocated trainer process: its two workers, the rollout over the trainer's module.
+        process = spec.process.model_copy(update={
+            "name": "train.0", "role": "train", "count": 1, "engine": "hf", "sim": None,
+            "config": ppo, "colocated": ws.ColocatedSpec(role="rollout", capacity=2,
+                                                         keep_weight_copy=False)})
+        both = spec.model_copy(update={"process": process})
+        assert [c.role for c in worker_main.worker_configs(both)] == ["train", "rollout"]
+        assert len(worker_main.make_roles(both)) == 2
         # A data-parallel rank's group (the factory's call, before it joins the other ranks).
         assert resumed.data_parallel is not None
         DataParallel.of_process(resumed.data_parallel, process="train.1",

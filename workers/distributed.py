@@ -48,7 +48,11 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import PrefixStore
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from flowrl.worker_spec import DEFAULT_DP_TIMEOUT_S, DataParallelSpec
+from flowrl.worker_spec import (
+    DEFAULT_DP_TIMEOUT_S,
+    DEFAULT_EXPORT_BUCKET_BYTES,
+    DataParallelSpec,
+)
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -111,6 +115,8 @@ class DataParallel:
     sharding: str = "replicate"
     #: sharded: the dtype parameters are gathered and passes compute in (`shard_model`).
     compute_dtype: str = "float32"
+    #: rank 0 exports a version in buckets of about this many bytes (`workers.resharding`).
+    export_bucket_bytes: int = DEFAULT_EXPORT_BUCKET_BYTES
     #: ranks on several nodes: the controller's TCPStore, ``host:port``; "" with `init_method`.
     store: str = ""
     #: restarts of the group before this one: its keys' prefix in `store`.
@@ -133,6 +139,9 @@ class DataParallel:
         elif not self.init_method.startswith(("file://", "tcp://127.0.0.1:", "tcp://[::1]:")):
             raise ValueError(f"data_parallel.init_method must be a file:// store or a loopback "
                              f"tcp:// address, got {self.init_method!r}")
+        if self.export_bucket_bytes < 1:
+            raise ValueError(f"data_parallel.export_bucket_bytes must be >= 1, got "
+                             f"{self.export_bucket_bytes}")
         if self.generation < 0:
             raise ValueError(f"data_parallel.generation must be >= 0, got {self.generation}")
         if not self.timeout_s > 0:
@@ -155,7 +164,8 @@ class DataParallel:
             init_method = f"file://{run_dir / store}"
         return cls(rank=int(index), world=spec.world, init_method=init_method,
                    timeout_s=spec.timeout_s, sharding=spec.sharding,
-                   compute_dtype=spec.compute_dtype, store=spec.store,
+                   compute_dtype=spec.compute_dtype,
+                   export_bucket_bytes=spec.export_bucket_bytes, store=spec.store,
                    generation=spec.generation)
 
     @property

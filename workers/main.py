@@ -74,11 +74,14 @@ def worker_configs(spec: WorkerSpec) -> list[WorkerConfig]:
 
     p, at = spec.process, spec.endpoints
     keys = CurveKeys.from_env()  # the run's keys, when it spans nodes
-    return [WorkerConfig(name=f"{p.name}.{i}", role=p.role, node=at.node,
-                         controller=at.controller, broadcast=at.broadcast, capacity=p.capacity,
+    # A colocated process's rollout worker comes after its trainer (``<process>.<count>``).
+    roles = [(p.role, p.capacity)] * p.count + (
+        [] if p.colocated is None else [(p.colocated.role, p.colocated.capacity)])
+    return [WorkerConfig(name=f"{p.name}.{i}", role=role, node=at.node,
+                         controller=at.controller, broadcast=at.broadcast, capacity=capacity,
                          heartbeat_s=p.heartbeat_s, curve=keys,
                          weight_sync_timeout_s=p.weight_sync_timeout_s)
-            for i in range(p.count)]
+            for i, (role, capacity) in enumerate(roles)]
 
 
 def store_client(spec: WorkerSpec) -> StoreClient:
@@ -99,6 +102,14 @@ def use_threads(spec: WorkerSpec) -> None:
 def make_roles(spec: WorkerSpec) -> list[Role]:
     """The roles of the process's ``count`` workers, each seeded apart."""
     p = spec.process
+    if p.colocated is not None:  # one trainer and the rollout engine sharing its module
+        assert isinstance(p.config, EngineSpec)  # ProcessSpec: colocated only on hf
+        from workers.roles.factory import make_colocated_roles
+
+        # Seeded as the separate processes would be (process 0 of each pool, worker 0).
+        return list(make_colocated_roles(p.config, p.seed * 100,
+                                         keep_weight_copy=p.colocated.keep_weight_copy,
+                                         process=p.name, run_id=spec.endpoints.run_id))
     return [make_role(p, spec.endpoints.run_id, p.seed * 100 + i) for i in range(p.count)]
 
 

@@ -35,9 +35,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import structlog
 import torch
@@ -53,6 +53,8 @@ log = structlog.get_logger("flowrl.worker")
 
 #: pause before asking again after an error reply, so a failing controller is not flooded.
 RETRY_S = 0.1
+
+_T = TypeVar("_T")
 
 
 class ProtocolError(RuntimeError):
@@ -75,6 +77,10 @@ class RoleOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     #: set when this task ends a train step: the new weights, published as version + 1.
     weights: dict[str, torch.Tensor] | None = None
+    #: instead of `weights`: the new weights as the role already wrote them into the store,
+    #: bucket by bucket (through the `WeightPublisher` its ``bind_weight_publisher`` got),
+    #: in `publish_weights`'s form.
+    published: dict[str, list[Any]] | None = None
     #: failure kind -> the rows (offsets into the task's rows) whose values are fallbacks.
     failed: dict[str, m.FailedRows] = field(default_factory=dict)
 
@@ -85,7 +91,9 @@ class Role(Protocol):
     A role whose class sets ``loads_weights = False`` (reward, reference, critic) does not
     serve the policy: new versions neither fetch weights nor pause its tasks at a safe point.
     A role with an ``async def aclose()`` has it awaited when its worker process stops (to stop
-    what it started, such as tool sandboxes).
+    what it started, such as tool sandboxes). A role with a ``bind_weight_publisher(publish)``
+    gets a `WeightPublisher` before its first task, to write weights into the store from its
+    compute thread (a bucketed export: `RoleOutput.published`).
     """
 
     async def run(self, task: m.TaskMsg, inputs: dict[str, list[Any]]) -> RoleOutput: ...
@@ -108,6 +116,8 @@ class Store(Protocol):
     async def get(self, handles: Sequence[Handle]) -> list[torch.Tensor]: ...
 
     async def get_readonly(self, handles: Sequence[Handle]) -> list[torch.Tensor]: ...
+
+    async def free(self, handles: Sequence[Handle]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -144,6 +154,8 @@ async def publish_weights(
     segment with one copy, and the handles of a field form one contiguous run, so the reader
     maps it once. (A field per tensor would cost a plan, a copy call and a run per tensor.)
     """
+    if not weights:  # served in place (colocated placement): nothing to write
+        return {}
     by_dtype: dict[torch.dtype, list[str]] = {}
     for name, w in weights.items():
         by_dtype.setdefault(w.dtype, []).append(name)
@@ -159,10 +171,44 @@ async def publish_weights(
             for key, names in groups.items() for n, h in zip(names, handles[key], strict=True)}
 
 
+class WeightPublisher:
+    """`publish_weights` callable from a role's compute thread: each call runs on the
+    worker's event loop and returns its handles. Weights published in several calls (one per
+    bucket) are one version: their handles merged are what one call on them all returns, so
+    the rollout workers load them as before."""
+
+    def __init__(self, store: Store, loop: asyncio.AbstractEventLoop) -> None:
+        self._store = store
+        self._loop = loop
+
+    def __call__(self, weights: Mapping[str, torch.Tensor]) -> dict[str, list[Any]]:
+        return self._call(publish_weights(self._store, weights))
+
+    def discard(self, published: Mapping[str, Any]) -> None:
+        """Free weights published here that will not make a version (a bucketed export that
+        failed part way): their memory would otherwise stay taken until the run ends."""
+        handles = [Handle.from_wire(published[n][0]) for n in published]
+        if handles:
+            self._call(self._store.free(handles))
+
+    def _call(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:  # no running loop: a compute thread, as meant
+            running = None
+        if running is self._loop:
+            coro.close()
+            raise RuntimeError("WeightPublisher called on its own event loop: it would wait "
+                               "for itself")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+
 async def fetch_weights(store: Store, wire: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """The tensors `publish_weights` wrote, as read-only views of the store's memory (no copy,
     and no page fault once the store recycles weight segments this process has seen)."""
     names = list(wire)
+    if not names:
+        return {}
     flat = await store.get_readonly([Handle.from_wire(wire[n][0]) for n in names])
     return {n: t.view(*wire[n][1]) for n, t in zip(names, flat, strict=True)}
 
@@ -192,6 +238,9 @@ class Worker:
         """Register, serve tasks until ``stop`` (or the controller forgets us), then say bye."""
         cfg = self.config
         await self._sub.join(timeout=cfg.rpc_timeout_s)
+        bind = getattr(self.role, "bind_weight_publisher", None)
+        if callable(bind):
+            bind(WeightPublisher(self.store, asyncio.get_running_loop()))
         reply = await self._rpc.call(
             m.OP_REGISTER,
             {"name": cfg.name, "role": cfg.role, "node": cfg.node, "pid": os.getpid(),
@@ -335,6 +384,8 @@ class Worker:
         }
         if out.weights is not None:
             done["weights"] = await publish_weights(self.store, out.weights)
+        elif out.published is not None:
+            done["weights"] = out.published
         if out.failed:
             done["failed"] = out.failed
         return done

@@ -15,6 +15,10 @@ Cost model (all times in seconds):
   critic's values are 0, so its advantages and returns are the reward on every token);
 - train: ``train_token_s`` per token of the micro-batch, plus ``train_step_s`` for the optimizer
   step that ends a global batch; that step publishes ``weight_numel`` float32 weights.
+
+With ``episode_turns > 0`` each response is a multi-turn episode with tool calls, run by the
+real episode rollout role on a decode loop of modelled cost (``workers.sim_episode``, which
+states that model); ``partial`` is the recipe's ``rollout.partial``.
 """
 
 from __future__ import annotations
@@ -48,6 +52,13 @@ class SimCost:
     weight_numel: int = 1 << 16
     #: time a rollout worker takes to load a new version (to model slow or stuck syncs).
     weight_load_s: float = 0.0
+    #: multi-turn episodes (``workers.sim_episode``): at most this many turns; 0: single turn
+    episode_turns: int = 0
+    tool_s: float = 0.0
+    tool_tokens: int = 0
+    decode_row_s: float = 0.0
+    max_running: int = 256
+    partial: bool = False
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SimCost:
@@ -179,8 +190,17 @@ class SimTrainer:
         self.version = max(self.version, version)
 
 
+def sim_rollout(cost: SimCost, seed: int) -> Role:
+    """A simulated rollout worker: single-turn groups, or episodes (``episode_turns > 0``)."""
+    if cost.episode_turns > 0:
+        from workers.sim_episode import sim_episode_role  # loads the episode machinery
+
+        return sim_episode_role(cost, seed)
+    return SimRollout(cost, seed)
+
+
 SIM_ROLES: dict[str, Callable[[SimCost, int], Role]] = {
-    "rollout": SimRollout,
+    "rollout": sim_rollout,
     "reward": SimReward,
     "reference": SimReference,
     "critic": SimCritic,

@@ -20,8 +20,9 @@ __all__ = ["FALLBACK_KINDS", "FailureBudget", "StageMetrics", "StepFailures", "T
 #: counted like the others, never held against the failure budget
 FALLBACK_KINDS = frozenset({"unparsable"})
 #: task-report counters summed into the step log as ``<stage>_<key>`` (an episode rollout's
-#: tool calls, tool failures by kind, episodes cut by a limit)
-COUNTED_PREFIXES = ("tool_", "episodes_cut_", "interrupted_")
+#: tool calls, tool failures by kind, episodes cut by a limit, turns, decode forwards and the
+#: sequences they carried)
+COUNTED_PREFIXES = ("tool_", "episodes_cut_", "interrupted_", "turns", "decode_")
 
 
 @dataclass

@@ -81,6 +81,7 @@ class Versions:
         weights = report.get("weights")
         if weights:
             self.weights.publish(commit.version, weights)
+        if weights is not None:  # empty: served in place (colocated), announced all the same
             self._queue.put_nowait((m.TOPIC_VERSION, {"version": commit.version,
                                                       "weights": weights}))
         self.release_unserved()
@@ -104,7 +105,7 @@ class Versions:
         self.step_log.append(entry)
         log.debug("step", **entry)
         self.events.emit("step", **entry)
-        if weights:
+        if weights is not None:
             self.events.emit("version", version=commit.version)
         for callback in self.on_step:
             callback(entry)

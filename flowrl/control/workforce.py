@@ -185,6 +185,8 @@ class Workforce:
 
     async def start_pools(self) -> None:
         for pool in self.spec.pools:
+            if self.spec.colocated and pool.role == "rollout":
+                continue  # hosted by the train processes (`worker_launch.process_spec`)
             procs = -(-pool.count // pool.per_process)
             for p in range(procs):
                 count = min(pool.per_process, pool.count - p * pool.per_process)

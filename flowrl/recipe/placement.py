@@ -118,6 +118,18 @@ class PlacementConfig(_Section):
 
     kind_fields: ClassVar[Mapping[str, frozenset[str]]] = {"ray": frozenset({"ray"})}
 
+    mode: Literal["separated", "colocated"] = "separated"
+    """``separated``: every role runs in processes of its own. ``colocated``: each trainer
+    process also hosts the rollout engine, generating with the trainer's own weights (no copy,
+    and a weight sync is a version bump); the two take turns (generate, then train), and the
+    engine not in its phase releases what memory it can (README: "Placement modes"). Reward,
+    reference and critic workers keep processes of their own. Needs ``rollout.engine = "hf"``,
+    ``trainer.ranks = 1``, one rollout worker, and the rollout on the trainer's nodes."""
+    keep_weight_copy: bool = True
+    """``mode = "colocated"``: the trainer also writes each new version into its node's store,
+    the copy a restarted process (after a death) joins the run from. False holds the weights
+    once, in the trainer, and a colocated process that dies then cannot come back (the run
+    stops with its error)."""
     kind: Literal["local", "ray"] = "local"
     """``local``: the controller starts its own node's processes, and the agents of other nodes
     `roles` names are started by hand (``python -m flowrl.node``); ``ray``: those agents are
@@ -163,6 +175,9 @@ class PlacementConfig(_Section):
                             "'_', '.' or '-'")
         if self.roles and "nodes" in self.model_fields_set:
             raise _rule("nodes", "implied by roles; leave it out")
+        if self.mode != "colocated" and "keep_weight_copy" in self.model_fields_set:
+            raise _rule("keep_weight_copy", "only colocated placement (mode = 'colocated') "
+                        "serves the trainer's weights in place")
         if self.kind != "ray" and "ray" in self.model_fields_set:
             raise _rule("ray", f"Ray settings given but kind is {self.kind!r}, not 'ray'")
         unknown = sorted(set(self.ray.nodes) - set(self.remote_nodes))

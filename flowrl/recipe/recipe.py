@@ -18,6 +18,7 @@ from flowrl.recipe.algorithm import (
     TRUNCATING_CORRECTIONS,
     AlgorithmConfig,
 )
+from flowrl.recipe.colocated import check_colocated
 from flowrl.recipe.critic import CriticConfig
 from flowrl.recipe.data import DataConfig
 from flowrl.recipe.evaluation import EvalConfig
@@ -170,15 +171,15 @@ class Recipe(_Section):
                             f"policy's) model.tiny.max_positions = "
                             f"{self.model.tiny.max_positions}")
         self._check_eval()
-        if self.rollout.partial and self.rollout.episode is None:
+        if self.rollout.partial and self.rollout.episode is None and not self.sim_episodes:
             raise _rule("rollout.partial", "interruptible generation continues running "
-                        "episodes under new weights: it needs rollout.episode (episodes run "
-                        "on the hf engine's continuous batcher)")
+                        "episodes under new weights: it needs rollout.episode, or with "
+                        "rollout.engine 'sim' sim.episode_turns > 0")
         if self.rollout.episode is not None:
-            if self.rollout.engine != "hf":
-                raise _rule("rollout.episode", f"episodes run on the hf engine; "
-                            f"rollout.engine {self.rollout.engine!r} serves single completions "
-                            "only")
+            if self.rollout.engine == "sim":
+                raise _rule("rollout.episode", "episodes run on a real engine (rollout.engine "
+                            "'hf' or 'vllm'); the sim engine models episodes of its own "
+                            "(sim.episode_turns)")
             if "reward" in self.model_fields_set:
                 raise _rule("reward", "an episode scores itself (policy.finish(reward) or its "
                             "return value): a run with rollout.episode has no reward section")
@@ -191,6 +192,8 @@ class Recipe(_Section):
                 if name in self.rollout.model_fields_set and getattr(self.rollout, name):
                     raise _rule(f"rollout.{name}", "only episodes call tools and take turns: "
                                 "name the episode function in rollout.episode")
+        check_colocated(self.placement, model=self.model, rollout=self.rollout,
+                        trainer=self.trainer)
         unrun = sorted(set(self.placement.roles) - set(self.roles))
         if unrun:
             raise _rule(f"placement.roles.{unrun[0]}", f"this run has no {unrun[0]} workers "
@@ -276,7 +279,13 @@ class Recipe(_Section):
         """The worker roles this run has (the pools of `to_pipeline`)."""
         return tuple(r for r in ROLES if (r != "reference" or self.uses_reference)
                      and (r != "critic" or self.uses_critic)
-                     and (r != "reward" or self.rollout.episode is None))
+                     and (r != "reward" or (self.rollout.episode is None
+                                            and not self.sim_episodes)))
+
+    @property
+    def sim_episodes(self) -> bool:
+        """Whether simulated rollout workers run episodes (``sim.episode_turns > 0``)."""
+        return self.rollout.engine == "sim" and self.sim.episode_turns > 0
 
     @property
     def uses_critic(self) -> bool:
@@ -302,7 +311,7 @@ class Recipe(_Section):
         # `concurrency` calls busy.
         reward_rows = group * self.rollout.groups_per_task
         reward_capacity = max(1, math.ceil(self.reward.concurrency / reward_rows))
-        episode = self.rollout.episode is not None
+        episode = self.rollout.episode is not None or self.sim_episodes
         pools = [
             PoolSpec("rollout", count=self.rollout.workers, per_process=rollout_per_process,
                      threads=self.rollout.threads),
@@ -315,7 +324,10 @@ class Recipe(_Section):
             pools.append(PoolSpec("reference", count=1, threads=self.rollout.threads))
         if self.uses_critic:
             pools.append(PoolSpec("critic", count=1, threads=self.critic.threads))
-        pools.append(PoolSpec("train", count=self.trainer.ranks, threads=self.trainer.threads))
+        # A colocated process runs one phase at a time: each gets the threads it would have.
+        train_threads = (max(self.trainer.threads, self.rollout.threads)
+                         if self.placement.mode == "colocated" else self.trainer.threads)
+        pools.append(PoolSpec("train", count=self.trainer.ranks, threads=train_threads))
         pools = [dataclasses.replace(p, nodes=self.placement.roles.get(p.role, ()))
                  for p in pools]
         shape: dict[str, Any] = dict(
@@ -341,11 +353,14 @@ class Recipe(_Section):
             seed=self.seed,
             stability=self.stability.model_dump(mode="json"),
             eval=None if self.eval is None else self.eval.model_dump(mode="json"),
+            colocated=self.placement.mode == "colocated",
+            keep_weight_copy=self.placement.keep_weight_copy,
         )
 
     def sim_cost(self) -> dict[str, Any]:
         """The ``workers.sim.SimCost`` field values of this recipe."""
-        return {**self.sim.model_dump(mode="json"), "max_new_tokens": self.rollout.max_new_tokens}
+        return {**self.sim.model_dump(mode="json"), "max_new_tokens": self.rollout.max_new_tokens,
+                "partial": self.rollout.partial}
 
     def _rollout_spec(self) -> RolloutSpec:
         r = self.rollout
@@ -401,7 +416,8 @@ class Recipe(_Section):
                 **self.critic.model_dump(exclude={"threads"}),
                 rows_per_step=t.groups_per_step * a.group_size) if self.uses_critic else None,
             data_parallel=DataParallelSpec(
-                world=t.ranks, sharding=t.sharding, compute_dtype=t.compute_dtype)
+                world=t.ranks, sharding=t.sharding, compute_dtype=t.compute_dtype,
+                export_bucket_bytes=max(1, round(t.export_bucket_mb * (1 << 20))))
             if t.ranks > 1 else None,
             steps=self.steps,
             seed=self.seed,

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import math
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from flowrl.recipe.section import _Section
+from flowrl.recipe.section import _rule, _Section
+
+#: the fields of the episode cost model, used only with ``episode_turns > 0``
+_EPISODE_FIELDS = ("tool_s", "tool_tokens", "decode_row_s", "max_running")
 
 
 class SimConfig(_Section):
     """Modelled costs of simulated workers (``rollout.engine="sim"``); see ``workers.sim``.
 
-    Mirrors ``workers.sim.SimCost`` except its length cap, which is `RolloutConfig.max_new_tokens`.
+    Mirrors ``workers.sim.SimCost`` except its length cap, which is `RolloutConfig.max_new_tokens`,
+    and ``partial``, which is `RolloutConfig.partial`.
     """
 
     prompt_len: int = Field(default=64, ge=1, le=1 << 20)
@@ -37,3 +41,29 @@ class SimConfig(_Section):
     """Critic cost per response token (values, GAE and its own backward; PPO only)."""
     weight_numel: int = Field(default=1 << 16, ge=1, le=1 << 34)
     """float32 weights published after each step (weight-sync traffic)."""
+    weight_load_s: float = Field(default=0.0, ge=0.0, le=3600.0)
+    """Time a rollout worker takes to load a new version."""
+    episode_turns: int = Field(default=0, ge=0, le=1024)
+    """Multi-turn episodes (``workers.sim_episode``): each response is an episode of 1 to this
+    many turns (uniform), every turn but the last ending with a tool call, run by the real
+    episode rollout role on a decode loop of modelled cost, so ``rollout.partial`` applies.
+    Each turn's length is drawn as a response's (`log_mean`, `log_sigma`); `rollout_base_s` is
+    then the cost of one prefill and `rollout_token_s` of one decode step. 0: single-turn
+    groups."""
+    tool_s: float = Field(default=0.0, ge=0.0, le=3600.0)
+    """Latency of one tool call (episodes only)."""
+    tool_tokens: int = Field(default=0, ge=0, le=1 << 20)
+    """Tokens a tool call's result inserts into the trajectory (episodes only)."""
+    decode_row_s: float = Field(default=0.0, ge=0.0, le=60.0)
+    """Decode-step cost per running sequence, on top of `rollout_token_s` (episodes only)."""
+    max_running: int = Field(default=256, ge=1, le=1 << 20)
+    """Sequences a rollout worker's running batch holds at most (episodes only)."""
+
+    @model_validator(mode="after")
+    def _episode_fields(self) -> SimConfig:
+        if self.episode_turns == 0:
+            given = [f for f in _EPISODE_FIELDS if f in self.model_fields_set]
+            if given:
+                raise _rule(given[0], "models episodes: set episode_turns > 0 (it is 0, "
+                            "single-turn groups)")
+        return self

@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from flowrl.recipe.section import _rule, _Section
+from flowrl.worker_spec import DEFAULT_EXPORT_BUCKET_BYTES
 
 _Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
 
@@ -67,6 +68,12 @@ class TrainerConfig(_Section):
     """With ``sharding="fsdp2"``: the dtype passes compute in (FSDP2 mixed precision: shards
     and optimizer stay float32, parameters are gathered in this dtype, gradients reduced in
     float32); ``bfloat16`` halves gather traffic and activation memory on GPUs and NPUs."""
+    export_bucket_mb: float = Field(default=DEFAULT_EXPORT_BUCKET_BYTES / (1 << 20), gt=0.0,
+                                    le=1 << 20)
+    """With ``ranks > 1``: the size of one bucket when rank 0 publishes a new version (MiB).
+    The weights are gathered whole one bucket at a time, written into the node's store and
+    dropped before the next (`workers.resharding`), so publishing holds one bucket beyond the
+    store's copy instead of a second whole model. A model up to this size is one bucket."""
 
     @model_validator(mode="after")
     def _micro_fits(self) -> TrainerConfig:

@@ -1,8 +1,8 @@
 """`VLLMRolloutEngine` against real vLLM (CPU build) on tiny Qwen2 models.
 
 Runs only where vLLM is installed (``make test-vllm`` builds ``.venv-vllm``); the main suite
-skips it. One in-process engine serves the module (vLLM allows one per process); tests that
-change its weights put the original weights back.
+skips it. One in-process engine serves the suite (`conftest.py`: vLLM allows one per process);
+tests that change its weights put the original weights back.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import os
 import subprocess
 import sys
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +27,6 @@ with warnings.catch_warnings():
 
 import torch
 
-from flowrl.tiny_model import build_tiny_model
-from workers.devices import set_threads
 from workers.engines import (
     HFRolloutEngine,
     RolloutEngine,
@@ -39,54 +36,12 @@ from workers.engines import (
 )
 from workers.engines.vllm_rollout import VLLMRolloutEngine, checkpoint_shapes
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
-set_threads(2)  # before the engine starts: vLLM freezes the thread count afterwards
-
 ROOT = Path(__file__).resolve().parents[2]
 PAD = 1
 PROMPTS = [[18, 19, 12, 24, 30], [21, 22, 11, 20, 30, 18, 20, 22, 23, 24, 25], [5], [40, 41, 42]]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
 # Measured: vLLM's and the trainer's float32 logprobs of the same tokens differ by <= 1e-6.
 LOGPROB_TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("vllm") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def other_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Same architecture and shapes, other weights."""
-    return build_tiny_model(tmp_path_factory.mktemp("vllm") / "tiny-other", seed=1)
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir: Path) -> VLLMRolloutEngine:
-    return VLLMRolloutEngine(model_dir, seed=0, version=3)
-
-
-@pytest.fixture(scope="module")
-def trainer(model_dir: Path) -> TorchTrainerEngine:
-    return TorchTrainerEngine(model_dir, device="cpu")
-
-
-@pytest.fixture(scope="module")
-def weights(trainer: TorchTrainerEngine) -> dict[str, torch.Tensor]:
-    return trainer.export_weights()
-
-
-@pytest.fixture(scope="module")
-def other_weights(other_dir: Path) -> dict[str, torch.Tensor]:
-    return TorchTrainerEngine(other_dir, device="cpu").export_weights()
-
-
-@pytest.fixture
-def restore(engine: VLLMRolloutEngine, weights: dict[str, torch.Tensor]) -> Iterator[None]:
-    """Put the module's original weights and version back after a test that changes them."""
-    yield
-    engine.load_weights(weights, 3)
 
 
 def greedy_ids(engine: RolloutEngine) -> list[list[int]]:

@@ -36,14 +36,14 @@ continuation is then exactly the new policy's, for the cost of one prefill of ev
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
+from workers.engines.batching import BatchStats, StepGate, generation_of
 from workers.engines.hf_rollout import HFRolloutEngine, _sample, new_cache
 from workers.engines.protocols import (
     FinishReason,
@@ -75,11 +75,7 @@ class _Seq:
     logits_version: int = 0
 
     def result(self, reason: FinishReason) -> Generation:
-        return Generation(
-            prompt_index=0, response_ids=torch.tensor(self.tokens, dtype=torch.int64),
-            logprobs=torch.tensor(self.logprobs, dtype=torch.float32), finish_reason=reason,
-            version=self.versions[-1],
-            token_versions=torch.tensor(self.versions, dtype=torch.int32))
+        return generation_of(self.tokens, self.logprobs, self.versions, reason)
 
 
 def _cache_kv(cache: Any) -> list[tuple[Tensor, Tensor]]:
@@ -290,38 +286,22 @@ class RunningBatch:
         return seqs
 
 
-@dataclass
-class BatchStats:
-    """What the batcher has done: decode forwards and the rows they carried, prefills."""
-
-    forwards: int = 0
-    rows: int = 0
-    prefills: int = 0
-    requests: int = 0
-    #: weight swaps that found sequences running, and how many sequences they continued
-    interruptions: int = 0
-    interrupted_rows: int = 0
-
-    @property
-    def mean_rows(self) -> float:
-        """Mean sequences per decode forward (the batch's occupancy)."""
-        return self.rows / self.forwards if self.forwards else 0.0
-
-
 class ContinuousBatcher:
     """Serves generation requests from many coroutines on one `HFRolloutEngine`."""
 
-    def __init__(self, engine: HFRolloutEngine, *, max_running: int = 256) -> None:
+    def __init__(self, engine: HFRolloutEngine, *, max_running: int = 256,
+                 batch: RunningBatch | None = None) -> None:
+        """``batch``: the decode state to drive (default: a `RunningBatch` of ``engine``;
+        simulation mode passes one whose steps cost modelled time, `workers.sim_episode`)."""
         if max_running < 1:
             raise ValueError(f"max_running must be >= 1, got {max_running}")
         self.engine = engine
         self.max_running = max_running
         self.stats = BatchStats()
-        self._batch = RunningBatch(engine)
+        self._batch = RunningBatch(engine) if batch is None else batch
         self._queue: list[_Seq] = []
         self._driver: asyncio.Task[None] | None = None
-        self._lock = asyncio.Lock()  # one engine call at a time: a step or an exclusive call
-        self._waiting = 0  # exclusive calls waiting for the lock: the driver yields to them
+        self._gate = StepGate()
 
     async def generate(
         self, context: Sequence[int], params: SamplingParams, *, stream_key: int
@@ -351,7 +331,7 @@ class ContinuousBatcher:
 
     async def exclusive(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` in a thread between decode steps (a weight load)."""
-        async with self._turn():
+        async with self._gate.turn():
             return await asyncio.to_thread(fn)
 
     async def swap(self, load: Callable[[], Any], *, rebuild_kv: bool = False) -> int:
@@ -360,7 +340,7 @@ class ContinuousBatcher:
         Returns how many sequences were continued. A load that raises changes nothing here;
         should continuing fail after it, the running requests fail with the error (as after
         a failed step)."""
-        async with self._turn():
+        async with self._gate.turn():
             await asyncio.to_thread(load)
             rows = self._batch.rows
             if not rows:
@@ -375,20 +355,6 @@ class ContinuousBatcher:
         self.stats.interruptions += 1
         self.stats.interrupted_rows += rows
         return rows
-
-    @contextlib.asynccontextmanager
-    async def _turn(self) -> AsyncIterator[None]:
-        """Hold the lock; meanwhile the driver sees a waiter between decode steps and gives
-        way (so a weight load waits one decode step, not `_STEPS_PER_CALL`)."""
-        self._waiting += 1
-        try:
-            await self._lock.acquire()
-        finally:
-            self._waiting -= 1
-        try:
-            yield
-        finally:
-            self._lock.release()
 
     def _advance(self, new: list[_Seq], cancelled: list[int]) -> list[tuple[_Seq, FinishReason]]:
         """Admit ``new``, then decode until a sequence ends, a request waits or a weight load
@@ -406,7 +372,7 @@ class ContinuousBatcher:
                 self.stats.rows += rows - len(ended)
             # The queue is appended to on the event loop's thread; reading its length here
             # is atomic, and a request that slips past this check waits one step.
-            if ended or self._queue or self._waiting or not self._batch.rows:
+            if ended or self._queue or self._gate.waiting or not self._batch.rows:
                 return ended
         return []
 
@@ -417,7 +383,7 @@ class ContinuousBatcher:
             new, self._queue = self._queue[:room], self._queue[room:]
             cancelled = [i for i, s in enumerate(self._batch.seqs) if s.future.done()]
             try:
-                async with self._lock:
+                async with self._gate.lock:
                     ended = await asyncio.to_thread(self._advance, new, cancelled)
             except Exception as e:  # a failed step fails its requests, not the batcher
                 for s in [*self._batch.reset(), *new]:

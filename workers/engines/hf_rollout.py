@@ -203,11 +203,14 @@ class HFRolloutEngine:
         seed: int = 0,
         attn_implementation: str | None = None,
         version: int = 0,
+        model: Any = None,
     ) -> None:
+        """``model``: generate with this module (a colocated trainer's, eval mode) instead of
+        loading one from ``model_dir``; its device and dtype are then the engine's."""
         self.device = pick_device(device)
         self.model_dir = Path(model_dir)
         self._tokenizer: Any = None  # loaded on first use of stop strings
-        self.model = load_causal_lm(
+        self.model = model if model is not None else load_causal_lm(
             model_dir, device=self.device, dtype=dtype, attn_implementation=attn_implementation
         )
         self._names = _ForwardNames(self.model)
@@ -292,6 +295,12 @@ class HFRolloutEngine:
                 else:
                     target.copy_(source)
         self._borrowing = borrow
+        self._base = None
+        self._version = version
+
+    def serve_in_place(self, version: int) -> None:
+        """The model's own tensors hold ``version`` now (a colocated trainer stepped them):
+        serve it, with nothing to load."""
         self._base = None
         self._version = version
 

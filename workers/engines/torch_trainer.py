@@ -23,9 +23,9 @@ recomputes each decoder layer's activations in the backward pass
 
 Data parallelism over several ranks wraps this engine in `workers.roles.dp_trainer`: either
 every rank holds the whole model (one gradient all-reduce per step), or `shard` makes it FSDP2
-shards. Sharded, `export_weights`, `state_dict` and `save_pretrained` gather whole tensors and
-are collectives (every rank calls them, in the same order); `load_state_dict` takes whole
-tensors and keeps this rank's shards.
+shards. Sharded, `export_weights` (`export_bucketed`: one bucket at a time), `state_dict` and
+`save_pretrained` gather whole tensors and are collectives (every rank calls them, in the same
+order); `load_state_dict` takes whole tensors and keeps this rank's shards.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from workers.engines.hf_rollout import _ForwardNames, load_causal_lm
 from workers.engines.lora import ADAPTER_DIR, LoraPolicy, adapter_entries
 from workers.engines.protocols import LossFn, SequenceBatch, TrainerState, token_logprobs
 from workers.engines.tied_weights import tied_groups
+from workers.resharding import BucketSink, export_bucketed
 
 __all__ = ["TorchTrainerEngine", "adamw", "clip_and_step", "portable_tokenizer_config"]
 
@@ -290,6 +291,17 @@ class TorchTrainerEngine:
         if self._sync == "adapter":
             return adapter
         return {**self._whole_weights(dtype), **adapter}
+
+    def export_bucketed(self, bucket_bytes: int, sink: BucketSink,
+                        dtype: torch.dtype | None = None) -> int:
+        """`export_weights` (whole weights, no adapters) handed to ``sink`` one bucket of
+        about ``bucket_bytes`` at a time (`workers.resharding`); the same tensors, bit for
+        bit. Sharded, a collective. Returns the number of buckets."""
+        if self.lora is not None:
+            raise ValueError("a bucketed export is of whole weights: this model trains adapters")
+        state = self.model.state_dict()
+        return export_bucketed([(group[0], state[group[0]]) for group in self._groups],
+                               bucket_bytes, sink, dtype)
 
     def export_trainable(self) -> dict[str, Tensor]:
         """A snapshot of what trains (the adapters, or every weight): what `load_weights`

@@ -46,8 +46,9 @@ import json
 import os
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -55,10 +56,12 @@ from torch import Tensor
 from workers.engines.lora import adapter_entries
 from workers.engines.protocols import FinishReason, Generation, SamplingParams
 
-__all__ = ["VLLMRolloutEngine", "checkpoint_shapes"]
+__all__ = ["StepOutput", "VLLMRolloutEngine", "checkpoint_shapes"]
 
 _GiB = 1 << 30
 _SEED_RANGE = 1 << 62
+# Tokens one engine step may prefill on CPU (vLLM's own default there), at least a whole context.
+_CPU_STEP_TOKENS = 4096
 # vLLM's name for the output head, which Qwen2/Llama-style models tie to the embedding.
 _TIED = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -76,6 +79,14 @@ def checkpoint_shapes(model_dir: str | os.PathLike[str]) -> dict[str, tuple[int,
             for name in st.keys():  # noqa: SIM118 (safe_open is not a Mapping)
                 shapes[name] = tuple(int(d) for d in st.get_slice(name).get_shape())
     return shapes
+
+
+def _positions(model_dir: Path) -> int:
+    """The model's context length from its config (0 when it names none)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    text = config.get("text_config")
+    source = text if isinstance(text, dict) else config
+    return int(source.get("max_position_embeddings") or 0)
 
 
 def _tied(model_dir: Path) -> bool:
@@ -137,6 +148,16 @@ def _import_vllm() -> Any:
         return importlib.import_module("vllm")
 
 
+class StepOutput(NamedTuple):
+    """What one engine step produced for one request (`VLLMRolloutEngine.step`)."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    #: None while the request runs on
+    finish_reason: FinishReason | None
+
+
 class VLLMRolloutEngine:
     """`RolloutEngine` over an in-process ``vllm.LLM``.
 
@@ -193,6 +214,13 @@ class VLLMRolloutEngine:
         }
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
+        if on_cpu:
+            # vLLM 0.32's CPU runner fails a step in which a seeded request's prompt is
+            # prefilled in part ("CPU Generator does not use offset"), as chunked prefill does
+            # once a step's prompts exceed its token budget: prefill every prompt whole.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(
+                _CPU_STEP_TOKENS, max_model_len or _positions(self.model_dir))
         if kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
         elif on_cpu and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
@@ -205,10 +233,18 @@ class VLLMRolloutEngine:
         self._initial_version = version
         self._version = version
         self._broken: BaseException | None = None
+        # Counts the weights loaded: each load's requests salt vLLM's prefix cache with it, so
+        # no request reuses KV blocks that other weights computed.
+        self._loads = 0
 
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def max_positions(self) -> int | None:
+        """vLLM's ``max_model_len``: context plus response."""
+        return int(self.llm.llm_engine.model_config.max_model_len)
 
     # -- weights ---------------------------------------------------------------------------
 
@@ -258,6 +294,7 @@ class VLLMRolloutEngine:
         plan = self.plan_weights(state)
         try:
             self._reload(weights_iterator=plan)
+            self._loads += 1
         except Exception as exc:
             self._recover(exc)
             raise RuntimeError(
@@ -276,6 +313,7 @@ class VLLMRolloutEngine:
         try:
             self.llm.collective_rpc(_abandon_reload)
             self._reload(weights_path=str(self.model_dir))
+            self._loads += 1
         except Exception as exc:
             self._broken = exc
             raise RuntimeError(
@@ -302,7 +340,11 @@ class VLLMRolloutEngine:
 
     # -- generation ------------------------------------------------------------------------
 
-    def _sampling(self, params: SamplingParams, n: int, seed: int | None) -> Any:
+    def _prompt(self, ids: Sequence[int]) -> dict[str, Any]:
+        return {"prompt_token_ids": [int(t) for t in ids], "cache_salt": f"w{self._loads}"}
+
+    def _sampling(self, params: SamplingParams, n: int, seed: int | None,
+                  **extra: Any) -> Any:
         return self._vllm.SamplingParams(
             n=n,
             temperature=params.temperature,
@@ -317,6 +359,7 @@ class VLLMRolloutEngine:
             # whatever happens to the text.
             detokenize=bool(params.stop),
             skip_special_tokens=False,
+            **extra,
         )
 
     def generate(
@@ -329,7 +372,7 @@ class VLLMRolloutEngine:
             raise ValueError("empty prompt")
         # vLLM refuses n > 1 when greedy; the n greedy responses are one response n times.
         n = 1 if params.temperature == 0.0 else params.n
-        inputs = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
+        inputs = [self._prompt(p) for p in prompts]
         sampling: Any
         if params.prompt_seeds is not None:
             if len(params.prompt_seeds) != len(prompts):
@@ -354,6 +397,64 @@ class VLLMRolloutEngine:
                 gens.extend([self._generation(i, completions[0])] * params.n)
         return gens
 
+    # -- request by request (`workers.engines.vllm_continuous`) ------------------------------
+
+    def add_request(self, request_id: str, context: Sequence[int], params: SamplingParams,
+                    *, seed: int) -> None:
+        """Queue one request (n = 1) in vLLM's engine; `step` runs it. ``request_id`` must be
+        unique among the requests not yet finished or aborted."""
+        self._enter()
+        if not context:
+            raise ValueError("empty context")
+        output_kind = importlib.import_module("vllm.sampling_params").RequestOutputKind.DELTA
+        sampling = self._sampling(replace(params, n=1), 1, seed % _SEED_RANGE,
+                                  output_kind=output_kind)
+        self.llm.llm_engine.add_request(request_id, self._prompt(context), sampling)
+
+    def abort_requests(self, request_ids: Sequence[str]) -> None:
+        """Drop requests (those already finished are ignored)."""
+        self._enter()
+        self.llm.llm_engine.abort_request(list(request_ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.llm.llm_engine.has_unfinished_requests())
+
+    def step(self) -> list[StepOutput]:
+        """Run one engine step (a forward over every scheduled request): the tokens each
+        request gained (one per running request; none while a long prompt is prefilled in
+        chunks) and whether it finished."""
+        self._enter()
+        out: list[StepOutput] = []
+        for request in self.llm.llm_engine.step():
+            c = request.outputs[0]
+            ids = [int(t) for t in c.token_ids]
+            entries = c.logprobs or []
+            if len(entries) != len(ids):
+                raise RuntimeError(f"vLLM returned logprobs for {len(entries)} of {len(ids)} "
+                                   "tokens")
+            reason: FinishReason | None = None
+            if request.finished:
+                reason = self._reason(c.finish_reason)
+            out.append(StepOutput(str(request.request_id), ids,
+                                  [float(entries[j][t].logprob) for j, t in enumerate(ids)],
+                                  reason))
+        return out
+
+    def recompute_running(self) -> None:
+        """Drop the KV cache of every running request, so the next steps compute it again
+        (with the weights then loaded) before they generate on: vLLM preempts them and
+        prefills each one's prompt and generated tokens."""
+        self._enter()
+        self.llm.llm_engine.reset_prefix_cache(reset_running_requests=True)
+
+    @staticmethod
+    def _reason(finish_reason: Any) -> FinishReason:
+        if finish_reason == "stop":
+            return "stop"
+        if finish_reason == "length":
+            return "length"
+        raise RuntimeError(f"vLLM finished a response with {finish_reason!r}")
+
     def _generation(self, prompt_index: int, completion: Any) -> Generation:
         ids = [int(t) for t in completion.token_ids]
         entries = completion.logprobs
@@ -361,13 +462,7 @@ class VLLMRolloutEngine:
             have = 0 if entries is None else len(entries)
             raise RuntimeError(f"vLLM returned logprobs for {have} of {len(ids)} tokens")
         lps = [float(entries[j][tok].logprob) for j, tok in enumerate(ids)]
-        reason: FinishReason
-        if completion.finish_reason == "stop":
-            reason = "stop"
-        elif completion.finish_reason == "length":
-            reason = "length"
-        else:
-            raise RuntimeError(f"vLLM finished a response with {completion.finish_reason!r}")
+        reason = self._reason(completion.finish_reason)
         return Generation(
             prompt_index=prompt_index,
             response_ids=torch.tensor(ids, dtype=torch.int64),

@@ -9,9 +9,14 @@ the one a single trainer takes on the concatenated batch (``tests/test_dp_traine
 1e-6), and all ranks hold the same parameters after it: the same kernels run on the same
 values. The step's metrics cover the whole global batch on every rank.
 
-Only rank 0 exports the new weights (one export per step) and writes checkpoints. Every rank
-reports ``param_checksum`` (`workers.distributed.parameter_checksum`) and ``rank_tokens`` (its
-own share), which the controller compares and summarises (`flowrl.dp.merge_step_ends`).
+Only rank 0 exports the new weights (one export per step) and writes checkpoints. The export
+is bucketed (`workers.resharding`, buckets of ``group.export_bucket_bytes``): one bucket of
+whole tensors is gathered, written into the node's store (through the worker's
+`WeightPublisher`) and dropped before the next, so exporting holds one bucket beyond the
+store's copy, not a second model; the rollout workers load the buckets' handles as one
+version, as before (a step end that fails after its export frees them). Every rank reports
+``param_checksum`` (`workers.distributed.parameter_checksum`) and ``rank_tokens`` (its own
+share), which the controller compares and summarises (`flowrl.dp.merge_step_ends`).
 
 Sharded (``sharding="fsdp2"``), each backward already reduce-scatters the ranks' gradients
 (averaged: the step multiplies them by N, so the sum of the ranks' sums is the same
@@ -24,11 +29,14 @@ on every rank; rank 0 alone publishes and writes them. The step equals one proce
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from torch import Tensor
 
 from flowrl import messages as m
 from workers.distributed import (
@@ -47,6 +55,14 @@ __all__ = ["DataParallelTrainerRole"]
 
 #: the `_Step` sums the ranks add up (``step`` is the step number, the same on every rank).
 _SUMS = tuple(f.name for f in fields(_Step) if f.name != "step")
+
+
+class _Publisher(Protocol):
+    """What `workers.runtime.WeightPublisher` does for this role."""
+
+    def __call__(self, weights: Mapping[str, Tensor]) -> dict[str, list[Any]]: ...
+
+    def discard(self, published: Mapping[str, Any]) -> None: ...
 
 
 class DataParallelTrainerRole(TrainerRole):
@@ -85,6 +101,41 @@ class DataParallelTrainerRole(TrainerRole):
         self._params = [p for p in model.parameters() if p.requires_grad]
         #: passes every rank runs in the current step (its end task says; sharded only).
         self._passes = 0
+        #: writes a bucket into the store (the worker binds it); None: the export is returned
+        #: whole (`RoleOutput.weights`), as when the role runs without a worker.
+        self._publish: _Publisher | None = None
+        #: buckets of this step end already in the store, not yet in its report.
+        self._unreported: dict[str, list[Any]] = {}
+
+    def bind_weight_publisher(self, publish: _Publisher) -> None:
+        self._publish = publish
+
+    def export_version(self) -> tuple[dict[str, Tensor] | None, dict[str, list[Any]] | None]:
+        """Rank 0's export, bucket by bucket; a sharded rank > 0 takes part in the gathers
+        and keeps nothing."""
+        engine = self.engine
+        if not isinstance(engine, TorchTrainerEngine) or engine.lora is not None:
+            return super().export_version()  # adapters are small: exported whole
+        if self.group.rank != 0 and not self.group.sharded:
+            return None, None
+        weights: dict[str, Tensor] = {}
+        published: dict[str, list[Any]] = {}
+        publish = self._publish if self.group.rank == 0 else None
+
+        def sink(bucket: dict[str, Tensor]) -> None:
+            if self.group.rank != 0:
+                return
+            if publish is None:
+                weights.update(bucket)
+            else:
+                published.update(publish(bucket))
+
+        # Until the step end returns them, what is in the store is freed on a failure.
+        self._unreported = published
+        engine.export_bucketed(self.group.export_bucket_bytes, sink)
+        if self.group.rank != 0:
+            return None, None
+        return (None, published) if publish is not None else (weights, None)
 
     def _train(self, task: m.TaskMsg, inputs: dict[str, list[Any]]) -> RoleOutput:
         self._passes = int(task["params"].get("passes", 0))
@@ -105,12 +156,25 @@ class DataParallelTrainerRole(TrainerRole):
         for name, value in zip(_SUMS, sums, strict=True):
             # The integer counts are exact in float64 (below 2**53).
             setattr(st, name, round(value) if isinstance(getattr(st, name), int) else value)
-        out = super().finish_step()
+        try:
+            out = super().finish_step()
+            out.metrics["param_checksum"] = parameter_checksum(self._params)
+        except BaseException:
+            # A step end that fails after its export reports no handles: free the buckets
+            # already in the store.
+            self._discard(self._unreported)
+            raise
+        finally:
+            self._unreported = {}
         if self.group.rank != 0:
-            out.weights = None
-        out.metrics["param_checksum"] = parameter_checksum(self._params)
+            out.weights = out.published = None
         out.metrics["rank_tokens"] = float(own_tokens)
         return out
+
+    def _discard(self, published: dict[str, list[Any]]) -> None:
+        if self._publish is not None and published:
+            with contextlib.suppress(Exception):  # the step's own error is the one to see
+                self._publish.discard(published)
 
     def _checkpoint_due(self) -> bool:
         # Replicated, every rank holds the same state and rank 0 writes it, once; sharded,

@@ -3,7 +3,8 @@
 For one task (whole groups of rows sharing a dataset position, as in `workers.roles.rollout`),
 the role runs every row's episode concurrently (`flowrl.episode.run_episode`): the episode gets a
 `flowrl.episode.Policy` handle and the dataset example, and its generation requests go to one
-`workers.engines.hf_continuous.ContinuousBatcher`, which batches the requests of all episodes
+batcher (`workers.engines.batching.RequestBatcher`: `workers.engines.hf_continuous` on the HF
+engine, `workers.engines.vllm_continuous` on vLLM), which batches the requests of all episodes
 (of this task and of any other task the worker runs at once) into one running batch.
 
 Per row it writes the trajectory as the policy produced it:
@@ -27,7 +28,7 @@ loopback (`workers.openai_endpoint`), started with its first task; each episode 
 base URL and API key (``policy.openai_client()``), valid while it runs.
 
 Interruptible (``interruptible``, the recipe's ``rollout.partial``): a new policy version is
-loaded while episodes run, at the next decode step (`ContinuousBatcher.swap`), and every running
+loaded while episodes run, at the next decode step (`RequestBatcher.swap`), and every running
 sequence continues under it with its tokens kept; the worker runtime does not wait for the
 running tasks. A row's tokens may then carry several versions; the task's version is its oldest
 token's, and ``interrupted_episodes`` counts the rows whose tokens span more than one version.
@@ -57,7 +58,7 @@ from flowrl.episode import (
     run_episode,
 )
 from flowrl.reward_fn import describe_error
-from workers.engines.hf_continuous import ContinuousBatcher
+from workers.engines.batching import RequestBatcher
 from workers.engines.protocols import SamplingParams, mix_seed
 from workers.openai_endpoint import OpenAIEndpoint
 from workers.roles.rollout import group_rows
@@ -98,11 +99,11 @@ def trajectory_fields(trajectories: Sequence[Trajectory]) -> dict[str, list[Any]
 
 
 class EpisodeRolloutRole:
-    """Runs a task's episodes concurrently on one `ContinuousBatcher`."""
+    """Runs a task's episodes concurrently on one `RequestBatcher`."""
 
     def __init__(
         self,
-        batcher: ContinuousBatcher,
+        batcher: RequestBatcher,
         tokenizer: Any,
         dataset: Dataset,
         sampling: SamplingParams,
@@ -152,7 +153,8 @@ class EpisodeRolloutRole:
                       stream_seed=mix_seed(self.sample_seed, position, index),
                       max_context=self.batcher.engine.max_positions,
                       tools=None if self.tools is None else self.tools.call,
-                      max_turns=self.max_turns, max_tokens=self.max_tokens)
+                      max_turns=self.max_turns, max_tokens=self.max_tokens,
+                      max_new_tokens=base.max_new_tokens)
 
     async def _one(self, row: int, position: int, index: int
                    ) -> tuple[Trajectory, collections.Counter[str]]:
@@ -213,6 +215,9 @@ class EpisodeRolloutRole:
                 "gen_s": gen_s,
                 "tokens_per_s": generated / gen_s if gen_s > 0 else 0.0,
                 "batch_rows_mean": (stats.rows - carried) / forwards if forwards else 0.0,
+                # counted into the step log (occupancy over a step, whatever its tasks)
+                "decode_forwards": float(forwards),
+                "decode_rows": float(stats.rows - carried),
                 "tool_calls": float(tools["calls"]),
                 **{f"tool_errors_{k}": float(tools[k]) for k in TOOL_ERROR_KINDS},
                 "episodes_cut_turns": float(cut["turns"]),

@@ -37,6 +37,7 @@ from flowrl.worker_spec import (
 if TYPE_CHECKING:
     import torch
 
+    from workers.engines.batching import RequestBatcher
     from workers.engines.protocols import RolloutEngine, SamplingParams
     from workers.runtime import Role
 
@@ -45,6 +46,7 @@ __all__ = [
     "data_splits",
     "dataset_from_config",
     "load_tokenizer",
+    "make_colocated_roles",
     "make_hf_role",
     "make_vllm_role",
     "model_dir",
@@ -166,6 +168,44 @@ def make_hf_role(role: str, config: Config, seed: int, *, process: str | None = 
     return _trainer(spec, _policy_base(spec, path), seed, process, run_id)
 
 
+def make_colocated_roles(config: Config, seed: int, *, keep_weight_copy: bool,
+                         process: str | None = None, run_id: str | None = None,
+                         ) -> tuple[Role, Role]:
+    """A colocated process's trainer and rollout roles (`workers.colocated`): the rollout
+    engine generates with the trainer's module, so it serves the trainer's weights in place;
+    both take turns in one `Phases`. Raises ValueError when the layouts differ (the rollout's
+    dtype is not the trainer's): serving them would need a copy in another layout."""
+    from workers.colocated import (
+        ColocatedRollout,
+        ColocatedTrainer,
+        Phases,
+        RolloutMemory,
+        TrainerMemory,
+    )
+    from workers.engines.hf_rollout import HFRolloutEngine
+    from workers.engines.torch_trainer import TorchTrainerEngine
+    from workers.roles.trainer import TrainerRole
+
+    spec = engine_spec(config)
+    path = _policy_base(spec, model_dir(spec))
+    trainer = _trainer(spec, path, seed, process, run_id)
+    assert isinstance(trainer, TrainerRole)
+    engine = trainer.engine
+    assert isinstance(engine, TorchTrainerEngine)  # what `_trainer` builds
+    held = next(engine.model.parameters()).dtype
+    wanted = rollout_dtype(spec, engine.device)
+    if wanted != held:
+        raise ValueError(f"rollout.dtype: resolves to {wanted} on {engine.device}, but the "
+                         f"colocated trainer holds {held} weights; serving them in place needs "
+                         f"the same dtype (set rollout.dtype = '{str(held)[6:]}')")
+    generator = HFRolloutEngine(path, device=engine.device, seed=seed, model=engine.model,
+                                version=spec.start_version)
+    phases = Phases({"train": TrainerMemory(engine), "generate": RolloutMemory(engine.device)})
+    train = ColocatedTrainer(trainer, phases, keep_weight_copy=keep_weight_copy)
+    rollout = ColocatedRollout(_rollout_role(spec, generator, path), generator, train, phases)
+    return train, rollout
+
+
 def _policy_base(spec: EngineSpec, path: Path) -> Path:
     """Where a policy engine loads its weights from: ``model.path``, except when adapters
     train and the run resumes: then the initial model (the base the checkpoint's adapter
@@ -186,20 +226,24 @@ def _resume_adapter(spec: EngineSpec) -> dict[str, torch.Tensor] | None:
 
 def make_vllm_role(role: str, config: Config, seed: int, *, process: str | None = None,
                    run_id: str | None = None) -> Role:
-    """The ``vllm`` engine's roles: rollout on `workers.engines.vllm_rollout`, every other role
-    as `make_hf_role` builds it (scoring and training stay on torch)."""
+    """The ``vllm`` engine's roles: rollout on `workers.engines.vllm_rollout` (episodes on its
+    `workers.engines.vllm_continuous.VLLMBatcher`), every other role as `make_hf_role` builds
+    it (scoring and training stay on torch)."""
     if role != "rollout":
         return make_hf_role(role, config, seed, process=process, run_id=run_id)
     from workers.engines.vllm_rollout import VLLMRolloutEngine
 
     spec = engine_spec(config)
-    if spec.rollout.episode is not None:
-        raise ValueError("rollout.episode: episodes run on the hf engine (continuous batching "
-                         "of many episodes' requests); the vllm engine serves single "
-                         "completions only")
+    _check_partial(spec)
     path = model_dir(spec)
-    # rollout.dtype names are vLLM's too ("auto": the checkpoint's dtype).
-    engine = VLLMRolloutEngine(path, dtype=spec.rollout.dtype, seed=seed)
+    # rollout.dtype names are vLLM's too ("auto": the checkpoint's dtype). A resumed run's
+    # model.path is its checkpoint (merged weights, adapters included): that version's weights.
+    engine = VLLMRolloutEngine(path, dtype=spec.rollout.dtype, seed=seed,
+                               version=spec.start_version)
+    if spec.rollout.episode is not None:
+        from workers.engines.vllm_continuous import VLLMBatcher
+
+        return _episode_role(spec, VLLMBatcher(engine), path)
     return _rollout_role(spec, engine, path)
 
 
@@ -271,9 +315,7 @@ def _rollout(spec: EngineSpec, path: Path, seed: int) -> Role:
     from workers.devices import pick_device
     from workers.engines.hf_rollout import HFRolloutEngine
 
-    if spec.rollout.partial and spec.rollout.episode is None:
-        raise ValueError("rollout.partial: interruptible generation continues running episodes "
-                         "under new weights; it needs rollout.episode")
+    _check_partial(spec)
     device = pick_device()
     engine = HFRolloutEngine(path, device=device, dtype=rollout_dtype(spec, device), seed=seed,
                              version=spec.start_version)
@@ -281,23 +323,36 @@ def _rollout(spec: EngineSpec, path: Path, seed: int) -> Role:
     if adapter is not None:
         engine.load_weights(adapter, spec.start_version)
     if spec.rollout.episode is not None:
-        # The recipe refuses episodes with eval or a chat template: an episode renders its own
-        # chat messages and the held-out split is served by the single-completion role only.
-        from flowrl.episode import resolve_episode_fn
         from workers.engines.hf_continuous import ContinuousBatcher
-        from workers.roles.episode_rollout import EpisodeRolloutRole
-        from workers.tool_pool import ToolPool
 
-        r = spec.rollout
-        return EpisodeRolloutRole(
-            ContinuousBatcher(engine), load_tokenizer(path), dataset_from_config(spec),
-            sampling_from_config(spec), resolve_episode_fn(spec.rollout.episode),
-            episode_name=spec.rollout.episode, sample_seed=spec.seed,
-            endpoint=r.endpoint,
-            tools=ToolPool(r.tools, workers=r.tool_workers, timeout_s=r.tool_timeout_s,
-                           memory_mb=r.tool_memory_mb) if r.tools else None,
-            max_turns=r.max_turns, max_tokens=r.max_episode_tokens, interruptible=r.partial)
+        return _episode_role(spec, ContinuousBatcher(engine), path)
     return _rollout_role(spec, engine, path)
+
+
+def _check_partial(spec: EngineSpec) -> None:
+    if spec.rollout.partial and spec.rollout.episode is None:
+        raise ValueError("rollout.partial: interruptible generation continues running episodes "
+                         "under new weights; it needs rollout.episode")
+
+
+def _episode_role(spec: EngineSpec, batcher: RequestBatcher, path: Path) -> Role:
+    """The episode rollout role over ``batcher``, either engine's."""
+    # The recipe refuses episodes with eval or a chat template: an episode renders its own
+    # chat messages and the held-out split is served by the single-completion role only.
+    from flowrl.episode import resolve_episode_fn
+    from workers.roles.episode_rollout import EpisodeRolloutRole
+    from workers.tool_pool import ToolPool
+
+    r = spec.rollout
+    assert r.episode is not None
+    return EpisodeRolloutRole(
+        batcher, load_tokenizer(path), dataset_from_config(spec),
+        sampling_from_config(spec), resolve_episode_fn(r.episode),
+        episode_name=r.episode, sample_seed=spec.seed,
+        endpoint=r.endpoint,
+        tools=ToolPool(r.tools, workers=r.tool_workers, timeout_s=r.tool_timeout_s,
+                       memory_mb=r.tool_memory_mb) if r.tools else None,
+        max_turns=r.max_turns, max_tokens=r.max_episode_tokens, interruptible=r.partial)
 
 
 def _rollout_role(spec: EngineSpec, engine: RolloutEngine, path: Path) -> Role:

@@ -535,7 +535,7 @@ class TrainerRole:
             passes = 1
         self._step = _Step()
         self.version += 1
-        weights = self.engine.export_weights() if self.exports_weights else None
+        weights, published = self.export_version()
         # The sums of the passes' updates cover the batch `passes` times: their metrics are
         # means over the passes.
         metrics = {
@@ -582,7 +582,13 @@ class TrainerRole:
             except OSError as e:  # as above; the run says that no final model was saved
                 log.error("final model not saved", version=self.version, error=repr(e))
                 metrics["final_save_failed"] = 1.0
-        return RoleOutput(fields={}, version=self.version, metrics=metrics, weights=weights)
+        return RoleOutput(fields={}, version=self.version, metrics=metrics, weights=weights,
+                          published=published)
+
+    def export_version(self) -> tuple[dict[str, Tensor] | None, dict[str, list[Any]] | None]:
+        """The new version's weights: to publish (`RoleOutput.weights`), or as already
+        published (`RoleOutput.published`); (None, None) when this role does not export."""
+        return (self.engine.export_weights() if self.exports_weights else None), None
 
     def _checkpoint_due(self) -> bool:
         s = self.settings

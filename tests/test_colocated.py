@@ -1,0 +1,234 @@
+"""Colocated placement's parts: what a recipe may ask of it, how the controller keeps a
+process's two workers from working at once, how the process's phases take turns and what
+the trainer gives up between them, and the two roles built over one module.
+
+The end-to-end run (equal losses, strict alternation, a killed process recovered) is in
+tests/test_sync_equivalence.py."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from flowrl.recipe import ModelConfig, PlacementConfig, Recipe, RolloutConfig
+from flowrl.recipe.placement import ClusterSettings
+from flowrl.registry import Registry
+from flowrl.tiny_model import build_tiny_model
+from flowrl.worker_launch import process_spec
+from workers.colocated import Phases, PhaseSpan, RolloutMemory, TrainerMemory
+from workers.engines import TorchTrainerEngine
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# ---- the recipe ---------------------------------------------------------------------------------
+
+
+def test_mixed_placement_validates_and_hosts_the_rollout_in_the_trainer_process(
+        tmp_path: Path) -> None:
+    # Trainer and rollout engine share node1's process; reward stays a pool of its own.
+    recipe = Recipe(steps=1, placement=PlacementConfig(
+        mode="colocated", roles={"train": ("node1",), "rollout": ("node1",),
+                                 "reward": ("node0",)},
+        cluster=ClusterSettings(keys_file=str(tmp_path / "keys"))))
+    pipeline = recipe.to_pipeline()
+    assert pipeline.colocated
+    assert pipeline.keep_weight_copy
+    train = process_spec(pipeline, role="train", proc_no=0, count=1, capacity=1, threads=1,
+                         engine_config=pipeline.engine_config, start_token="0" * 16)
+    assert train.colocated is not None
+    assert train.colocated.role == "rollout"
+    reward = process_spec(pipeline, role="reward", proc_no=0, count=1, capacity=1, threads=1,
+                          engine_config=pipeline.engine_config, start_token="0" * 16)
+    assert reward.colocated is None
+    assert Recipe(steps=1).to_pipeline().colocated is False  # separated stays the default
+
+
+def test_colocated_placement_refuses_what_it_cannot_serve_in_place() -> None:
+    with pytest.raises(ValidationError, match=r"placement.mode: colocated placement "
+                       r"generates with the trainer's module on the hf engine"):
+        Recipe(steps=1, rollout=RolloutConfig(engine="vllm"),
+               placement=PlacementConfig(mode="colocated"))
+    with pytest.raises(ValidationError, match=r"keep_weight_copy: only colocated placement"):
+        PlacementConfig(keep_weight_copy=False)
+    with pytest.raises(ValidationError, match=r"node 'node1' has no trainer"):
+        Recipe(steps=1, model=ModelConfig(), placement=PlacementConfig(
+            mode="colocated", roles={"rollout": ("node1",)},
+            cluster=ClusterSettings(keys_file="/tmp/k")))
+
+
+# ---- the controller: a process's two workers never work at once -------------------------------
+
+
+def test_colocated_workers_take_turns_and_separate_ones_do_not() -> None:
+    reg = Registry(10.0)
+    train = reg.register(name="train.0.0", role="train", node="node0", pid=7, capacity=1,
+                         version=0, now=0.0)
+    rollout = reg.register(name="train.0.1", role="rollout", node="node0", pid=7, capacity=1,
+                           version=0, now=0.0)
+    other = reg.register(name="reward.0.0", role="reward", node="node0", pid=8, capacity=1,
+                         version=0, now=0.0)
+    assert train.partner is rollout
+    assert rollout.partner is train
+    assert other.partner is None
+    reg.assign(rollout, 1, 10)
+    assert reg.least_loaded("train") is None  # its process is generating
+    assert reg.least_loaded("reward") is other
+    reg.finish(rollout, 1, ok=True)
+    assert reg.least_loaded("train") is train
+    reg.assign(train, 2, 10)
+    assert reg.least_loaded("rollout") is None  # and now training
+    # Same pid on another node is another process; a gone partner frees the survivor.
+    elsewhere = reg.register(name="train.0.1", role="rollout", node="node1", pid=7,
+                             capacity=1, version=0, now=0.0)
+    assert elsewhere.partner is None
+    reg.remove(train.worker_id)
+    assert rollout.partner is None
+    assert reg.least_loaded("rollout") is not None
+
+
+def test_simulated_workers_of_one_role_in_one_process_are_not_partners() -> None:
+    reg = Registry(10.0)
+    a = reg.register(name="rollout.0.0", role="rollout", node="node0", pid=7, capacity=1,
+                     version=0, now=0.0)
+    b = reg.register(name="rollout.0.1", role="rollout", node="node0", pid=7, capacity=1,
+                     version=0, now=0.0)
+    reg.assign(a, 1, 10)
+    assert a.partner is None
+    assert reg.least_loaded("rollout") is b
+    # Workers of several roles that one test process hosts are not one colocated process.
+    c = reg.register(name="train.0.0", role="train", node="node0", pid=7, capacity=1,
+                     version=0, now=0.0)
+    assert c.partner is None
+
+
+# ---- the process: phases ------------------------------------------------------------------------
+
+
+class _Counting:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def release(self) -> int:
+        self.calls.append("release")
+        return 1 << 20
+
+    def restore(self) -> int:
+        self.calls.append("restore")
+        return 1 << 20
+
+
+async def test_phases_never_overlap_and_switch_only_between_phases() -> None:
+    train, generate = _Counting(), _Counting()
+    phases = Phases({"train": train, "generate": generate})
+    inside: list[str] = []
+    overlaps = 0
+    guard = threading.Lock()
+
+    def work(phase: str) -> None:  # real work off the event loop, as the roles run it
+        nonlocal overlaps
+        with guard:
+            overlaps += bool(inside)
+            inside.append(phase)
+        torch.randn(64, 64) @ torch.randn(64, 64)
+        time.sleep(0.002)
+        with guard:
+            inside.remove(phase)
+
+    async def task(phase: str) -> None:
+        async with phases.enter(phase):  # type: ignore[arg-type]
+            await asyncio.to_thread(work, phase)
+
+    await asyncio.gather(*(task(p) for p in ["generate", "train"] * 8 + ["train"] * 4))
+    assert overlaps == 0
+    spans: list[PhaseSpan] = sorted(phases.history, key=lambda s: s.start)
+    assert len(spans) == 20
+    assert all(a.end <= b.start for a, b in itertools.pairwise(spans))
+    changes = 1 + sum(a.phase != b.phase for a, b in itertools.pairwise(spans))
+    assert phases.switches == changes
+    # Each switch releases the phase left and restores the phase entered, in that order.
+    assert train.calls.count("restore") == sum(s.phase == "train" for s in _starts(spans))
+    metrics = phases.take_metrics()
+    assert metrics["phase_switches"] == changes
+    assert metrics["phase_rss_mb_train"] > 0
+    assert metrics["phase_moved_mb"] == train.calls.count("release") + generate.calls.count(
+        "release") + train.calls.count("restore") + generate.calls.count("restore")
+    assert phases.take_metrics()["phase_switches"] == 0  # since the last step's line
+
+
+def _starts(spans: list[PhaseSpan]) -> list[PhaseSpan]:
+    """The spans that began a stretch of their phase."""
+    return [s for i, s in enumerate(spans) if i == 0 or spans[i - 1].phase != s.phase]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("colocated") / "tiny")
+
+
+def test_the_trainer_moves_optimizer_state_and_gradients_out_and_back(model_dir: Path) -> None:
+    engine = TorchTrainerEngine(model_dir, device="cpu", lr=1e-2)
+    ids = torch.randint(0, 50, (2, 6))
+    engine.model(input_ids=ids, labels=ids).loss.backward()
+    engine.optimizer.step()  # optimizer state exists from here
+    engine.model(input_ids=ids, labels=ids).loss.backward()  # a step part-way: gradients
+    grads = {n: p.grad.clone() for n, p in engine.model.named_parameters() if p.grad is not None}
+    state = {id(p): {k: v.clone() for k, v in s.items()}
+             for p, s in engine.optimizer.state.items()}
+    assert TrainerMemory(engine).release() == 0  # on a CPU host is device: nothing to move
+    memory = TrainerMemory(engine, offloads=True)  # the accelerator's path, host to host
+    moved = memory.release()
+    assert moved >= sum(g.numel() * 4 for g in grads.values()) * 3  # grads + two moments
+    assert all(p.grad is None for p in engine.model.parameters())
+    assert memory.release() == 0  # released once
+    assert memory.restore() == moved
+    for n, p in engine.model.named_parameters():
+        assert torch.equal(p.grad, grads[n])
+    for p, s in engine.optimizer.state.items():
+        for k, v in s.items():
+            assert torch.equal(v, state[id(p)][k])
+    engine.optimizer.step()  # and the optimizer steps on
+    assert RolloutMemory(torch.device("cpu")).release() == 0
+
+
+# ---- the worker side: two roles over one module -------------------------------------------------
+
+
+def test_the_rollout_engine_generates_with_the_trainers_module(model_dir: Path) -> None:
+    from workers.colocated import ColocatedRollout, ColocatedTrainer
+    from workers.roles.factory import make_colocated_roles
+
+    config = Recipe(steps=1, model=ModelConfig(path=str(model_dir))).engine_spec()
+    train, rollout = make_colocated_roles(config, 0, keep_weight_copy=False)
+    assert isinstance(train, ColocatedTrainer)
+    assert isinstance(rollout, ColocatedRollout)
+    assert rollout.role.engine.model is train.role.engine.model  # type: ignore[attr-defined]
+    assert train.role.exports_weights is False  # no copy: the step end announces none
+    # Another layout would need a copy (resharding): refused, naming the field.
+    halves = config.model_copy(update={"rollout": config.rollout.model_copy(
+        update={"dtype": "bfloat16"})})
+    with pytest.raises(ValueError, match=r"rollout.dtype: resolves to torch.bfloat16 on cpu, "
+                       r"but the colocated trainer holds torch.float32"):
+        make_colocated_roles(halves, 0, keep_weight_copy=True)
+
+
+async def test_a_restarted_process_without_a_weight_copy_says_why_it_cannot_join(
+        model_dir: Path) -> None:
+    from workers.roles.factory import make_colocated_roles
+
+    config = Recipe(steps=1, model=ModelConfig(path=str(model_dir))).engine_spec()
+    train, _rollout = make_colocated_roles(config, 0, keep_weight_copy=False)
+    with pytest.raises(RuntimeError, match=r"joins the run at policy version 3, but no copy "
+                       r"of those weights exists \(placement.keep_weight_copy = false\)"):
+        await train.load_version(3, {})
+    # Its own version coming back (a step end's broadcast) takes no phase: generation, which
+    # may have begun meanwhile, is not interrupted.
+    await train.load_version(0, {})
+    assert train.phases.current is None  # type: ignore[attr-defined]
