@@ -163,7 +163,7 @@ def test_recipe_names_and_defaults_match_the_algorithms() -> None:
 
 
 def test_sim_config_mirrors_sim_cost() -> None:
-    from workers.sim import SimCost
+    from workers.sim_cost import SimCost
 
     r = Recipe(steps=1, rollout=RolloutConfig(engine="sim", max_new_tokens=77))
     spec = r.to_pipeline()

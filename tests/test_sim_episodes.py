@@ -18,7 +18,8 @@ from pydantic import ValidationError
 from flowrl import RolloutConfig, SimConfig
 from flowrl.recipe import Recipe
 from workers.roles.episode_rollout import EpisodeRolloutRole
-from workers.sim import SimCost, sim_rollout
+from workers.sim import sim_rollout
+from workers.sim_cost import SimCost
 from workers.sim_episode import sim_episode_role
 
 # bench/ is not a package on the path: loading bench/agent.py puts the repository root there.

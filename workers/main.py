@@ -45,7 +45,8 @@ EXIT_WEIGHT_SYNC = 3
 def make_role(process: ProcessSpec, run_id: str, seed: int) -> Role:
     """One worker's role of ``process`` (its engine and settings), seeded with ``seed``."""
     if process.sim is not None:
-        from workers.sim import SIM_ROLES, SimCost
+        from workers.sim import SIM_ROLES
+        from workers.sim_cost import SimCost
 
         try:
             cls = SIM_ROLES[process.role]
