@@ -139,7 +139,8 @@ class Registry:
         a free slot are scanned, so dispatch stays cheap with a thousand workers.
         """
         for w in self._idle.get(role, {}).values():
-            if min_version is None or w.version >= min_version:
+            if ((min_version is None or w.version >= min_version)
+                    and (w.partner is None or not w.partner.tasks)):
                 return w
         best: WorkerInfo | None = None
         best_key = (0, 0)
