@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import os
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,24 +78,29 @@ def workload(nodes: tuple[str, ...]) -> PipelineSpec:
     )
 
 
-async def throughput(k: int, steps: int) -> float:
-    nodes = tuple(f"n{i}" for i in range(k))
+@contextlib.asynccontextmanager
+async def started_with_agents(spec: PipelineSpec, nodes: tuple[str, ...],
+                              **kwargs: Any) -> AsyncIterator[Controller]:
+    """A started controller for ``spec`` whose other ``nodes`` each get an agent process on
+    this machine (``python -m flowrl.node``, tcp+curve); closes both."""
     keys = CurveKeys.generate()
-    ctl = Controller(workload(nodes), cluster=ClusterConfig(keys=keys), start_timeout_s=180)
-    assert ctl.nodes is not None
+    ctl = Controller(spec, cluster=ClusterConfig(keys=keys), start_timeout_s=180, **kwargs)
     agents: list[asyncio.subprocess.Process] = []
     try:
         starting = asyncio.ensure_future(ctl.start())
-        endpoint = await ctl.nodes.wait_listening()
-        for node in nodes:
-            agents.append(await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "flowrl.node", "--controller", endpoint, "--node", node,
-                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
-                stderr=asyncio.subprocess.DEVNULL, cwd=ROOT,
-                env={**os.environ, **keys.to_env(), "FLOWRL_LOG_LEVEL": "warning"}))
+        if ctl.nodes is not None:
+            endpoint = await ctl.nodes.wait_listening()
+            for node in nodes:
+                if node == ctl.node:
+                    continue
+                agents.append(await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "flowrl.node", "--controller", endpoint,
+                    "--node", node, stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+                    cwd=ROOT,
+                    env={**os.environ, **keys.to_env(), "FLOWRL_LOG_LEVEL": "warning"}))
         await starting
-        await ctl.run(steps=1, timeout_s=120)  # warm-up: every worker busy, first version
-        out = await ctl.run(steps=steps, timeout_s=300)
+        yield ctl
     finally:
         await ctl.aclose()
         for a in agents:
@@ -104,6 +110,13 @@ async def throughput(k: int, steps: int) -> float:
             except TimeoutError:
                 a.kill()
                 await a.wait()
+
+
+async def throughput(k: int, steps: int) -> float:
+    nodes = tuple(f"n{i}" for i in range(k))
+    async with started_with_agents(workload(nodes), nodes) as ctl:
+        await ctl.run(steps=1, timeout_s=120)  # warm-up: every worker busy, first version
+        out = await ctl.run(steps=steps, timeout_s=300)
     return float(out["samples_per_s"])
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -137,6 +138,7 @@ class Controller:
         self._registered = asyncio.Event()
         self._node_up = asyncio.Event()
         self._fatal: BaseException | None = None
+        self._frozen = False  # objects frozen at start (`gc.freeze`), given back by aclose
         self._kick_at = 0.0
         self._failures: collections.Counter[tuple[str, int]] = collections.Counter()
         self._owned: list[asyncio.Task[None]] = []
@@ -286,6 +288,11 @@ class Controller:
                                                  failed=lambda: self._fatal)
         except TimeoutError as exc:
             raise RunError(str(exc)) from None
+        # What lives now (imports, torch, the pipeline, a notebook's state) lives for the run:
+        # kept out of the collector's generations, a full collection no longer rescans it
+        # (~260k objects: 0.14 s every few steps at 1,024 workers). aclose gives it back.
+        gc.freeze()
+        self._frozen = True
         self._log().info("controller ready", workers=len(self.registry))
 
     async def aclose(self) -> None:
@@ -308,6 +315,9 @@ class Controller:
         if self._server is not None:
             await self._server.aclose()
         remove_run_dir(self.run_id)
+        if self._frozen:
+            self._frozen = False
+            gc.unfreeze()  # cycles among what was frozen are collected again
 
     # ---- running ---------------------------------------------------------------------------
 

@@ -709,6 +709,11 @@ class Index:
                     st.units += 1
         return free
 
+    def ready_units(self, stage: str) -> int:
+        """Ready units in `stage`'s queue (rows, or groups for a group-level stage): 0 means
+        `request` returns None, so a dispatch pass need not look for a worker first."""
+        return self._stage(stage).units
+
     def in_flight_of(self, worker: str) -> list[int]:
         """Ids of the tasks handed to `worker` that are still in flight (to fail if it dies)."""
         return list(self._by_worker.get(worker, ()))

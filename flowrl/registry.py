@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 
@@ -21,7 +22,9 @@ class WorkerInfo:
     node: str
     pid: int
     capacity: int
-    version: int = 0
+    #: the policy version it serves (`version`): a field the registry indexes, so it is set
+    #: through the property
+    _version: int = 0
     #: assigned and not finished: task id -> load (tokens, or rows when lengths are unknown).
     tasks: dict[int, int] = field(default_factory=dict)
     load: int = 0
@@ -33,6 +36,19 @@ class WorkerInfo:
     #: a worker of another role in the same process (colocated placement): the two take
     #: turns, so neither is given a task while the other holds one
     partner: WorkerInfo | None = field(default=None, repr=False)
+    #: the registry's hook for a version change (None once removed)
+    _moved: Callable[[WorkerInfo, int], None] | None = field(default=None, repr=False,
+                                                             compare=False)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @version.setter
+    def version(self, version: int) -> None:
+        if self._moved is not None and version != self._version:
+            self._moved(self, version)
+        self._version = version
 
     @property
     def in_flight(self) -> int:
@@ -52,8 +68,15 @@ class Registry:
         self.tasks_per_slot = tasks_per_slot
         self._workers: dict[str, WorkerInfo] = {}
         self._by_role: dict[str, dict[str, WorkerInfo]] = {}
-        # Workers that can take another task, by role: dispatch scans only these.
-        self._open: dict[str, dict[str, WorkerInfo]] = {}
+        # Workers that can take another task, by role and version: dispatch scans only these,
+        # and only those of the versions a bound allows.
+        self._open: _Buckets = {}
+        # Workers with no task, by role and version, longest idle first: dispatch takes one
+        # without a scan, and a search for a version nobody idle serves costs one look a version.
+        self._idle: _Buckets = {}
+        # How many workers of each role serve each version: whether anyone may run a task of a
+        # version bound, and the oldest version still served, without a look at the workers.
+        self._versions: dict[str, dict[int, int]] = {}
         self._ids = itertools.count()
 
     def register(
@@ -70,7 +93,10 @@ class Registry:
                 info.partner, other.partner = other, info
         self._workers[worker_id] = info
         self._by_role.setdefault(role, {})[worker_id] = info
-        self._open.setdefault(role, {})[worker_id] = info
+        self._count(info, info.version, 1)
+        _put(self._open, info, info.version)
+        _put(self._idle, info, info.version)
+        info._moved = self._moved
         return info
 
     def get(self, worker_id: str) -> WorkerInfo | None:
@@ -88,11 +114,23 @@ class Registry:
             if info.partner is not None:
                 info.partner.partner = None
             self._by_role[info.role].pop(worker_id, None)
-            self._open[info.role].pop(worker_id, None)
+            _take(self._open, info)
+            _take(self._idle, info)
+            self._count(info, info.version, -1)
+            info._moved = None
         return info
 
     def of_role(self, role: str) -> list[WorkerInfo]:
         return list(self._by_role.get(role, {}).values())
+
+    def versions(self, role: str) -> set[int]:
+        """The versions that workers of ``role`` serve."""
+        return set(self._versions.get(role, ()))
+
+    def iter_role(self, role: str) -> Iterator[WorkerInfo]:
+        """The workers of ``role`` without a copy: for a scan that may stop early (the
+        registry must not change while it runs)."""
+        return iter(self._by_role.get(role, {}).values())
 
     def by_pid(self, pid: int) -> list[WorkerInfo]:
         return [w for w in self._workers.values() if w.pid == pid]
@@ -106,8 +144,9 @@ class Registry:
     def assign(self, info: WorkerInfo, task_id: int, load: int) -> None:
         info.tasks[task_id] = load
         info.load += load
+        _take(self._idle, info)
         if len(info.tasks) >= info.capacity * self.tasks_per_slot:
-            self._open[info.role].pop(info.worker_id, None)
+            _take(self._open, info)
 
     def finish(self, info: WorkerInfo, task_id: int, *, ok: bool) -> None:
         info.load -= info.tasks.pop(task_id, 0)
@@ -116,31 +155,84 @@ class Registry:
         else:
             info.failed += 1
         if info.worker_id in self._workers:
-            self._open[info.role][info.worker_id] = info
+            _put(self._open, info, info.version)
+            if not info.tasks:
+                _put(self._idle, info, info.version)
 
     def least_loaded(self, role: str, min_version: int | None = None) -> WorkerInfo | None:
         """The worker of ``role`` with the least outstanding load that can take one more task
         (and whose colocated partner, if any, holds none).
 
-        Scans only workers with a free slot, and stops at the first idle one (nothing beats
-        it), so dispatch stays cheap with hundreds of workers.
+        An idle worker (nothing beats it) is taken without a scan, of the newest version idle
+        workers serve, the one idle longest; otherwise only workers with a free slot are
+        scanned, and none when no worker serves a version the bound allows, so dispatch stays
+        cheap with a thousand workers.
         """
+        idle: WorkerInfo | None = None
+        for version, bucket in self._idle.get(role, {}).items():
+            if ((min_version is not None and version < min_version)
+                    or (idle is not None and version <= idle.version)):
+                continue
+            for w in bucket.values():
+                if w.partner is None or not w.partner.tasks:
+                    idle = w
+                    break
+        if idle is not None:
+            return idle
         best: WorkerInfo | None = None
         best_key = (0, 0)
-        for w in self._open.get(role, {}).values():
-            if min_version is not None and w.version < min_version:
+        for version, bucket in self._open.get(role, {}).items():
+            if min_version is not None and version < min_version:
                 continue
-            if w.partner is not None and w.partner.tasks:
-                continue  # its process is in the other phase
-            if not w.tasks:
-                return w
-            key = (w.load, len(w.tasks))
-            if best is None or key < best_key:
-                best, best_key = w, key
+            for w in bucket.values():
+                if w.partner is not None and w.partner.tasks:
+                    continue  # its process is in the other phase
+                if not w.tasks:
+                    return w
+                key = (w.load, len(w.tasks))
+                if best is None or key < best_key:
+                    best, best_key = w, key
         return best
+
+    # ---- the indexes ------------------------------------------------------------------------
+
+    def _moved(self, info: WorkerInfo, version: int) -> None:
+        """``info`` serves ``version`` from now on (its ``version`` is about to be set)."""
+        self._count(info, info.version, -1)
+        self._count(info, version, 1)
+        for index in (self._open, self._idle):
+            if _take(index, info):
+                _put(index, info, version)
+
+    def _count(self, info: WorkerInfo, version: int, delta: int) -> None:
+        counts = self._versions.setdefault(info.role, {})
+        n = counts.get(version, 0) + delta
+        if n:
+            counts[version] = n
+        else:
+            del counts[version]
 
     def all(self) -> list[WorkerInfo]:
         return list(self._workers.values())
 
     def __len__(self) -> int:
         return len(self._workers)
+
+
+_Buckets = dict[str, dict[int, dict[str, WorkerInfo]]]
+"""Workers by role, then by the version they serve, then by id (in the order they came)."""
+
+
+def _put(index: _Buckets, info: WorkerInfo, version: int) -> None:
+    index.setdefault(info.role, {}).setdefault(version, {})[info.worker_id] = info
+
+
+def _take(index: _Buckets, info: WorkerInfo) -> bool:
+    """Take ``info`` out of ``index`` (an emptied version goes too); whether it was there."""
+    buckets = index.get(info.role)
+    bucket = buckets.get(info.version) if buckets is not None else None
+    if bucket is None or bucket.pop(info.worker_id, None) is None:
+        return False
+    if not bucket:
+        del buckets[info.version]  # type: ignore[union-attr]
+    return True

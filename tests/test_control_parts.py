@@ -3,6 +3,8 @@ commit and abort, published weight versions kept while served."""
 
 from __future__ import annotations
 
+import random
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -11,10 +13,14 @@ from flowrl.backpressure import StoreBackpressure
 from flowrl.control.admission import Admission
 from flowrl.control.ledger import LostTrainerState, StepLedger
 from flowrl.control.reports import MalformedReport, check_report, parse_report
+from flowrl.control.run_view import RunCounters
 from flowrl.control.step_metrics import FailureBudget, StageMetrics, TooManyFailures
+from flowrl.control.versions import Versions
 from flowrl.control.weights import WeightVersions
+from flowrl.events import EventBus
 from flowrl.graph import StageGraph, StageSpec
 from flowrl.index import Index, Task
+from flowrl.registry import Registry, WorkerInfo
 from flowrl.staleness import StalenessGate
 from transport.handles import Handle, handle_to_wire
 
@@ -173,6 +179,47 @@ def test_weight_versions_are_kept_while_any_rollout_worker_may_serve_them() -> N
     assert [Handle.from_wire(h).offset for h in freed] == [16]
     assert weights.get(1) is None
     assert weights.get(2) is not None
+
+
+class CountingRegistry(Registry):
+    """Counts the workers a caller looks at: what a scan costs with many workers."""
+
+    looks = 0
+
+    def of_role(self, role: str) -> list[WorkerInfo]:
+        workers = super().of_role(role)
+        self.looks += len(workers)
+        return workers
+
+    def iter_role(self, role: str) -> Iterator[WorkerInfo]:
+        for w in super().iter_role(role):
+            self.looks += 1
+            yield w
+
+
+def test_served_reports_free_the_old_version_with_the_last_and_look_at_few_workers() -> None:
+    ledger, _, _ = ledger_with_groups(1)
+    registry = CountingRegistry(60.0)
+    freed: list[Any] = []
+    weights = WeightVersions()
+    versions = Versions(ledger, weights, registry, rollout_role="rollout", events=EventBus(),
+                        counters=RunCounters(), free=freed.extend, output=None)
+    n = 1024
+    workers = [registry.register(name=f"rollout.0.{i}", role="rollout", node="n", pid=1,
+                                 capacity=1, version=1, now=0.0) for i in range(n)]
+    for v in (1, 2):
+        weights.publish(v, {"w": (handle_to_wire(Handle("n", SEGMENT, 16 * v, "float32",
+                                                        (4,))), [4])})
+    ledger.version = 2
+    random.Random(0).shuffle(workers)
+    for i, w in enumerate(workers):  # each switches to 2 and says so (`served`)
+        w.version = 2
+        versions.release_unserved()
+        assert (weights.get(1) is None) == (i == n - 1)
+    assert [Handle.from_wire(h).offset for h in freed] == [16]
+    assert weights.get(2) is not None
+    # One look per worker per report would be n * n (about a million).
+    assert registry.looks < 20 * n
 
 
 # ---- failed samples: counted for the step that trains them; the failure budget -------------

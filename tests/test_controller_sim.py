@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 
 import pytest
 
@@ -47,6 +48,16 @@ async def test_run_trains_every_row_once_within_the_staleness_bound(staleness: i
     if staleness == 0:
         assert out["staleness"] == {0: 64}
     assert status["worker_deaths"] == 0
+
+
+@pytest.mark.timeout(90)
+async def test_what_lives_at_start_is_frozen_for_the_run_and_given_back_at_close() -> None:
+    """Full collections during a run skip the objects that were alive when it started."""
+    async with Controller(spec(1)) as ctl:
+        assert gc.get_freeze_count() > 0
+        out = await ctl.run(steps=1, timeout_s=60)
+    assert out["rows_trained_twice"] == 0
+    assert gc.get_freeze_count() == 0
 
 
 @pytest.mark.timeout(90)
@@ -105,9 +116,11 @@ async def test_a_resumed_controller_trains_every_position_exactly_once() -> None
     async with Controller(sim) as ctl:
         await ctl.run(steps=3, timeout_s=60)
         state = ctl.run_state()
-    # Rollout ran ahead: positions of step 4 were admitted and are redone on resume.
+    # Rollout ran ahead: positions of step 4 were admitted and are redone on resume. One of
+    # them may have been trained before a late position of step 3 (seen on busy cores).
     assert state.version == 3
-    assert state.admitted_to > state.trained_below == 12
+    assert state.trained_below + len(state.trained_above) == state.groups_trained == 12
+    assert state.admitted_to > 12
     assert state.redo()
     async with Controller(sim, resume=state) as ctl:
         out = await ctl.run(steps=3, timeout_s=60)

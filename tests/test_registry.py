@@ -71,3 +71,53 @@ def test_a_removed_worker_is_never_chosen_again() -> None:
     reg.finish(w, 1, ok=False)  # a late report after removal must not resurrect it
     assert reg.least_loaded("reward") is None
     assert len(reg) == 0
+
+
+def test_the_worker_idle_longest_gets_the_next_task() -> None:
+    """Idle workers are kept apart, longest idle first: dispatch takes one without scanning
+    the busy ones (a thousand of them ahead of it in registration order)."""
+    reg, ids = make(1001)
+    workers = [reg.get(x) for x in ids]
+    for i, w in enumerate(workers):
+        assert w is not None
+        reg.assign(w, i, load=1)
+    first, last = workers[0], workers[-1]
+    assert first is not None
+    assert last is not None
+    reg.finish(last, 1000, ok=True)
+    reg.finish(first, 0, ok=True)
+    assert reg.least_loaded("reward") is last
+    reg.assign(last, 1001, load=1)
+    assert reg.least_loaded("reward") is first
+    assert reg.least_loaded("reward", min_version=1) is None
+
+
+def test_versions_are_indexed_as_workers_switch_work_and_leave() -> None:
+    """The registry counts the workers of each version and keeps idle ones by version: a
+    worker's version set on it moves it in both, idle or busy."""
+    reg, ids = make(3)
+    a, b, c = (reg.get(x) for x in ids)
+    assert a is not None
+    assert b is not None
+    assert c is not None
+    reg.assign(a, 1, load=1)
+    b.version = 2  # idle
+    a.version = 1  # busy
+    assert reg.versions("reward") == {0, 1, 2}
+    assert reg.least_loaded("reward") is b  # the newest version an idle worker serves
+    assert reg.least_loaded("reward", min_version=1) is b
+    reg.assign(b, 2, load=5)
+    assert reg.least_loaded("reward") is c
+    assert reg.least_loaded("reward", min_version=1) is a  # busy, with a free slot, less load
+    assert reg.least_loaded("reward", min_version=2) is b  # the only one of version 2
+    assert reg.least_loaded("reward", min_version=3) is None
+    reg.finish(a, 1, ok=True)
+    assert reg.least_loaded("reward", min_version=1) is a  # idle again, at its new version
+    reg.remove(a.worker_id)
+    a.version = 5  # a removed worker's version counts no more
+    assert reg.versions("reward") == {0, 2}
+    assert reg.least_loaded("reward", min_version=1) is b
+    c.version = 2
+    reg.finish(b, 2, ok=True)
+    assert reg.versions("reward") == {2}
+    assert reg.least_loaded("reward", min_version=2) is c  # idle longest at version 2

@@ -17,7 +17,7 @@ from flowrl.control.ledger import StepLedger
 from flowrl.control.scheduler import Scheduler
 from flowrl.graph import StageGraph, StageSpec
 from flowrl.index import Index
-from flowrl.registry import Registry
+from flowrl.registry import Registry, WorkerInfo
 from flowrl.staleness import StalenessGate
 
 
@@ -147,3 +147,44 @@ def test_larger_budget_lets_rollout_run_ahead() -> None:
     # With a budget the pipeline actually uses it: some rows are trained off-policy.
     hists = [simulate(2, 2, steps=10, seed=s).histogram() for s in range(3)]
     assert any(max(h) > 0 for h in hists)
+
+
+class SearchCounter(Registry):
+    """Counts worker searches by role: what a dispatch pass costs with many workers."""
+
+    def __init__(self) -> None:
+        super().__init__(heartbeat_timeout_s=1e9)
+        self.searches: collections.Counter[str] = collections.Counter()
+
+    def least_loaded(self, role: str, min_version: int | None = None) -> WorkerInfo | None:
+        self.searches[role] += 1
+        return super().least_loaded(role, min_version)
+
+
+def test_a_pass_looks_for_a_worker_only_where_rows_are_ready() -> None:
+    graph = StageGraph(
+        [StageSpec("rollout", ("prompt",), ("response",), group_level=True),
+         StageSpec("reward", ("response",), ("reward",)),
+         StageSpec("train", ("reward",), group_level=True, consumes_version_bound=True)],
+        source_fields=("prompt",))
+    ix = Index(graph)
+    gate = StalenessGate(0, 1)
+    admission = Admission(gate, StoreBackpressure(high_water=0.9, groups_per_step=1))
+    registry = SearchCounter()
+    sent: list[Assignment] = []
+    scheduler = Scheduler(graph, ix, registry, admission, StepLedger(ix, admission),
+                          Assignments(), group_size=2, send=lambda w, a: sent.append(a),
+                          free=lambda _: None)
+    for role in ("rollout", "reward", "train"):
+        registry.register(name=f"{role}.0", role=role, node="n", pid=1, capacity=1, version=0,
+                          now=0.0)
+    scheduler.dispatch(steps_target=1, now=0.0)  # admits the step's group: a rollout task
+    assert [a.task.stage for a in sent] == ["rollout"]
+    registry.searches.clear()
+    scheduler.dispatch(steps_target=1, now=0.0)  # nothing ready anywhere, nothing to admit
+    assert registry.searches["reward"] == 0
+    assert registry.searches["rollout"] == 0
+    ix.complete(sent[0].task.id, {"response": [1, 2]}, version=0)
+    scheduler.dispatch(steps_target=1, now=0.0)
+    assert [a.task.stage for a in sent] == ["rollout", "reward", "reward"]  # a row a task
+    assert registry.searches["reward"] == 2  # one per task; then nothing ready: no search

@@ -10,7 +10,7 @@ at the next decode step while they run (`ContinuousBatcher.swap`, partial on); e
 records the version whose "logits" it came from; a row's version is its oldest token's; the
 controller's staleness gate and weight sync see exactly what they see in a real run.
 
-Episode model (`sim_episode`; all times in seconds, `workers.sim.SimCost` fields):
+Episode model (`sim_episode`; all times in seconds, `workers.sim_cost.SimCost` fields):
 
 - turns per episode: uniform in ``1..episode_turns``; every turn but the last ends with a tool
   call that takes ``tool_s`` and inserts ``tool_tokens`` tokens (out of the loss);

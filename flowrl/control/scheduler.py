@@ -112,7 +112,9 @@ class Scheduler:
             self._assign(w, task, params, now)
 
     def _dispatch_rows(self, stage: StageSpec, now: float) -> None:
-        while (w := self.registry.least_loaded(stage.role)) is not None:
+        # Most passes find nothing ready: asking the index first spares the worker search.
+        while (self.index.ready_units(stage.name)
+               and (w := self.registry.least_loaded(stage.role)) is not None):
             task = self.index.request(stage.name, stage.micro_batch, worker=w.worker_id)
             if task is None:
                 return
@@ -124,7 +126,8 @@ class Scheduler:
         adm = self.admission
         k = stage.micro_batch
         # Groups given back by failed tasks go first; they were admitted for earlier steps.
-        while (w := self.registry.least_loaded(stage.role)) is not None:
+        while (self.index.ready_units(stage.name)
+               and (w := self.registry.least_loaded(stage.role)) is not None):
             task = self.index.request(stage.name, k, worker=w.worker_id)
             if task is None:
                 break

@@ -139,11 +139,23 @@ class Versions:
         self.events.emit("stability", **detail)
 
     def release_unserved(self) -> None:
-        """Free the weight versions no rollout worker serves or may still load."""
-        self._free(self.weights.release(self._served(), self.ledger.version))
+        """Free the weight versions no rollout worker serves or may still load.
+
+        Every ``served`` report calls this. It looks at no worker: the registry counts the
+        workers serving each version, so a step's reports from W workers cost W looks at a few
+        versions instead of W² looks at workers (a million at 1,024 workers).
+        """
+        current = self.ledger.version
+        oldest = self.weights.oldest()
+        if oldest is None or oldest >= current:
+            return
+        served = self._served()
+        if any(v <= oldest for v in served):
+            return
+        self._free(self.weights.release(served, current))
 
     def _served(self) -> set[int]:
-        return {w.version for w in self.registry.of_role(self.rollout_role)}
+        return self.registry.versions(self.rollout_role)
 
     async def broadcast(self, pub: Publisher) -> None:
         """Send the queued broadcasts, in order (an owned task runs this)."""

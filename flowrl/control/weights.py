@@ -29,6 +29,10 @@ class WeightVersions:
     def get(self, version: int) -> Weights | None:
         return self._by_version.get(version)
 
+    def oldest(self) -> int | None:
+        """The oldest version kept (None: none)."""
+        return min(self._by_version, default=None)
+
     def nbytes(self, version: int) -> int | None:
         """The bytes of ``version``'s tensors (None when it was not published)."""
         weights = self._by_version.get(version)

@@ -1,0 +1,161 @@
+"""Controller capacity: how many trained samples per second one controller carries.
+
+Simulated workers with near-zero compute (a task is a 1 ms sleep and tensors of 8 tokens), so
+the controller, not the work, is what is measured: 64, 256 and 1,024 workers spread over 1, 4
+and 8 node agents on this machine. Prints one JSON line.
+
+What is real: the controller (in this process, as `bench/pipeline.py` runs it), its ROUTER and
+PUB sockets, the node agents (one process each; the controller's own over ipc, the others over
+tcp+curve as on other machines), their shared-memory stores, and every worker's runtime
+(`workers.runtime.Worker`: its own DEALER socket and identity, registration, heartbeats, long
+polls, store puts and reads, weight loads). What is simulated: the roles' compute
+(`workers/sim.py`), and that the workers of one pool on one node share a process as coroutines
+(``PoolSpec.per_process``) instead of one process each — 1,024 processes do not fit on 2 cores.
+The controller sees 1,024 distinct workers either way.
+
+Keys, per ``<n>w`` (64, 256, 1024 workers):
+
+- ``samples_per_s_<n>w``: trained samples ÷ wall time of `Controller.run` after a warm-up step;
+- ``cpu_us_per_sample_<n>w``: the controller process's CPU time (user + system, every thread:
+  the event loop and ZeroMQ's I/O threads) ÷ trained samples — the cost this benchmark exists
+  to cut;
+- ``controller_cpu_share_<n>w``: that CPU time ÷ wall time (near 1.0: the controller is the
+  bottleneck; well under: the workers are, on cores they share with it);
+- ``event_loop_cpu_share_<n>w``: the part of that CPU time spent in the event loop's thread
+  (the rest is ZeroMQ's I/O threads: socket I/O, and curve encryption for other nodes).
+
+And: ``samples_per_s_max``: the highest of the measured rates; ``samples_per_s_ceiling``:
+1e6 ÷ ``cpu_us_per_sample_1024w``, the rate a controller with one core of its own sustains at
+1,024 workers (the workers here share 2 cores with it, so the measured rate is bounded by their
+CPU first); ``dispatch_p50_us_1024w`` / ``dispatch_p99_us_1024w``: from the report that made a
+micro-batch dispatchable to its task in the worker's mailbox (`Controller.dispatch_us`);
+``controller_rss_mb``: the controller process's resident memory after the 1,024-worker run, and
+``controller_rss_growth_mb`` over what it held before starting.
+
+    python bench/capacity.py [--quick]
+
+``--quick`` runs 2 measured steps per shape instead of 8; on 2 shared cores most of its ~2 min
+is starting the 25 processes (each imports torch) of the 1,024-worker shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import psutil
+
+from bench.pipeline import pct
+from bench.runner import run_and_print
+from bench.scale import started_with_agents
+from flowrl.logs import configure
+from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages
+
+#: near-zero compute: a rollout task is a 1 ms sleep, every response 8 tokens.
+COST = {
+    "prompt_len": 8, "max_new_tokens": 8, "log_mean": math.log(8), "log_sigma": 0.0,
+    "rollout_base_s": 0.001, "rollout_token_s": 0.0, "reward_token_s": 0.0,
+    "reference_token_s": 0.0, "train_token_s": 0.0, "train_step_s": 0.0,
+    "weight_numel": 1024,
+}
+GROUP = 4
+GROUPS_PER_STEP = 256
+#: (workers, node agents)
+SHAPES = ((64, 1), (256, 4), (1024, 8))
+
+
+def workload(workers: int, agents: int) -> tuple[PipelineSpec, tuple[str, ...]]:
+    """``workers`` in all (1/16 reward, one trainer, the rest rollout); rollout and reward
+    spread over ``agents`` nodes (the controller's own first), one process per pool and node;
+    the trainer on the controller's node."""
+    nodes = ("node0", *(f"n{i}" for i in range(1, agents)))
+    reward = max(agents, workers // 16)
+    rollout = workers - reward - 1
+    return PipelineSpec(
+        stages=grpo_stages(group_size=GROUP, train_micro_groups=8, reward_micro_batch=32),
+        pools=(PoolSpec("rollout", count=rollout, per_process=-(-rollout // agents),
+                        nodes=nodes),
+               PoolSpec("reward", count=reward, per_process=-(-reward // agents), nodes=nodes),
+               PoolSpec("train", count=1, nodes=("node0",))),
+        group_size=GROUP, groups_per_step=GROUPS_PER_STEP, max_staleness=2, engine="sim",
+        engine_config=COST, store_capacity_bytes=512 << 20, heartbeat_s=1.0,
+        heartbeat_timeout_s=60.0,
+    ), nodes
+
+
+def loop_cpu(me: psutil.Process) -> float:
+    """CPU seconds of this process's main thread (the event loop: everything but ZeroMQ's
+    I/O threads)."""
+    main = threading.main_thread().native_id
+    return next(t.user_time + t.system_time for t in me.threads() if t.id == main)
+
+
+async def measure(workers: int, agents: int, steps: int) -> dict[str, Any]:
+    spec, nodes = workload(workers, agents)
+    me = psutil.Process()
+    rss0 = me.memory_info().rss
+    async with started_with_agents(spec, nodes) as ctl:
+        await ctl.run(steps=1, timeout_s=300)  # warm-up: every worker polling, first version
+        ctl.dispatch_us.clear()
+        cpu0, loop0 = me.cpu_times(), loop_cpu(me)
+        out = await ctl.run(steps=steps, timeout_s=600)
+        cpu1, loop1 = me.cpu_times(), loop_cpu(me)
+        cpu = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
+        samples = out["samples"]
+        if out["rows_trained_twice"]:  # exactly once holds at any load
+            raise RuntimeError(f"{out['rows_trained_twice']} rows trained twice")
+        return {
+            "samples_per_s": out["samples_per_s"], "cpu_us_per_sample": cpu / samples * 1e6,
+            "cpu_share": cpu / out["wall_s"], "loop_share": (loop1 - loop0) / cpu,
+            "dispatch_us": list(ctl.dispatch_us),
+            "rss": me.memory_info().rss, "rss_growth": me.memory_info().rss - rss0,
+        }
+
+
+async def main_async(quick: bool) -> dict[str, Any]:
+    steps = 2 if quick else 8
+    result: dict[str, Any] = {}
+    runs = {}
+    for workers, agents in SHAPES:
+        r = runs[workers] = await measure(workers, agents, steps)
+        result[f"samples_per_s_{workers}w"] = round(r["samples_per_s"], 1)
+        result[f"cpu_us_per_sample_{workers}w"] = round(r["cpu_us_per_sample"], 1)
+        result[f"controller_cpu_share_{workers}w"] = round(r["cpu_share"], 3)
+        result[f"event_loop_cpu_share_{workers}w"] = round(r["loop_share"], 3)
+    big = runs[1024]
+    d = big["dispatch_us"]
+    result.update({
+        "samples_per_s_max": max(result[f"samples_per_s_{w}w"] for w, _ in SHAPES),
+        "samples_per_s_ceiling": round(1e6 / big["cpu_us_per_sample"]),
+        "dispatch_p50_us_1024w": round(statistics.median(d), 1) if d else None,
+        "dispatch_p99_us_1024w": round(pct(d, 0.99), 1),
+        "controller_rss_mb": round(big["rss"] / 2**20, 1),
+        "controller_rss_growth_mb": round(big["rss_growth"] / 2**20, 1),
+        "samples_per_step": GROUPS_PER_STEP * GROUP,
+        "steps": steps,
+        "quick": quick,
+    })
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--quick", action="store_true", help="fewer steps, same keys")
+    args = p.parse_args()
+    configure(level="warning")
+    start = time.perf_counter()
+    run_and_print(main_async(args.quick))
+    print(f"# {time.perf_counter() - start:.0f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
