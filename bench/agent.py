@@ -7,8 +7,9 @@ through a real `Controller` (real processes, sockets, shared memory, weight sync
 - **sim**: simulation mode's episodes (``sim.episode_turns``, `workers.sim_episode`: the real
   episode rollout role and continuous batcher on a decode loop of modelled cost), long-tailed:
   1-4 turns per episode, per-turn lengths lognormal (median 32 tokens, sigma 1.2, capped at 512),
-  a 20 ms tool call inserting 16 tokens between turns, a 10 ms weight load, each rollout
-  worker running ``rollout.tasks_per_worker = "auto"`` tasks at once (4);
+  a 20 ms tool call inserting 16 tokens between turns, a 10 ms weight load; one rollout worker
+  (one engine, as an inference server) running ``rollout.tasks_per_worker = "auto"`` tasks at
+  once: all 16 groups the staleness bound lets be in flight, 128 episodes in one batch;
 - **real**: the tool recipe (``recipes/tool_cpu.py``) on the real tiny model and its tool
   sandboxes, a handful of steps (``--quick``) or more.
 
@@ -24,9 +25,12 @@ unless named otherwise):
   ``partial_speedup_real``: the same on the real model;
 - ``reward_final_partial`` / ``reward_final_full``: the real model's mean reward over its last
   10 steps (`bench.learning.first_and_final`) with ``partial`` on / off;
-- ``sim.1_task.partial_speedup`` (full run only): ``partial_speedup`` where each rollout
-  worker runs one task at a time (``rollout.tasks_per_worker = 1``; the sim workload's own is
-  ``"auto"``, 4 here), so its running batch drains to a group's tail at every task's end;
+- ``sim.4_workers.partial_speedup`` (full run only): ``partial_speedup`` with the groups
+  spread over four rollout workers (``"auto"``: 4 tasks, 32 episodes, each), so a worker that
+  waits for its running episodes before a load holds back a quarter of the batch;
+- ``sim.1_task.partial_speedup`` (full run only): the same four workers each running one task
+  at a time (``rollout.tasks_per_worker = 1``), so a batch drains to a group's tail at every
+  task's end;
 - ``sim`` and ``real``: each run's figures, listed under ``off`` and ``on``
   (``samples_per_s``, ``wall_s``, ``stale_dropped``, ``interrupted_episodes``, the rates
   above, ``reward_final``), and the workload's ``partial_speedup``; ``load_before`` /
@@ -67,15 +71,16 @@ SIM: dict[str, Any] = {
     "reference_token_s": 0.0, "reward_token_s": 0.0}
 
 
-def sim_recipe(steps: int, partial: bool, tasks: int | str = "auto") -> Recipe:
-    """The simulated episode workload: 4 rollout workers (one process), groups of 8, 8 groups
-    per step, staleness 1; ``tasks``: ``rollout.tasks_per_worker`` ("auto": 4 here, every
-    group the staleness bound lets run at once)."""
+def sim_recipe(steps: int, partial: bool, tasks: int | str = "auto",
+               workers: int = 1) -> Recipe:
+    """The simulated episode workload: groups of 8, 8 groups per step, staleness 1, on
+    ``workers`` rollout workers (one process); ``tasks``: ``rollout.tasks_per_worker`` ("auto":
+    every group the staleness bound lets run at once, (1 + 1) x 8 over ``workers``)."""
     from flowrl import AlgorithmConfig, RolloutConfig, SimConfig, TrainerConfig
 
     return Recipe(
         steps=steps, max_staleness=1, algorithm=AlgorithmConfig(group_size=8),
-        rollout=RolloutConfig(engine="sim", workers=4, max_new_tokens=512, partial=partial,
+        rollout=RolloutConfig(engine="sim", workers=workers, max_new_tokens=512, partial=partial,
                               tasks_per_worker=tasks),
         trainer=TrainerConfig(groups_per_step=8, micro_batch_groups=2),
         sim=SimConfig(**SIM))
@@ -140,8 +145,11 @@ async def main_async(quick: bool, repeats: int) -> dict[str, Any]:
 
     sim_steps, real_steps = (3, 2) if quick else (20, 40)
     sim = await pairs(lambda partial: sim_recipe(sim_steps, partial), repeats)
-    if not quick:  # the same where each worker runs one task at a time: its batch drains
-        sim["1_task"] = await pairs(lambda partial: sim_recipe(sim_steps, partial, 1), repeats)
+    if not quick:  # the batch split over four workers; and each of them running one task
+        sim["4_workers"] = await pairs(
+            lambda partial: sim_recipe(sim_steps, partial, workers=4), repeats)
+        sim["1_task"] = await pairs(
+            lambda partial: sim_recipe(sim_steps, partial, 1, workers=4), repeats)
     tool = load_recipe(TOOL_RECIPE, [f"steps={real_steps}"])
     await asyncio.to_thread(prepare_model, tool)  # built once (cached after), not timed
     real = await pairs(lambda partial: apply_overrides(

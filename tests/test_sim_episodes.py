@@ -192,8 +192,11 @@ def test_rollout_tasks_per_worker_is_validated_and_compiled() -> None:
     assert capacity(Recipe(steps=1, rollout=RolloutConfig(engine="sim",
                                                           tasks_per_worker="auto"))) == 1
     assert capacity(agent.sim_recipe(2, partial=False, tasks=3)) == 3
-    # auto: every group the staleness bound lets run at once, (1 + 1) x 8 over 4 workers...
-    auto = agent.sim_recipe(2, partial=True)
+    # auto: every group the staleness bound lets run at once, (1 + 1) x 8 over the workers...
+    one = agent.sim_recipe(2, partial=True)
+    assert one.rollout.workers == 1
+    assert one.rollout_tasks_per_worker == capacity(one) == 16
+    auto = agent.sim_recipe(2, partial=True, workers=4)
     assert auto.rollout.tasks_per_worker == "auto"
     assert auto.rollout_tasks_per_worker == capacity(auto) == 4
     # ... but no more than the running batch holds (16 sequences: two tasks of 8).
