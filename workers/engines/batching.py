@@ -22,9 +22,26 @@ from torch import Tensor
 
 from workers.engines.protocols import FinishReason, Generation, SamplingParams
 
-__all__ = ["BatchStats", "BatchedEngine", "RequestBatcher", "StepGate", "generation_of"]
+__all__ = [
+    "BatchStats", "BatchedEngine", "RequestBatcher", "StepGate", "checked_request", "generation_of",
+]
 
 T = TypeVar("T")
+
+
+def checked_request(context: Sequence[int], params: SamplingParams, limit: int | None
+                    ) -> list[int]:
+    """A request's ``context`` as plain ints; raises
+    ValueError for what no batcher serves: ``n`` other than 1, an empty context, or one that
+    with ``max_new_tokens`` outgrows the model's ``limit`` positions."""
+    if params.n != 1:
+        raise ValueError("a batched request samples one continuation (n = 1)")
+    if not context:
+        raise ValueError("empty context")
+    if limit is not None and len(context) + params.max_new_tokens > limit:
+        raise ValueError(f"context ({len(context)}) + max_new_tokens "
+                         f"({params.max_new_tokens}) exceeds the model's {limit} positions")
+    return [int(t) for t in context]
 
 
 @dataclass

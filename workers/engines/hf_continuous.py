@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from flowrl.episode import MAX_RUNNING
-from workers.engines.batching import BatchStats, StepGate, generation_of
+from workers.engines.batching import BatchStats, StepGate, checked_request, generation_of
 from workers.engines.hf_rollout import HFRolloutEngine, _sample, new_cache
 from workers.engines.protocols import (
     FinishReason,
@@ -309,17 +309,9 @@ class ContinuousBatcher:
     ) -> Generation:
         """Sample one continuation of ``context`` (``params.n`` must be 1); ``stream_key``
         (64 bits) keys its sampling stream."""
-        if params.n != 1:
-            raise ValueError("a batched request samples one continuation (n = 1)")
-        if not context:
-            raise ValueError("empty context")
-        limit = self.engine.max_positions
-        if limit is not None and len(context) + params.max_new_tokens > limit:
-            raise ValueError(f"context ({len(context)}) + max_new_tokens "
-                             f"({params.max_new_tokens}) exceeds the model's {limit} positions")
+        ids = checked_request(context, params, self.engine.max_positions)
         future: asyncio.Future[Generation] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Seq([int(t) for t in context], params,
-                                int(stream_key) & ((1 << 64) - 1), future))
+        self._queue.append(_Seq(ids, params, int(stream_key) & ((1 << 64) - 1), future))
         self.stats.requests += 1
         if self._driver is None or self._driver.done():
             self._driver = asyncio.create_task(self._drive())
