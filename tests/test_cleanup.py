@@ -139,10 +139,13 @@ def test_plain_cleanup_removes_an_empty_unmarked_run_directory(run_ids: list[str
         d.mkdir(mode=0o700)
     (socket_dir / "ctl.sock").touch()  # not empty: plain cleanup leaves it to --all
     long_ago = time.time() - 3600
-    for d in (old_dir, socket_dir):
-        os.utime(d, (long_ago, long_ago))
+    os.utime(socket_dir, (long_ago, long_ago))
+    # Older than a 5 s grace but well within the default 30 s: a store starting meanwhile in
+    # another test sweeps with the default, and must not take this directory first.
+    a_while_ago = time.time() - 6
+    os.utime(old_dir, (a_while_ago, a_while_ago))
     try:
-        assert _cleanup("--run-id", old_run) == [f"removed {old_dir}"]
+        assert _cleanup("--grace", "5", "--run-id", old_run) == [f"removed {old_dir}"]
         assert _cleanup("--run-id", young_run) == ["nothing to remove"]
         assert _cleanup("--grace", "0", "--run-id", young_run) == [f"removed {young_dir}"]
         assert _cleanup("--run-id", socket_run) == ["nothing to remove"]
