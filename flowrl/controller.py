@@ -290,9 +290,13 @@ class Controller:
             raise RunError(str(exc)) from None
         # What lives now (imports, torch, the pipeline, a notebook's state) lives for the run:
         # kept out of the collector's generations, a full collection no longer rescans it
-        # (~260k objects: 0.14 s every few steps at 1,024 workers). aclose gives it back.
-        gc.freeze()
-        self._frozen = True
+        # (~260k objects: 0.14 s every few steps at 1,024 workers). aclose gives it back. Not
+        # when something is frozen already (a notebook's own `gc.freeze`, or another
+        # controller's): `gc.unfreeze` cannot tell whose objects are whose, so the freeze is
+        # left to whoever made the first one.
+        if gc.get_freeze_count() == 0:
+            gc.freeze()
+            self._frozen = True
         self._log().info("controller ready", workers=len(self.registry))
 
     async def aclose(self) -> None:
