@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +109,19 @@ async def test_phases_load_the_trainers_tensors_as_the_store_route_would(
     # The separated route: a copy of the same weights through `load_weights`. The same
     # samples and logprobs, exactly.
     engine.load_weights(trainer.export_weights(), version)
+    assert _sample(engine) == colocated
+    # A bucketed source (a sharded trainer's, one bucket gathered at a time) plugs in as a
+    # generator over buckets: drawn one by one as vLLM takes them, the same weights served.
+    drawn: list[int] = []
+
+    def buckets() -> Iterator[dict[str, torch.Tensor]]:
+        names = list(trainer_params)
+        for i in range(0, len(names), 7):
+            drawn.append(i)
+            yield {n: trainer_params[n].detach() for n in names[i:i + 7]}
+
+    engine.load_weight_stream(buckets(), version)
+    assert len(drawn) > 2
     assert _sample(engine) == colocated
     # Another train phase: no sleep mode, so nothing is released; a step moves the version on
     # and the next generate phase loads it; a phase without a step loads nothing.
