@@ -37,7 +37,7 @@ from flowrl.recipe import (
 from flowrl.run import compile_recipe
 from flowrl.tiny_model import build_tiny_model
 from workers.colocated import Phases, TrainerMemory
-from workers.colocated_vllm import VLLMInPlace, module_buckets
+from workers.colocated_vllm import VLLMInPlace, colocated_llm_kwargs, module_buckets
 from workers.engines import SamplingParams, SequenceBatch, TorchTrainerEngine
 from workers.engines.vllm_rollout import VLLMRolloutEngine
 
@@ -75,6 +75,7 @@ async def test_phases_load_the_trainers_tensors_as_the_store_route_would(
     version = VERSION
     served = VLLMInPlace(engine, lambda: module_buckets(trainer.model), lambda: version)
     assert not served.sleeps  # the CPU build has no sleep mode
+    assert colocated_llm_kwargs() == {}  # so a colocated engine is built without it
     phases = Phases({"train": TrainerMemory(trainer), "generate": served})
     async with phases.enter("train"):
         _step(trainer)
