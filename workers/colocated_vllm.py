@@ -23,7 +23,11 @@ serves versions through:
   is one fixed allocation that stays) and reports 0 bytes; restore loads the trainer's weights
   when the trainer's version moved on, else nothing.
 
-Loading in restore puts the load in the switch (off the event loop, in its time and log line).
+Loading in restore puts the load in the switch: off the event loop, counted in the switch's
+time, and logged in a line of its own (``vllm weights loaded from the trainer``).
+
+Verified on the CPU build (``tests/vllm/test_vllm_colocated.py``); sleep and wake-up need CUDA
+and are checked by ``bench/device_check.py`` there.
 """
 
 from __future__ import annotations
