@@ -16,16 +16,19 @@ Sections (each says ``status``: passed, failed, skipped or not built; its second
   the same weights exported bucket by bucket from a trainer engine on the device (the
   generation must not change), a reload of changed weights (it must). Skipped where vLLM does
   not import.
-  On CUDA it also puts the engine to sleep and wakes it up (vLLM's sleep mode, what colocated
-  mode builds on): the memory freed, the times, and the same generation after.
 - ``colocated``: colocated mode's parts on the device (`check_colocated`): a trainer step
   whose optimizer state and gradients go to pinned host memory while the HF engine generates
   with the trainer's own tensors (the same tokens as from a copy), and come back bit for bit.
-  vLLM does not run colocated in this build; its sleep and wake-up are the vllm section's.
+  Then the vllm section's engine colocated with a trainer (`workers.colocated_vllm`): on CUDA
+  it sleeps through each train phase (the device memory freed) and wakes up with the trainer's
+  tensors loaded (the same tokens as before the sleep); a stepped version loaded from the
+  trainer generates what the same weights loaded as a copy generate. On the CPU (no sleep mode)
+  the same phases run, releasing nothing.
 
 ``--cpu`` is the dry run the normal test suite makes (``tests/test_device_check.py``): the
 same code on the CPU with two gloo ranks (bfloat16 passes), vLLM skipped where it does not
-import, so every path this script takes on a device is exercised before a device is lent.
+import, so every path this script takes on a device but vLLM's sleep and wake-up is exercised
+before a device is lent.
 
     python bench/device_check.py [--cpu] [--budget-s 570]
 """
@@ -278,7 +281,7 @@ def vllm_section(ctx: Context) -> dict[str, Any]:
     from workers.engines.vllm_rollout import VLLMRolloutEngine
 
     kwargs: dict[str, Any] = {}
-    if ctx.device == "cuda":  # sleep mode: the engine is put to sleep and woken up below
+    if ctx.device == "cuda":  # sleep mode: the colocated section puts it to sleep
         kwargs = {"enable_sleep_mode": True, "gpu_memory_utilization": 0.3}
     start = time.perf_counter()
     # bfloat16 on a device (what its attention kernels take), the CPU build's float32 here;
@@ -311,28 +314,7 @@ def vllm_section(ctx: Context) -> dict[str, Any]:
     out = {"vllm": str(getattr(vllm, "__version__", "?")), "init_s": round(init_s, 1),
            "reload_ms": round(reload_ms, 1), "export_buckets": buckets,
            "tokens": sum(len(t) for t in before)}
-    if ctx.device == "cuda":  # what colocated mode builds on: sleep frees the device's memory
-        out.update(_sleep_and_wake(engine, prompts, greedy, before))
     return out
-
-
-def _sleep_and_wake(engine: Any, prompts: list[list[int]], greedy: Any,
-                    before: list[list[int]]) -> dict[str, Any]:
-    """vLLM's sleep (level 1: weights to the host, KV cache dropped) and wake-up; the woken
-    engine generates what it did before."""
-    free_awake = torch.cuda.mem_get_info()[0]
-    start = time.perf_counter()
-    engine.llm.sleep(level=1)
-    sleep_ms = (time.perf_counter() - start) * 1e3
-    freed = torch.cuda.mem_get_info()[0] - free_awake
-    start = time.perf_counter()
-    engine.llm.wake_up()
-    wake_ms = (time.perf_counter() - start) * 1e3
-    woken = [g.response_ids.tolist() for g in engine.generate(prompts, greedy)]
-    if woken != before:
-        raise RuntimeError(f"the engine woken up generates otherwise: {before} → {woken}")
-    return {"sleep_freed_mb": round(freed / (1 << 20), 1), "sleep_ms": round(sleep_ms, 1),
-            "wake_ms": round(wake_ms, 1)}
 
 
 def check_colocated(ctx: Context) -> dict[str, Any]:
@@ -342,8 +324,8 @@ def check_colocated(ctx: Context) -> dict[str, Any]:
     optimizer state and gradients to (pinned) host memory, the engine serves the trainer's
     tensors in place and generates what an engine loaded with a copy of them generates;
     switching back restores them bit for bit and the step finishes. The CPU dry run offloads
-    host to host, so it takes the same path. vLLM does not run colocated in this build
-    (`placement.mode = "colocated"` refuses it); its sleep and wake-up are the vllm section's."""
+    host to host, so it takes the same path. Then the same on the vllm section's engine
+    (`_colocated_vllm`), where it runs."""
     if ctx.model is None:
         raise Skip("no model (its section failed)")
     from workers.colocated import Phases, RolloutMemory, TrainerMemory
@@ -403,10 +385,65 @@ def check_colocated(ctx: Context) -> dict[str, Any]:
                 "moved_mb": round(metrics["phase_moved_mb"], 3),
                 "device_mb_train": round(train_bytes / (1 << 20), 2),
                 "device_mb_generate": round(generate_bytes / (1 << 20), 2),
-                "tokens": sum(len(t) for t in in_place),
-                "vllm": "not built: colocated mode serves with the HF engine"}
+                "tokens": sum(len(t) for t in in_place)}
 
-    return asyncio.run(turns())
+    out = asyncio.run(turns())
+    engine = ctx.facts.get("vllm_engine")
+    out["vllm"] = ("skipped: no vLLM engine (see the vllm section)" if engine is None
+                   else asyncio.run(_colocated_vllm(ctx, engine, prompts, greedy)))
+    return out
+
+
+async def _colocated_vllm(ctx: Context, engine: Any, prompts: list[list[int]],
+                          greedy: Any) -> dict[str, Any]:
+    """vLLM colocated with a trainer as `workers.roles.factory` wires it: generate, a train
+    phase without a step (on CUDA vLLM sleeps, level 2, and wakes up with the trainer's
+    tensors reloaded: the same tokens), a train phase with a step (the new version loaded from
+    the trainer generates what a copy of its weights loaded the separated way generates)."""
+    from workers.colocated import Phases, TrainerMemory
+    from workers.colocated_vllm import SLEEP_LEVEL, VLLMInPlace, module_buckets
+    from workers.engines.torch_trainer import TorchTrainerEngine
+
+    trainer = TorchTrainerEngine(ctx.model, device=None if ctx.device == "cpu" else ctx.device,
+                                 lr=1e-2)
+    version = 10
+    served = VLLMInPlace(engine, lambda: module_buckets(trainer.model), lambda: version)
+    phases = Phases({"train": TrainerMemory(trainer, offloads=True), "generate": served})
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]], device=trainer.device)
+
+    def tokens() -> list[list[int]]:
+        return [g.response_ids.tolist() for g in engine.generate(prompts, greedy)]
+
+    async with phases.enter("generate"):  # loads the trainer's weights (version 10)
+        before = tokens()
+    async with phases.enter("train"):  # no step: the weights stay
+        freed = served.last_release
+    if ctx.device == "cuda" and not (served.sleeps and freed > 0):
+        raise RuntimeError(f"vLLM did not sleep (sleep mode {served.sleeps}, {freed} bytes "
+                           "freed)")
+    async with phases.enter("generate"):
+        woken = tokens()
+    if woken != before:
+        raise RuntimeError(f"vLLM woken up generates otherwise: {before} → {woken}")
+    async with phases.enter("train"):
+        trainer.model.train()
+        trainer.model(input_ids=ids, labels=ids).loss.backward()
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad(set_to_none=True)
+        version += 1
+    async with phases.enter("generate"):
+        stepped = tokens()
+    assert served.last_load is not None
+    engine.load_weights(trainer.export_weights(), version)  # the separated route
+    if tokens() != stepped:
+        raise RuntimeError("the version loaded from the trainer generates otherwise than a "
+                           "copy of its weights")
+    metrics = phases.take_metrics()
+    return {"sleeps": served.sleeps, "sleep_level": SLEEP_LEVEL if served.sleeps else None,
+            "freed_mb": round(freed / (1 << 20), 1), "load_ms": round(served.last_load[1], 1),
+            "switch_ms": round(metrics["phase_switch_ms"], 1),
+            "moved_mb": round(metrics["phase_moved_mb"], 1),
+            "tokens": sum(len(t) for t in before), "changed": stepped != before}
 
 
 def _device_allocated(device: torch.device) -> int:

@@ -304,7 +304,7 @@ _SimValue = int | float | str | None
 
 class ColocatedSpec(_Spec):
     """A trainer process's second worker under colocated placement: the rollout engine that
-    generates with the trainer's module (`workers.colocated`)."""
+    serves the trainer's weights (`workers.colocated`)."""
 
     role: Literal["rollout"]
     #: tasks the rollout worker runs concurrently.
@@ -348,8 +348,9 @@ class ProcessSpec(_Spec):
                              f"{'sim costs' if self.engine == 'sim' else 'an engine config'}"
                              " and nothing else")
         if self.colocated is not None and (self.role != "train" or self.count != 1
-                                           or self.engine != "hf"):
-            raise ValueError("a colocated rollout worker lives in a process of one hf trainer")
+                                           or self.engine == "sim"):
+            raise ValueError("a colocated rollout worker lives in a process of one trainer "
+                             "with a real engine (hf or vllm)")
         return self
 
 

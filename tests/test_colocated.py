@@ -17,7 +17,14 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from flowrl.recipe import ModelConfig, PlacementConfig, Recipe, RolloutConfig
+from flowrl.recipe import (
+    LoraConfig,
+    ModelConfig,
+    PlacementConfig,
+    Recipe,
+    RolloutConfig,
+    TrainerConfig,
+)
 from flowrl.recipe.placement import ClusterSettings
 from flowrl.registry import Registry
 from flowrl.tiny_model import build_tiny_model
@@ -51,10 +58,31 @@ def test_mixed_placement_validates_and_hosts_the_rollout_in_the_trainer_process(
     assert Recipe(steps=1).to_pipeline().colocated is False  # separated stays the default
 
 
-def test_colocated_placement_refuses_what_it_cannot_serve_in_place() -> None:
-    with pytest.raises(ValidationError, match=r"placement.mode: colocated placement "
-                       r"generates with the trainer's module on the hf engine"):
+def test_colocated_placement_takes_the_vllm_engine(tmp_path: Path) -> None:
+    # vLLM reloads its own layout from the trainer's tensors in the process: no dtype rule.
+    recipe = Recipe(steps=1, rollout=RolloutConfig(engine="vllm", dtype="bfloat16"),
+                    placement=PlacementConfig(mode="colocated"))
+    pipeline = recipe.to_pipeline()
+    assert pipeline.colocated
+    assert pipeline.engine == "vllm"
+    train = process_spec(pipeline, role="train", proc_no=0, count=1, capacity=1, threads=1,
+                         engine_config=pipeline.engine_config, start_token="0" * 16)
+    assert train.engine == "vllm"
+    assert train.colocated is not None
+    # What vLLM cannot serve from one trainer's module is refused as on hf, naming the field.
+    with pytest.raises(ValidationError, match=r"trainer.ranks: colocated placement runs one"):
+        Recipe(steps=1, rollout=RolloutConfig(engine="vllm"), trainer=TrainerConfig(ranks=2),
+               placement=PlacementConfig(mode="colocated"))
+    with pytest.raises(ValidationError, match=r"model.lora: colocated placement serves whole"):
         Recipe(steps=1, rollout=RolloutConfig(engine="vllm"),
+               model=ModelConfig(lora=LoraConfig()), placement=PlacementConfig(mode="colocated"))
+
+
+def test_colocated_placement_refuses_what_it_cannot_serve_in_place() -> None:
+    with pytest.raises(ValidationError, match=r"placement.mode: colocated placement serves "
+                       r"the trainer's weights on the hf or vllm engine; rollout.engine is "
+                       r"'sim'"):
+        Recipe(steps=1, rollout=RolloutConfig(engine="sim"),
                placement=PlacementConfig(mode="colocated"))
     with pytest.raises(ValidationError, match=r"keep_weight_copy: only colocated placement"):
         PlacementConfig(keep_weight_copy=False)

@@ -16,6 +16,8 @@ trainer's step line carries the figures (``phase_*`` metrics).
 A new policy version costs the rollout engine nothing: the trainer's module already holds it
 (`HFRolloutEngine.serve_in_place`). The engine reports the version of the weights it generated
 with, which is the trainer's version: the phases keep training out while it generates.
+On vLLM, which keeps weights of its own layout, `workers.colocated_vllm` loads each version
+from the trainer's tensors and puts vLLM to sleep between its phases.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """What colocated placement (``placement.mode = "colocated"``) asks of the rest of a recipe.
 
-A colocated process hosts a trainer and the rollout engine that generates with the trainer's
-own module, so the two must hold the same model in the same layout: one trainer (data-parallel
-ranks hold shards or replicas that the engine would have to gather), the hf engine (vLLM keeps
-weights of its own), whole weights (no adapters), single completions, and every rollout worker
-on a node that runs a trainer.
+A colocated process hosts a trainer and the rollout engine that serves the trainer's own
+weights (the hf engine generates with the trainer's module; the vllm engine reloads its own
+layout from the module's tensors, in the process), so the two must hold the same model: one
+trainer (data-parallel ranks hold shards or replicas that the engine would have to gather), a
+real engine (hf or vllm, not sim), whole weights (no adapters), single completions, and every
+rollout worker on a node that runs a trainer.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ def check_colocated(placement: PlacementConfig, *, model: ModelConfig, rollout: 
     """Raise a rule error naming the first field colocated placement cannot serve."""
     if placement.mode != "colocated":
         return
-    if rollout.engine != "hf":
-        raise _rule("placement.mode", f"colocated placement generates with the trainer's "
-                    f"module on the hf engine; rollout.engine is {rollout.engine!r}")
+    if rollout.engine not in ("hf", "vllm"):
+        raise _rule("placement.mode", f"colocated placement serves the trainer's weights on "
+                    f"the hf or vllm engine; rollout.engine is {rollout.engine!r}")
     if trainer.ranks != 1:
         raise _rule("trainer.ranks", f"colocated placement runs one trainer, got "
                     f"{trainer.ranks} ranks: ranks hold replicas or shards whose layout "

@@ -27,6 +27,9 @@ Guarantees:
   `ValueError` and the engine serves the old weights and version. Should vLLM itself fail
   mid-reload, the engine reloads ``model_dir`` from disk, reports the initial version again and
   raises `RuntimeError`; if even that fails, every later call raises `RuntimeError`.
+- `load_weight_stream` takes weights as a lazy stream of buckets instead (a colocated
+  trainer's own tensors, `workers.colocated_vllm`): each is checked as vLLM draws it, so a bad
+  one fails inside vLLM's reload and is recovered from as above.
 - ``vllm`` is imported only when an engine is constructed, so this module imports (and type
   checks) without vLLM installed.
 
@@ -45,7 +48,7 @@ import importlib
 import json
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -272,19 +275,20 @@ class VLLMRolloutEngine:
         missing = [n for n in self._shapes if n not in by_target]
         if missing:
             raise KeyError(f"missing weights: {sorted(missing)[:5]}")
-        plan: list[tuple[str, Tensor]] = []
-        for name, expected in self._shapes.items():
-            tensor = by_target[name]
-            if not isinstance(tensor, Tensor):
-                raise ValueError(f"{name}: not a tensor ({type(tensor).__name__})")
-            if tuple(tensor.shape) != expected:
-                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {expected}")
-            if not tensor.is_floating_point():
-                raise ValueError(f"{name}: dtype {tensor.dtype} is not floating point")
-            if tensor.is_meta:
-                raise ValueError(f"{name}: a meta tensor has no data")
-            plan.append((name, tensor))
-        return plan
+        return [(name, self._checked(name, by_target[name])) for name in self._shapes]
+
+    def _checked(self, name: str, tensor: Tensor) -> Tensor:
+        """``tensor`` when it fits checkpoint weight ``name``; else ValueError."""
+        expected = self._shapes[name]
+        if not isinstance(tensor, Tensor):
+            raise ValueError(f"{name}: not a tensor ({type(tensor).__name__})")
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {expected}")
+        if not tensor.is_floating_point():
+            raise ValueError(f"{name}: dtype {tensor.dtype} is not floating point")
+        if tensor.is_meta:
+            raise ValueError(f"{name}: a meta tensor has no data")
+        return tensor
 
     def load_weights(
         self, state: Mapping[str, Tensor], version: int, *, shared: bool = False
@@ -302,6 +306,41 @@ class VLLMRolloutEngine:
                 f"reloaded {self.model_dir} and serves version {self._version}"
             ) from exc
         self._version = version
+
+    def load_weight_stream(self, buckets: Iterable[Mapping[str, Tensor]], version: int) -> None:
+        """Load weights that arrive bucket by bucket: vLLM draws the next bucket once it has
+        taken the previous one's tensors, so only the bucket it is on need exist (a colocated
+        trainer's own tensors by reference, or `workers.resharding.export_bucketed`'s buckets
+        of a sharded one, run as a generator). Each tensor is checked as it arrives and every
+        checkpoint weight must come; a stream that fails a check, or raises, fails inside
+        vLLM's reload, so the engine reloads ``model_dir`` as for any failed reload (see the
+        module docstring) and raises `RuntimeError`."""
+        self._enter()
+        try:
+            self._reload(weights_iterator=self._stream(buckets))
+            self._loads += 1
+        except Exception as exc:
+            self._recover(exc)
+            raise RuntimeError(
+                f"vLLM failed to load the weight stream of version {version} ({exc!r}); the "
+                f"engine reloaded {self.model_dir} and serves version {self._version}"
+            ) from exc
+        self._version = version
+
+    def _stream(self, buckets: Iterable[Mapping[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        seen: set[str] = set()
+        for bucket in buckets:
+            for name, tensor in bucket.items():
+                if name not in self._shapes and name not in self._alias:
+                    raise KeyError(f"unknown weight name: {name!r}")
+                target = self._alias.get(name, name)
+                if target in seen:  # a tied weight under both names: once is enough
+                    continue
+                seen.add(target)
+                yield target, self._checked(target, tensor)
+        missing = [n for n in self._shapes if n not in seen]
+        if missing:
+            raise KeyError(f"missing weights: {sorted(missing)[:5]}")
 
     def _reload(self, **kwargs: Any) -> None:
         self.llm.collective_rpc("reload_weights", kwargs=kwargs)

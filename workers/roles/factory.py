@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 
     from workers.engines.batching import RequestBatcher
     from workers.engines.protocols import RolloutEngine, SamplingParams
+    from workers.engines.torch_trainer import TorchTrainerEngine
+    from workers.roles.trainer import TrainerRole
     from workers.runtime import Role
 
 __all__ = [
@@ -170,11 +172,13 @@ def make_hf_role(role: str, config: Config, seed: int, *, process: str | None = 
 
 def make_colocated_roles(config: Config, seed: int, *, keep_weight_copy: bool,
                          process: str | None = None, run_id: str | None = None,
-                         ) -> tuple[Role, Role]:
+                         rollout_engine: str = "hf") -> tuple[Role, Role]:
     """A colocated process's trainer and rollout roles (`workers.colocated`): the rollout
     engine generates with the trainer's module, so it serves the trainer's weights in place;
     both take turns in one `Phases`. Raises ValueError when the layouts differ (the rollout's
-    dtype is not the trainer's): serving them would need a copy in another layout."""
+    dtype is not the trainer's): serving them would need a copy in another layout.
+    ``rollout_engine="vllm"``: vLLM loads each version from the trainer's tensors in the
+    process instead, in its own layout and dtype (`_colocated_vllm`)."""
     from workers.colocated import (
         ColocatedRollout,
         ColocatedTrainer,
@@ -192,6 +196,12 @@ def make_colocated_roles(config: Config, seed: int, *, keep_weight_copy: bool,
     assert isinstance(trainer, TrainerRole)
     engine = trainer.engine
     assert isinstance(engine, TorchTrainerEngine)  # what `_trainer` builds
+    if rollout_engine == "vllm":
+        return _colocated_vllm(spec, path, seed, trainer, engine,
+                               keep_weight_copy=keep_weight_copy)
+    if rollout_engine != "hf":
+        raise ValueError(f"rollout.engine: colocated placement runs hf or vllm, not "
+                         f"{rollout_engine!r}")
     held = next(engine.model.parameters()).dtype
     wanted = rollout_dtype(spec, engine.device)
     if wanted != held:
@@ -203,6 +213,25 @@ def make_colocated_roles(config: Config, seed: int, *, keep_weight_copy: bool,
     phases = Phases({"train": TrainerMemory(engine), "generate": RolloutMemory(engine.device)})
     train = ColocatedTrainer(trainer, phases, keep_weight_copy=keep_weight_copy)
     rollout = ColocatedRollout(_rollout_role(spec, generator, path), generator, train, phases)
+    return train, rollout
+
+
+def _colocated_vllm(spec: EngineSpec, path: Path, seed: int, trainer: TrainerRole,
+                    engine: TorchTrainerEngine, *, keep_weight_copy: bool) -> tuple[Role, Role]:
+    """`make_colocated_roles` on vLLM (`workers.colocated_vllm`): vLLM loads each version from
+    the trainer's module in the process and sleeps between its phases where it can."""
+    from workers.colocated import ColocatedRollout, ColocatedTrainer, Phases, TrainerMemory
+    from workers.colocated_vllm import VLLMInPlace, colocated_llm_kwargs, module_buckets
+    from workers.engines.vllm_rollout import VLLMRolloutEngine
+
+    _check_partial(spec)
+    generator = VLLMRolloutEngine(path, dtype=spec.rollout.dtype, seed=seed,
+                                  version=spec.start_version, llm_kwargs=colocated_llm_kwargs())
+    served = VLLMInPlace(generator, lambda: module_buckets(engine.model),
+                         lambda: trainer.version)
+    phases = Phases({"train": TrainerMemory(engine), "generate": served})
+    train = ColocatedTrainer(trainer, phases, keep_weight_copy=keep_weight_copy)
+    rollout = ColocatedRollout(_rollout_role(spec, generator, path), served, train, phases)
     return train, rollout
 
 
