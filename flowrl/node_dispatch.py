@@ -1,0 +1,217 @@
+"""A node agent's local dispatch: the agent's side of leases (`flowrl.control.leases`).
+
+The controller leases the agent batches of ready tasks of row-level stages; the agent keeps them
+in a local ready queue per stage and hands them to its own node's workers, which long-poll it
+(`take`) the way they poll the controller for the other stages, and report to it (`done`,
+`failed`). Completions and give-backs leave in batches (`take_reports`, one message for many
+tasks): that is where the controller's messages go down.
+
+Routing. A worker keeps registering with the controller (its id, token, heartbeats and policy
+versions stay central) and polls the agent only for the tasks of leased stages, so nothing else
+in the worker changes; the agent serves the same ``get_task`` / ``task_done`` / ``task_failed``
+shapes (`flowrl.messages`).
+
+Exactly once, on this side: a queued task is handed to one worker; a report counts only from the
+worker holding the task, once; a task's completion or give-back leaves for the controller once.
+A worker that dies, or fails a task, gives its task back to the controller (its rows go to the
+front of the controller's ready queue, as under central dispatch) rather than to another local
+worker, so the two dispatches differ in who runs a row, never in what rows are run. The
+controller checks every report against its lease table anyway: a report of a lease it took back
+(the agent was declared dead, or the lease expired) is refused there.
+
+On stop the agent gives back what it has queued (`abandon`); what its workers run when it dies
+the controller takes back with its leases.
+
+Pure asyncio: no sockets, no clock of its own (the long polls' timeouts aside).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from flowrl import messages as m
+
+__all__ = ["LocalDispatch", "MalformedLease", "Reports"]
+
+
+class MalformedLease(ValueError):
+    """A lease grant that is not ``{lease: int, epoch: int, stage: str, tasks: [TaskMsg]}``."""
+
+
+@dataclass
+class Reports:
+    """What the agent tells the controller in one message, under its ``epoch``."""
+
+    epoch: int
+    #: (lease id, the task's rows, the worker's report) for each completed task
+    done: list[tuple[int, list[int], m.DoneMsg]] = field(default_factory=list)
+    #: (lease id, task id) for each task given back (failed, its worker gone, or never run)
+    given_back: list[tuple[int, int]] = field(default_factory=list)
+    #: leases with tasks still queued or running here (to renew)
+    held: list[int] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.done or self.given_back)
+
+
+@dataclass(slots=True)
+class _Held:
+    lease: int
+    msg: m.TaskMsg
+    worker: str | None = None  # None while queued
+
+
+class LocalDispatch:
+    def __init__(self, node: str) -> None:
+        self.node = node
+        #: the epoch the controller gave this agent (None before it joined)
+        self.epoch: int | None = None
+        self._queues: dict[str, deque[int]] = {}
+        self._tasks: dict[int, _Held] = {}  # queued or running, by task id
+        self._by_worker: dict[str, dict[int, None]] = {}
+        self._ready: dict[str, asyncio.Event] = {}  # per stage: set when a task was queued
+        self._out = Reports(0)
+        self._out_event = asyncio.Event()
+
+    def joined(self, epoch: int) -> None:
+        """The controller (re)admitted this agent: anything held under an earlier epoch was
+        taken back by the controller, so it is forgotten here."""
+        if self.epoch is not None and epoch != self.epoch:
+            self._tasks.clear()
+            self._by_worker.clear()
+            for q in self._queues.values():
+                q.clear()
+        self.epoch = epoch
+        self._out = Reports(epoch)
+
+    # ---- from the controller ---------------------------------------------------------------
+
+    def add_lease(self, grant: Any) -> int:
+        """Queue a lease's tasks for this node's workers; the number queued. A grant of another
+        epoch (sent to an earlier incarnation) is ignored: the controller took it back."""
+        lease, epoch, stage, tasks = _parse_grant(grant)
+        if epoch != self.epoch:
+            return 0
+        q = self._queues.setdefault(stage, deque())
+        for msg in tasks:
+            if msg["task_id"] in self._tasks:
+                raise MalformedLease(f"task {msg['task_id']} is held here already")
+        for msg in tasks:
+            self._tasks[msg["task_id"]] = _Held(lease, msg)
+            q.append(msg["task_id"])
+        self._ready.setdefault(stage, asyncio.Event()).set()
+        return len(tasks)
+
+    # ---- from this node's workers ----------------------------------------------------------
+
+    async def take(self, worker: str, stage: str, wait_s: float) -> m.TaskMsg | None:
+        """A worker's long poll for a task of ``stage``: the next queued one, or None after
+        ``wait_s`` with none."""
+        q = self._queues.setdefault(stage, deque())
+        ready = self._ready.setdefault(stage, asyncio.Event())
+        try:
+            async with asyncio.timeout(wait_s):
+                while not q:  # several pollers wake; the first takes the task
+                    ready.clear()
+                    await ready.wait()
+        except TimeoutError:
+            return None
+        held = self._tasks[q.popleft()]
+        held.worker = worker
+        self._by_worker.setdefault(worker, {})[held.msg["task_id"]] = None
+        return held.msg
+
+    def done(self, worker: str, report: m.DoneMsg) -> bool:
+        """``worker`` completed a task: its report leaves with the next batch. False (and
+        nothing changes) for a task that worker does not hold: a repeat, or a late one."""
+        held = self._release(worker, report["task_id"])
+        if held is None:
+            return False
+        self._out.done.append((held.lease, held.msg["rows"], report))
+        self._out_event.set()
+        return True
+
+    def failed(self, worker: str, task_id: int) -> bool:
+        """``worker`` could not run ``task_id``: it goes back to the controller."""
+        held = self._release(worker, task_id)
+        if held is None:
+            return False
+        self._give_back(held)
+        return True
+
+    def worker_gone(self, worker: str) -> list[int]:
+        """``worker`` died or left: the tasks it held go back to the controller."""
+        tids = list(self._by_worker.get(worker, ()))
+        for tid in tids:
+            self.failed(worker, tid)
+        return tids
+
+    def abandon(self) -> list[int]:
+        """The agent stops: every queued task goes back to the controller (running ones are
+        reported by their workers, or taken back with the agent's leases)."""
+        tids = [tid for q in self._queues.values() for tid in q]
+        for q in self._queues.values():
+            q.clear()
+        for tid in tids:
+            self._give_back(self._tasks.pop(tid))
+        return tids
+
+    # ---- to the controller -----------------------------------------------------------------
+
+    def take_reports(self) -> Reports:
+        """What to send the controller now (possibly nothing: then only the leases to renew)."""
+        out, self._out = self._out, Reports(self._out.epoch)
+        self._out_event.clear()
+        out.held = sorted({h.lease for h in self._tasks.values()})
+        return out
+
+    async def reports(self, wait_s: float) -> Reports:
+        """`take_reports` once there is something to report, or after ``wait_s``."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait_s):
+                await self._out_event.wait()
+        return self.take_reports()
+
+    # ---- views -----------------------------------------------------------------------------
+
+    def queued(self, stage: str | None = None) -> int:
+        if stage is not None:
+            return len(self._queues.get(stage, ()))
+        return sum(len(q) for q in self._queues.values())
+
+    def running(self) -> int:
+        return sum(len(t) for t in self._by_worker.values())
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _release(self, worker: str, task_id: Any) -> _Held | None:
+        mine = self._by_worker.get(worker)
+        if type(task_id) is not int or mine is None or task_id not in mine:
+            return None
+        del mine[task_id]
+        if not mine:
+            del self._by_worker[worker]
+        return self._tasks.pop(task_id)
+
+    def _give_back(self, held: _Held) -> None:
+        self._out.given_back.append((held.lease, held.msg["task_id"]))
+        self._out_event.set()
+
+
+def _parse_grant(grant: Any) -> tuple[int, int, str, list[m.TaskMsg]]:
+    if not isinstance(grant, dict):
+        raise MalformedLease(f"a lease grant is a mapping, got {type(grant).__name__}")
+    lease, epoch, stage, tasks = (grant.get(k) for k in ("lease", "epoch", "stage", "tasks"))
+    if type(lease) is not int or type(epoch) is not int or type(stage) is not str:
+        raise MalformedLease("a lease grant names its 'lease', 'epoch' (integers) and 'stage'")
+    if not isinstance(tasks, list) or not tasks:
+        raise MalformedLease("a lease grant holds a non-empty list of 'tasks'")
+    for t in tasks:
+        if (not isinstance(t, dict) or type(t.get("task_id")) is not int
+                or t.get("stage") != stage or not isinstance(t.get("rows"), list)):
+            raise MalformedLease(f"a leased task must be a task message of stage {stage!r}")
+    return lease, epoch, stage, tasks
