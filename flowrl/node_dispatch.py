@@ -29,13 +29,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from flowrl import messages as m
+import structlog
 
-__all__ = ["LocalDispatch", "MalformedLease", "Reports"]
+from flowrl import messages as m
+from transport.rpc import Handler
+
+__all__ = ["MAX_WAIT_S", "DispatchApi", "LocalDispatch", "MalformedLease", "Reports"]
+
+log = structlog.get_logger("flowrl.node")
+
+#: the longest long poll a worker may ask the agent for (as the controller allows)
+MAX_WAIT_S = 600.0
 
 
 class MalformedLease(ValueError):
@@ -56,6 +65,41 @@ class Reports:
 
     def __bool__(self) -> bool:
         return bool(self.done or self.given_back)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "done": [[lease, rows, d] for lease, rows, d in self.done],
+                "given_back": [list(x) for x in self.given_back], "held": list(self.held)}
+
+    @classmethod
+    def from_wire(cls, p: Any) -> Reports:
+        """The controller's reading of an agent's message; ValueError (and nothing read) for
+        one of the wrong shape. The reports themselves are checked against the lease table
+        and parsed as any task report (`flowrl.control.reports`) by the controller."""
+        if not isinstance(p, dict):
+            raise ValueError(f"agent reports are a mapping, got {type(p).__name__}")
+        epoch: Any = p.get("epoch")
+        done: Any = p.get("done")
+        back: Any = p.get("given_back")
+        held: Any = p.get("held")
+        if type(epoch) is not int or not all(isinstance(x, list) for x in (done, back, held)):
+            raise ValueError("agent reports carry an 'epoch' and the lists 'done', "
+                             "'given_back' and 'held'")
+        out = cls(epoch)
+        for item in done:
+            if not (isinstance(item, list) and len(item) == 3 and type(item[0]) is int
+                    and isinstance(item[1], list) and all(type(r) is int for r in item[1])
+                    and isinstance(item[2], dict)):
+                raise ValueError("a completion is [lease id, rows, the task's report]")
+            out.done.append((item[0], item[1], item[2]))  # type: ignore[arg-type]
+        for item in back:
+            if not (isinstance(item, list) and len(item) == 2
+                    and all(type(x) is int for x in item)):
+                raise ValueError("a give-back is [lease id, task id]")
+            out.given_back.append((item[0], item[1]))
+        if not all(type(x) is int for x in held):
+            raise ValueError("'held' lists lease ids")
+        out.held = list(held)
+        return out
 
 
 @dataclass(slots=True)
@@ -215,3 +259,72 @@ def _parse_grant(grant: Any) -> tuple[int, int, str, list[m.TaskMsg]]:
                 or t.get("stage") != stage or not isinstance(t.get("rows"), list)):
             raise MalformedLease(f"a leased task must be a task message of stage {stage!r}")
     return lease, epoch, stage, tasks
+
+
+class DispatchApi:
+    """The agent's calls for its node's workers, for the leased stages: ``get_task`` (with the
+    previous task's report), ``task_done`` and ``task_failed``, in `flowrl.messages`' shapes,
+    so a worker's runtime polls the agent as it would the controller. Only workers the
+    controller told the agent of (`admit`: id, token and stage) are served, each call checked
+    against the worker's token."""
+
+    def __init__(self, dispatch: LocalDispatch) -> None:
+        self.dispatch = dispatch
+        self._workers: dict[str, tuple[bytes, str]] = {}  # id -> (token, stage)
+
+    def admit(self, worker_id: str, token: bytes, stage: str) -> None:
+        self._workers[worker_id] = (token, stage)
+
+    def forget(self, worker_id: str) -> list[int]:
+        """The worker is gone: the tasks it held go back to the controller."""
+        self._workers.pop(worker_id, None)
+        return self.dispatch.worker_gone(worker_id)
+
+    def handlers(self) -> dict[str, Handler]:
+        return {m.OP_GET_TASK: self._get_task, m.OP_TASK_DONE: self._task_done,
+                m.OP_TASK_FAILED: self._task_failed}
+
+    def _caller(self, p: Any) -> tuple[str, str]:
+        """The worker a call is from, and its stage; PermissionError without its token."""
+        wid = p.get("worker_id") if isinstance(p, dict) else None
+        known = self._workers.get(wid) if type(wid) is str else None
+        token = p.get("token") if isinstance(p, dict) else None
+        if (known is None or type(token) is not bytes
+                or not hmac.compare_digest(token, known[0])):
+            raise PermissionError(f"no worker {wid!r} with that token on this node")
+        assert type(wid) is str
+        return wid, known[1]
+
+    async def _get_task(self, p: Any, peer: bytes) -> m.TaskMsg | None:
+        wid, stage = self._caller(p)
+        wait_s = p.get("wait_s")
+        if not (type(wait_s) in (int, float) and 0.0 <= wait_s <= MAX_WAIT_S):
+            raise ValueError(f"'wait_s' must be a number of seconds in [0, {MAX_WAIT_S}]")
+        done = p.get("done")
+        if done is not None:
+            self._report(wid, done)
+        msg = await self.dispatch.take(wid, stage, float(wait_s))
+        if msg is not None and wid not in self._workers:
+            # The worker left while its poll waited here (a poll outlives its caller): the
+            # task goes back rather than to no one.
+            self.dispatch.failed(wid, msg["task_id"])
+            return None
+        return msg
+
+    async def _task_done(self, p: Any, peer: bytes) -> dict[str, Any]:
+        wid, _ = self._caller(p)
+        return {"ok": self._report(wid, p)}
+
+    async def _task_failed(self, p: Any, peer: bytes) -> dict[str, Any]:
+        wid, _ = self._caller(p)
+        return {"ok": self.dispatch.failed(wid, p.get("task_id"))}
+
+    def _report(self, wid: str, done: Any) -> bool:
+        # A repeat (the worker's poll carrying it failed) or a report of a task it does not
+        # hold is dropped here; its content is checked by the controller, which fails the task
+        # if it cannot take it.
+        if not isinstance(done, dict) or done.get("worker_id") != wid:
+            log.warning("ignored a malformed task report", report=repr(done)[:200])
+            return False
+        clean = {k: v for k, v in done.items() if k != "token"}
+        return self.dispatch.done(wid, clean)  # type: ignore[arg-type]

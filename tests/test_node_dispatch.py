@@ -1,23 +1,33 @@
 """A node agent's local dispatch (`flowrl.node_dispatch`) with the controller's lease table
-(`flowrl.control.leases`) and a real `Index`: unit checks of the agent side, then seeded runs
-of several agents and their workers (coroutines), where workers fail tasks and an agent dies
-mid-run, its late reports arriving after the controller took its leases back. Every row must
-be scored exactly once, with the values central dispatch gives.
+(`flowrl.control.leases`) and a real `Index`: unit checks of the agent side; seeded runs of
+several agents and their workers (coroutines), where workers fail tasks and an agent dies
+mid-run, its late reports arriving after the controller took its leases back; then real
+`Worker`s polling the agent over real sockets, one of them stopped mid-run. Every row must be
+scored exactly once, with the values central dispatch gives.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
+import torch
 
 from flowrl import messages as m
 from flowrl.control.leases import Leases, Verdict
 from flowrl.graph import StageGraph, StageSpec
 from flowrl.index import Index, Task
-from flowrl.node_dispatch import LocalDispatch, MalformedLease, Reports
+from flowrl.node_dispatch import DispatchApi, LocalDispatch, MalformedLease, Reports
+from transport.endpoints import ipc_endpoint, new_run_id, remove_run_dir, run_dir
+from transport.errors import TransportError
+from transport.pubsub import Publisher
+from transport.rpc import RpcClient, RpcServer
+from transport.store_client import StoreClient
+from workers.runtime import RoleOutput, Worker, WorkerConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -154,6 +164,7 @@ class Controller:
     now: float = 0.0
     scored: dict[int, float] = field(default_factory=dict)
     refused: list[Verdict] = field(default_factory=list)
+    given_back: int = 0
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     def grant(self, node: str, agent: LocalDispatch) -> None:
@@ -182,6 +193,7 @@ class Controller:
             verdict = self.leases.give_back(node, out.epoch, lease, tid, self.now)
             if verdict is Verdict.ACCEPTED:
                 self.ix.fail(tid)
+                self.given_back += 1
             else:
                 self.refused.append(verdict)
         for lease in out.held:
@@ -308,3 +320,125 @@ async def test_a_dead_agents_leases_come_back_and_every_row_is_scored_once(seed:
     assert ctl.refused  # the dead agent's late reports
     assert set(ctl.refused) <= {Verdict.UNKNOWN_LEASE}
     assert len(ctl.leases) == 0
+
+
+def test_reports_travel_and_malformed_ones_are_refused() -> None:
+    out = Reports(4, done=[(7, [1, 2], {"worker_id": "w", "task_id": 3})],  # type: ignore[typeddict-item]
+                  given_back=[(7, 5)], held=[7])
+    assert Reports.from_wire(out.to_wire()) == out
+    for bad in (None, {"epoch": 1}, {**out.to_wire(), "epoch": "1"},
+                {**out.to_wire(), "done": [[7, [1], None]]},
+                {**out.to_wire(), "given_back": [[7]]}, {**out.to_wire(), "held": ["7"]}):
+        with pytest.raises(ValueError, match=r"agent reports|completion|give-back|lease ids"):
+            Reports.from_wire(bad)
+
+
+async def test_a_poll_outliving_its_worker_gives_the_task_back() -> None:
+    agent = LocalDispatch("a")
+    agent.joined(1)
+    api = DispatchApi(agent)
+    api.admit("w1", b"t" * 16, STAGE)
+    get_task = api.handlers()[m.OP_GET_TASK]
+    with pytest.raises(PermissionError):
+        await get_task({"worker_id": "w1", "token": b"u" * 16, "wait_s": 0.0}, b"")
+    poll = asyncio.create_task(get_task({"worker_id": "w1", "token": b"t" * 16,
+                                         "wait_s": 5.0}, b""))
+    await asyncio.sleep(0)  # the poll waits
+    assert api.forget("w1") == []
+    m1, _ = two_tasks()
+    agent.add_lease(grant(7, 1, m1))
+    assert await poll is None
+    assert agent.take_reports().given_back == [(7, m1["task_id"])]
+
+
+# ---- real workers, real sockets ------------------------------------------------------------
+
+class Scorer:
+    """A reward role: `score` of each row's response, inline (no store traffic)."""
+
+    loads_weights = False
+
+    async def run(self, task: m.TaskMsg, inputs: dict[str, list[Any]]) -> RoleOutput:
+        await asyncio.sleep(0.001)  # the work: the other worker gets a share
+        return RoleOutput(fields={"reward": [score(h) for h in inputs["response"]]})
+
+    async def load_version(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        return None
+
+
+async def test_real_workers_poll_the_agent_and_every_row_is_scored_once() -> None:
+    """The agent's calls and a stand-in for the controller's (register, heartbeat, bye) on one
+    server: a worker's runtime, unchanged, polls the agent for leased tasks. One worker stops
+    mid-run: what it held goes back to the controller and is scored by the other."""
+    run_id = new_run_id()
+    run_dir(run_id)
+    ctl = Controller(new_index(30, 4), Leases(ttl_s=1e9), budget=4, lease_size=2)
+    epoch, _ = ctl.leases.join("n0")
+    agent = LocalDispatch("n0")
+    agent.joined(epoch)
+    api = DispatchApi(agent)
+    tokens: dict[str, bytes] = {}
+
+    async def register(p: Any, peer: bytes) -> Any:
+        wid = f"w{len(tokens)}"
+        tokens[wid] = os.urandom(16)
+        api.admit(wid, tokens[wid], STAGE)  # the controller tells the agent of its worker
+        return {"worker_id": wid, "token": tokens[wid], "version": 0, "weights": None}
+
+    async def ok(p: Any, peer: bytes) -> Any:
+        return {"ok": True}
+
+    async def bye(p: Any, peer: bytes) -> Any:
+        api.forget(p["worker_id"])
+        return {"ok": True}
+
+    async def uplink() -> None:
+        while True:
+            out = await agent.reports(1.0)
+            ctl.apply("n0", Reports.from_wire(out.to_wire()))
+
+    server = RpcServer(ipc_endpoint(run_id, "agent"),
+                       {m.OP_REGISTER: register, m.OP_HEARTBEAT: ok, m.OP_BYE: bye,
+                        **api.handlers()}, long_polls=[m.OP_GET_TASK])
+    pub = Publisher(ipc_endpoint(run_id, "pub"))
+    store = StoreClient(run_id, "n0", ipc_endpoint(run_id, "store"))  # never used
+    running: list[asyncio.Task[None]] = []
+    workers: list[Worker] = []
+    link = asyncio.create_task(uplink())
+    try:
+        await server.start()
+        await pub.start()
+        for i in range(2):
+            config = WorkerConfig(name=f"reward.{i}", role=STAGE, node="n0",
+                                  controller=server.endpoint, broadcast=pub.endpoint,
+                                  heartbeat_s=5.0, poll_s=5.0, rpc_timeout_s=5.0, capacity=2)
+            workers.append(Worker(config, Scorer(), store))
+            running.append(asyncio.create_task(workers[-1].run()))
+        async with RpcClient(server.endpoint) as intruder:
+            with pytest.raises(TransportError, match="token"):
+                await intruder.call(m.OP_GET_TASK, {"worker_id": "w0", "token": b"x" * 16,
+                                                    "wait_s": 0.0})
+        stopped = False
+        async with asyncio.timeout(30):
+            while len(ctl.scored) < 120:
+                if not stopped and len(ctl.scored) >= 40:
+                    workers[0].stop()
+                    await running[0]
+                    stopped = True
+                ctl.grant("n0", agent)
+                ctl.wake.clear()
+                await ctl.wake.wait()
+        assert stopped
+        assert ctl.scored == central(30, 4)
+        assert ctl.refused == []
+        assert ctl.ix.statistics().rows == 0
+    finally:
+        link.cancel()
+        for w in workers:
+            w.stop()
+        async with asyncio.timeout(10):
+            await asyncio.gather(link, *running, return_exceptions=True)
+        await store.aclose()
+        await pub.aclose()
+        await server.aclose()
+        remove_run_dir(run_id)
