@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from flowrl.control.leases import Leases, Verdict, leasable
+from flowrl.control.leases import Leases, Verdict, leasable, split
 from flowrl.graph import StageGraph, StageSpec
 from flowrl.index import Index, Task
 from flowrl.pipeline import grpo_stages, ppo_stages
@@ -306,3 +306,26 @@ class LeaseMachine(RuleBasedStateMachine):
 TestLeaseMachine = LeaseMachine.TestCase
 TestLeaseMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
                                      suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_scarce_work_is_spread_over_the_nodes_by_their_room() -> None:
+    assert split(3, {"a": 4, "b": 4, "c": 0}) == {"a": 2, "b": 1}
+    assert split(5, {"a": 1, "b": 10}) == {"b": 5}
+    assert split(12, {"a": 1, "b": 10}) == {"a": 1, "b": 10}
+    assert split(0, {"a": 3}) == {}
+    assert split(4, {}) == {}
+
+
+@settings(max_examples=300, deadline=None)
+@given(ready=st.integers(0, 60),
+       room=st.dictionaries(st.sampled_from("abcdef"), st.integers(-2, 20), max_size=6))
+def test_a_split_never_exceeds_the_work_or_a_nodes_room_and_is_level(
+        ready: int, room: dict[str, int]) -> None:
+    out = split(ready, room)
+    assert sum(out.values()) == min(ready, sum(max(0, r) for r in room.values()))
+    assert all(0 < k <= room[n] for n, k in out.items())
+    # Level: each task went to a node with the most room left at the time, so a node that got
+    # some is left with at most one less room than any other node.
+    after = {n: r - out.get(n, 0) for n, r in room.items() if r > 0}
+    for n in out:
+        assert all(after[n] >= a - 1 for a in after.values())

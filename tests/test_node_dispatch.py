@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from flowrl import messages as m
-from flowrl.control.leases import Leases, Verdict
+from flowrl.control.leases import Leases, Verdict, split
 from flowrl.graph import StageGraph, StageSpec
 from flowrl.index import Index, Task
 from flowrl.node_dispatch import DispatchApi, LocalDispatch, MalformedLease, Reports
@@ -32,10 +32,11 @@ from workers.runtime import RoleOutput, Worker, WorkerConfig
 pytestmark = pytest.mark.timeout(60)
 
 STAGE = "reward"
+MICRO_BATCH = 3
 
 
 def graph() -> StageGraph:
-    return StageGraph([StageSpec(STAGE, ("response",), ("reward",), micro_batch=3)],
+    return StageGraph([StageSpec(STAGE, ("response",), ("reward",), micro_batch=MICRO_BATCH)],
                       source_fields=("response",))
 
 
@@ -167,15 +168,22 @@ class Controller:
     given_back: int = 0
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def grant(self, node: str, agent: LocalDispatch) -> None:
-        epoch = self.leases.epoch(node)
-        assert epoch is not None
-        while self.leases.leased(node) < self.budget and self.ix.ready_units(STAGE):
-            room = min(self.lease_size, self.budget - self.leases.leased(node))
-            tasks = [t for _ in range(room) if (t := self.ix.request(STAGE)) is not None]
-            lease = self.leases.grant(node, epoch, STAGE, tasks, self.now)
-            agent.add_lease({"lease": lease.id, "epoch": epoch, "stage": STAGE,
-                             "tasks": [task_msg(t) for t in tasks]})
+    def grant(self, agents: dict[str, LocalDispatch]) -> None:
+        """Lease ready tasks to the agents, split by the room each has (`split`)."""
+        ready = -(-self.ix.ready_units(STAGE) // MICRO_BATCH)
+        room = {n: self.budget - self.leases.leased(n) for n in agents}
+        for node, n in split(ready, room).items():
+            epoch = self.leases.epoch(node)
+            assert epoch is not None
+            while n > 0:
+                tasks = [t for _ in range(min(n, self.lease_size))
+                         if (t := self.ix.request(STAGE)) is not None]
+                if not tasks:
+                    return
+                n -= len(tasks)
+                lease = self.leases.grant(node, epoch, STAGE, tasks, self.now)
+                agents[node].add_lease({"lease": lease.id, "epoch": epoch, "stage": STAGE,
+                                        "tasks": [task_msg(t) for t in tasks]})
 
     def apply(self, node: str, out: Reports) -> None:
         for lease, rows, report in out.done:
@@ -293,8 +301,7 @@ async def run(*, seed: int, nodes: int = 3, workers: int = 3, groups: int = 40,
                         ctl.apply("n0", out)
                     start("n0")  # restarted: a new epoch
                     killed = True
-                for name, node in cluster.items():
-                    ctl.grant(name, node.agent)
+                ctl.grant({name: node.agent for name, node in cluster.items()})
                 ctl.wake.clear()
                 await ctl.wake.wait()
     finally:
@@ -425,7 +432,7 @@ async def test_real_workers_poll_the_agent_and_every_row_is_scored_once() -> Non
                     workers[0].stop()
                     await running[0]
                     stopped = True
-                ctl.grant("n0", agent)
+                ctl.grant({"n0": agent})
                 ctl.wake.clear()
                 await ctl.wake.wait()
         assert stopped

@@ -34,19 +34,38 @@ Pure: no sockets, no clock (times are passed in).
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Sequence
+import heapq
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from flowrl.graph import StageSpec
 from flowrl.index import Task
 
-__all__ = ["Lease", "Leases", "Verdict", "leasable"]
+__all__ = ["Lease", "Leases", "Verdict", "leasable", "split"]
 
 
 def leasable(stage: StageSpec) -> bool:
     """Whether a node agent may dispatch ``stage``: a row-level stage, each task's rows
     independent of every other row (not a group-level or version-bound one)."""
     return not stage.group_level and not stage.consumes_version_bound
+
+
+def split(ready: int, room: Mapping[str, int]) -> dict[str, int]:
+    """Cross-node balancing: how many of ``ready`` tasks to lease each node, given the tasks
+    each has room for (its workers' free slots, less what it holds). Tasks go one at a time to
+    the node with the most room left (ties: by name), so scarce work is spread over the nodes
+    instead of filling the first, and no node gets more than its room."""
+    out: dict[str, int] = {}
+    heap = [(-r, n) for n, r in room.items() if r > 0]
+    heapq.heapify(heap)
+    for _ in range(max(0, ready)):
+        if not heap:
+            break
+        neg, node = heapq.heappop(heap)
+        out[node] = out.get(node, 0) + 1
+        if neg + 1 < 0:
+            heapq.heappush(heap, (neg + 1, node))
+    return out
 
 
 class Verdict(enum.Enum):
