@@ -23,6 +23,8 @@ On stop the agent gives back what it has queued (`abandon`); what its workers ru
 the controller takes back with its leases.
 
 Pure asyncio: no sockets, no clock of its own (the long polls' timeouts aside).
+
+Not wired yet: no run leases anything (docs/architecture.md, node-local dispatch).
 """
 
 from __future__ import annotations

@@ -29,6 +29,8 @@ at the front of the stage's ready queue. A late completion of a returned task is
 its lease is gone. An agent may also give back tasks it will not run (`give_back`).
 
 Pure: no sockets, no clock (times are passed in).
+
+Not wired yet: no run leases anything (docs/architecture.md, node-local dispatch).
 """
 
 from __future__ import annotations
