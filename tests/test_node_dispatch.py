@@ -374,9 +374,9 @@ class Scorer:
 
 
 async def test_real_workers_poll_the_agent_and_every_row_is_scored_once() -> None:
-    """The agent's calls and a stand-in for the controller's (register, heartbeat, bye) on one
-    server: a worker's runtime, unchanged, polls the agent for leased tasks. One worker stops
-    mid-run: what it held goes back to the controller and is scored by the other."""
+    """Workers register with a stand-in controller (register, heartbeat, bye) and poll the
+    agent's server for tasks (``WorkerConfig.tasks``). One worker stops mid-run: what it held
+    goes back to the controller and is scored by the other."""
     run_id = new_run_id()
     run_dir(run_id)
     ctl = Controller(new_index(30, 4), Leases(ttl_s=1e9), budget=4, lease_size=2)
@@ -404,9 +404,9 @@ async def test_real_workers_poll_the_agent_and_every_row_is_scored_once() -> Non
             out = await agent.reports(1.0)
             ctl.apply("n0", Reports.from_wire(out.to_wire()))
 
-    server = RpcServer(ipc_endpoint(run_id, "agent"),
-                       {m.OP_REGISTER: register, m.OP_HEARTBEAT: ok, m.OP_BYE: bye,
-                        **api.handlers()}, long_polls=[m.OP_GET_TASK])
+    server = RpcServer(ipc_endpoint(run_id, "ctl"),
+                       {m.OP_REGISTER: register, m.OP_HEARTBEAT: ok, m.OP_BYE: bye})
+    tasks = RpcServer(ipc_endpoint(run_id, "agent"), api.handlers(), long_polls=[m.OP_GET_TASK])
     pub = Publisher(ipc_endpoint(run_id, "pub"))
     store = StoreClient(run_id, "n0", ipc_endpoint(run_id, "store"))  # never used
     running: list[asyncio.Task[None]] = []
@@ -414,14 +414,16 @@ async def test_real_workers_poll_the_agent_and_every_row_is_scored_once() -> Non
     link = asyncio.create_task(uplink())
     try:
         await server.start()
+        await tasks.start()
         await pub.start()
         for i in range(2):
             config = WorkerConfig(name=f"reward.{i}", role=STAGE, node="n0",
                                   controller=server.endpoint, broadcast=pub.endpoint,
-                                  heartbeat_s=5.0, poll_s=5.0, rpc_timeout_s=5.0, capacity=2)
+                                  heartbeat_s=5.0, poll_s=5.0, rpc_timeout_s=5.0, capacity=2,
+                                  tasks=tasks.endpoint)
             workers.append(Worker(config, Scorer(), store))
             running.append(asyncio.create_task(workers[-1].run()))
-        async with RpcClient(server.endpoint) as intruder:
+        async with RpcClient(tasks.endpoint) as intruder:
             with pytest.raises(TransportError, match="token"):
                 await intruder.call(m.OP_GET_TASK, {"worker_id": "w0", "token": b"x" * 16,
                                                     "wait_s": 0.0})
@@ -447,5 +449,6 @@ async def test_real_workers_poll_the_agent_and_every_row_is_scored_once() -> Non
             await asyncio.gather(link, *running, return_exceptions=True)
         await store.aclose()
         await pub.aclose()
+        await tasks.aclose()
         await server.aclose()
         remove_run_dir(run_id)
