@@ -206,6 +206,27 @@ class LocalDispatch:
             self._give_back(self._tasks.pop(tid))
         return tids
 
+    def revoked(self, lease: int) -> list[int]:
+        """The controller took ``lease`` back (it expired there, or a renewal was refused): its
+        tasks are forgotten here, queued or running, since their rows are the controller's
+        again. A running one's report is then dropped here (the controller would refuse it)."""
+        gone = [tid for tid, h in self._tasks.items() if h.lease == lease]
+        for tid in gone:
+            held = self._tasks.pop(tid)
+            if held.worker is not None:
+                mine = self._by_worker[held.worker]
+                del mine[tid]
+                if not mine:
+                    del self._by_worker[held.worker]
+        if gone:
+            dead = set(gone)
+            for q in self._queues.values():
+                if any(t in dead for t in q):
+                    kept = [t for t in q if t not in dead]
+                    q.clear()
+                    q.extend(kept)
+        return gone
+
     # ---- to the controller -----------------------------------------------------------------
 
     def take_reports(self) -> Reports:

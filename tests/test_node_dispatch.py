@@ -1,9 +1,10 @@
 """A node agent's local dispatch (`flowrl.node_dispatch`) with the controller's lease table
 (`flowrl.control.leases`) and a real `Index`: unit checks of the agent side; seeded runs of
 several agents and their workers (coroutines), where workers fail tasks and an agent dies
-mid-run, its late reports arriving after the controller took its leases back; then real
-`Worker`s polling the agent over real sockets, one of them stopped mid-run. Every row must be
-scored exactly once, with the values central dispatch gives.
+mid-run, its late reports arriving after the controller took its leases back, or every lease
+expires while the agents live on; then real `Worker`s polling the agent over real sockets, one
+of them stopped mid-run. Every row must be scored exactly once, with the values central
+dispatch gives.
 """
 
 from __future__ import annotations
@@ -130,6 +131,20 @@ async def test_a_stopping_agent_gives_back_what_it_queued() -> None:
     assert out.held == [7]  # m1 runs on
 
 
+async def test_a_revoked_lease_is_forgotten_queued_or_running() -> None:
+    agent = LocalDispatch("a")
+    agent.joined(1)
+    m1, m2 = two_tasks()
+    agent.add_lease(grant(7, 1, m1, m2))
+    await agent.take("w1", STAGE, 1.0)
+    assert sorted(agent.revoked(7)) == sorted([m1["task_id"], m2["task_id"]])
+    assert agent.queued() == 0
+    assert agent.running() == 0
+    assert not agent.done("w1", done_msg("w1", m1))  # the controller has its rows again
+    assert not agent.take_reports()
+    assert agent.revoked(7) == []
+
+
 async def test_a_grant_to_an_earlier_epoch_is_ignored_and_a_malformed_one_refused() -> None:
     agent = LocalDispatch("a")
     agent.joined(2)
@@ -166,6 +181,7 @@ class Controller:
     scored: dict[int, float] = field(default_factory=dict)
     refused: list[Verdict] = field(default_factory=list)
     given_back: int = 0
+    revoked: int = 0
     wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     def grant(self, agents: dict[str, LocalDispatch]) -> None:
@@ -185,7 +201,8 @@ class Controller:
                 agents[node].add_lease({"lease": lease.id, "epoch": epoch, "stage": STAGE,
                                         "tasks": [task_msg(t) for t in tasks]})
 
-    def apply(self, node: str, out: Reports) -> None:
+    def apply(self, node: str, out: Reports) -> list[int]:
+        """Take an agent's reports; the leases it holds that are not its any more."""
         for lease, rows, report in out.done:
             tid = report["task_id"]
             verdict = self.leases.complete(node, out.epoch, lease, tid, rows, self.now)
@@ -204,9 +221,11 @@ class Controller:
                 self.given_back += 1
             else:
                 self.refused.append(verdict)
-        for lease in out.held:
-            self.leases.renew(node, out.epoch, lease, self.now)
+        revoked = [lease for lease in out.held
+                   if self.leases.renew(node, out.epoch, lease, self.now) is not Verdict.ACCEPTED]
+        self.revoked += len(revoked)
         self.wake.set()
+        return revoked
 
     def gone(self, node: str) -> None:
         for tid in self.leases.node_gone(node):
@@ -259,14 +278,15 @@ async def uplink(node: Node, ctl: Controller, late: list[Reports] | None) -> Non
         if late is not None and len(late) < 3 and out.done:
             late.append(out)
             continue
-        ctl.apply(node.name, out)
+        for lease in ctl.apply(node.name, out):
+            node.agent.revoked(lease)
 
 
 async def run(*, seed: int, nodes: int = 3, workers: int = 3, groups: int = 40,
               size: int = 4, fail_p: float = 0.1, kill_after: int | None = None,
-              ) -> Controller:
+              expire_after: int | None = None) -> Controller:
     rng = random.Random(seed)
-    ctl = Controller(new_index(groups, size), Leases(ttl_s=1e9), budget=2 * workers,
+    ctl = Controller(new_index(groups, size), Leases(ttl_s=10.0), budget=2 * workers,
                      lease_size=2)
     total = groups * size
     late: list[Reports] = []
@@ -285,7 +305,7 @@ async def run(*, seed: int, nodes: int = 3, workers: int = 3, groups: int = 40,
 
     for i in range(nodes):
         start(f"n{i}", doomed=kill_after is not None and i == 0)
-    killed = False
+    killed = expired = False
     try:
         async with asyncio.timeout(30):
             while len(ctl.scored) < total:
@@ -301,6 +321,15 @@ async def run(*, seed: int, nodes: int = 3, workers: int = 3, groups: int = 40,
                         ctl.apply("n0", out)
                     start("n0")  # restarted: a new epoch
                     killed = True
+                if expire_after is not None and not expired and len(ctl.scored) >= expire_after:
+                    # The controller's clock jumps past every lease: all come back while their
+                    # agents live on; what those report of them next is refused.
+                    ctl.now += 2 * ctl.leases.ttl_s
+                    back = ctl.leases.expire(ctl.now)
+                    assert back
+                    for tid in back:
+                        ctl.ix.fail(tid)
+                    expired = True
                 ctl.grant({name: node.agent for name, node in cluster.items()})
                 ctl.wake.clear()
                 await ctl.wake.wait()
@@ -317,6 +346,15 @@ async def run(*, seed: int, nodes: int = 3, workers: int = 3, groups: int = 40,
 async def test_node_dispatch_scores_every_row_once_as_central_dispatch_does(seed: int) -> None:
     ctl = await run(seed=seed)
     assert ctl.scored == central(40, 4)
+    assert len(ctl.leases) == 0
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+async def test_expired_leases_come_back_and_their_agents_drop_them(seed: int) -> None:
+    ctl = await run(seed=seed, fail_p=0.0, expire_after=60)
+    assert ctl.scored == central(40, 4)
+    assert ctl.refused or ctl.revoked
+    assert set(ctl.refused) <= {Verdict.UNKNOWN_LEASE}
     assert len(ctl.leases) == 0
 
 
@@ -402,7 +440,8 @@ async def test_real_workers_poll_the_agent_and_every_row_is_scored_once() -> Non
     async def uplink() -> None:
         while True:
             out = await agent.reports(1.0)
-            ctl.apply("n0", Reports.from_wire(out.to_wire()))
+            for lease in ctl.apply("n0", Reports.from_wire(out.to_wire())):
+                agent.revoked(lease)
 
     server = RpcServer(ipc_endpoint(run_id, "ctl"),
                        {m.OP_REGISTER: register, m.OP_HEARTBEAT: ok, m.OP_BYE: bye})

@@ -164,7 +164,9 @@ class Leases:
         return lease
 
     def renew(self, node: str, epoch: int, lease_id: int, now: float) -> Verdict:
-        """Push the lease's expiry ``ttl_s`` past ``now`` (its agent is alive and at it)."""
+        """Push the lease's expiry ``ttl_s`` past ``now`` (its agent is alive and at it). Any
+        other verdict than ACCEPTED: the lease is not the agent's any more; the agent is told to
+        drop it (`flowrl.node_dispatch.LocalDispatch.revoked`)."""
         lease, verdict = self._check(node, epoch, lease_id)
         if lease is not None:
             lease.expires_at = now + self.ttl_s
