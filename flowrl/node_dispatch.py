@@ -24,7 +24,8 @@ the controller takes back with its leases.
 
 Pure asyncio: no sockets, no clock of its own (the long polls' timeouts aside).
 
-Not wired yet: no run leases anything (docs/architecture.md, node-local dispatch).
+Wired into runs by `flowrl.control.node_leases` (``placement.node_dispatch``;
+docs/architecture.md, node-local dispatch).
 """
 
 from __future__ import annotations
@@ -33,20 +34,32 @@ import asyncio
 import contextlib
 import hmac
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
 from flowrl import messages as m
-from transport.rpc import Handler
+from transport.errors import RemoteError, UnknownOperation
+from transport.rpc import Handler, RpcServer
 
-__all__ = ["MAX_WAIT_S", "DispatchApi", "LocalDispatch", "MalformedLease", "Reports"]
+__all__ = ["MAX_WAIT_S", "OP_LEASE_JOIN", "OP_LEASE_POLL", "OP_LEASE_REPORT", "AgentLink",
+           "DispatchApi",
+           "LocalDispatch", "MalformedLease", "Reports"]
 
 log = structlog.get_logger("flowrl.node")
 
 #: the longest long poll a worker may ask the agent for (as the controller allows)
 MAX_WAIT_S = 600.0
+
+#: an agent joins node-local dispatch: its epoch, the stage each leased role runs, timings
+OP_LEASE_JOIN = "lease_join"
+#: an agent's long poll for what the controller has for it: grants, workers to admit or
+#: forget, leases revoked
+OP_LEASE_POLL = "lease_poll"
+#: an agent's batched completions and give-backs, and the leases it still holds (renewed)
+OP_LEASE_REPORT = "lease_report"
 
 
 class MalformedLease(ValueError):
@@ -351,3 +364,123 @@ class DispatchApi:
             return False
         clean = {k: v for k, v in done.items() if k != "token"}
         return self.dispatch.done(wid, clean)  # type: ignore[arg-type]
+
+
+Call = Callable[[str, dict[str, Any], float], Awaitable[Any]]
+"""The agent's call at the controller: op, payload, how long it may wait; None once the
+controller is gone (the agent then stops)."""
+
+
+class AgentLink:
+    """A node agent's node-local dispatch, joined to the run (`flowrl.node` hosts it): serves
+    its node's leased workers' task calls on its own endpoint (`DispatchApi`), takes the
+    controller's commands from a long poll (`OP_LEASE_POLL`) and sends its reports in batches
+    (`OP_LEASE_REPORT`), whose reply names the leases it may no longer hold."""
+
+    def __init__(self, node: str, call: Call, endpoint: str, epoch: int,
+                 stages: dict[str, str], renew_s: float) -> None:
+        self.node = node
+        self.endpoint = endpoint
+        self.stages = stages
+        self.renew_s = renew_s
+        self.dispatch = LocalDispatch(node)
+        self.dispatch.joined(epoch)
+        self.api = DispatchApi(self.dispatch)
+        self._call_op = call
+
+    async def _call(self, op: str, payload: dict[str, Any], wait_s: float) -> Any:
+        """``op`` at the controller; its refusal is logged and returned, not raised (the agent's
+        other duties go on)."""
+        try:
+            return await self._call_op(op, payload, wait_s)
+        except RemoteError as exc:
+            log.warning("the controller refused a lease call", op=op, node=self.node,
+                        error=str(exc)[:300])
+            return exc
+
+    @classmethod
+    async def join(cls, node: str, call: Call, endpoint: str) -> AgentLink | None:
+        """Join the run's node-local dispatch; None when the run dispatches centrally (the
+        controller does not know the op) or is gone."""
+        try:
+            reply = await call(OP_LEASE_JOIN, {"node": node}, 0.0)
+        except UnknownOperation:
+            return None
+        except RemoteError as exc:  # this node runs no leased workers
+            log.info("node dispatch off here", node=node, why=str(exc)[:200])
+            return None
+        if not isinstance(reply, dict):
+            return None
+        stages: Any = reply.get("stages")
+        epoch: Any = reply.get("epoch")
+        renew_s: Any = reply.get("renew_s")
+        if (not isinstance(stages, dict) or type(epoch) is not int
+                or type(renew_s) not in (int, float) or not 0 < renew_s <= MAX_WAIT_S):
+            raise MalformedLease(f"a malformed lease_join reply: {reply!r:.200}")
+        return cls(node, call, endpoint, epoch, {str(k): str(v) for k, v in stages.items()},
+                   float(renew_s))
+
+    def tasks_endpoint(self, role: str) -> str | None:
+        """Where a worker of ``role`` on this node polls for tasks (None: the controller)."""
+        return self.endpoint if role in self.stages else None
+
+    async def run(self) -> None:
+        """Serve until cancelled (the agent stops)."""
+        server = RpcServer(self.endpoint, self.api.handlers(), long_polls={m.OP_GET_TASK})
+        await server.start()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._commands())
+                tg.create_task(self._reports())
+        finally:
+            await server.aclose()
+
+    async def _commands(self) -> None:
+        wait_s = 2.0
+        while True:
+            reply = await self._call(OP_LEASE_POLL, {"node": self.node,
+                                                     "epoch": self.dispatch.epoch,
+                                                     "wait_s": wait_s}, wait_s)
+            if reply is None:
+                return
+            if isinstance(reply, RemoteError):
+                await asyncio.sleep(1.0)  # a refusal (logged): ask again, a little later
+                continue
+            self.apply(reply)
+
+    def apply(self, reply: Any) -> None:
+        """The controller's commands: workers admitted, leases granted and revoked, workers
+        forgotten (their tasks given back)."""
+        if not isinstance(reply, dict):
+            log.warning("ignored malformed lease commands", node=self.node)
+            return
+        for cmd in reply.get("admit", ()):
+            wid, token, stage = (cmd.get(k) for k in ("worker_id", "token", "stage"))
+            if type(wid) is str and type(token) is bytes and type(stage) is str:
+                self.api.admit(wid, token, stage)
+        for grant in reply.get("grant", ()):
+            try:
+                self.dispatch.add_lease(grant)
+            except MalformedLease as exc:
+                log.warning("ignored a malformed lease", node=self.node, error=str(exc))
+        for lease in reply.get("revoke", ()):
+            if type(lease) is int:
+                self.dispatch.revoked(lease)
+        for wid in reply.get("forget", ()):
+            if type(wid) is str:
+                self.api.forget(wid)
+
+    async def _reports(self) -> None:
+        while True:
+            reports = await self.dispatch.reports(self.renew_s)
+            reply = await self._call(OP_LEASE_REPORT,
+                                     {"node": self.node, **reports.to_wire()}, 0.0)
+            if reply is None:
+                return
+            if isinstance(reply, RemoteError):
+                # The batch is lost; its leases expire at the controller and come back.
+                await asyncio.sleep(1.0)
+                continue
+            for lease in reply.get("revoked", ()) if isinstance(reply, dict) else ():
+                if type(lease) is int:
+                    self.dispatch.revoked(lease)

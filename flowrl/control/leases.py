@@ -30,7 +30,8 @@ its lease is gone. An agent may also give back tasks it will not run (`give_back
 
 Pure: no sockets, no clock (times are passed in).
 
-Not wired yet: no run leases anything (docs/architecture.md, node-local dispatch).
+Wired into runs by `flowrl.control.node_leases` (``placement.node_dispatch``;
+docs/architecture.md, node-local dispatch).
 """
 
 from __future__ import annotations
