@@ -76,15 +76,17 @@ def accounting(out: dict[str, Any], ctl: Controller) -> tuple[int, int, int, int
     return out["version"], out["samples"], ctl.rows_trained, ctl.rows_trained_twice
 
 
-async def granted(ctl: Controller, tasks: int) -> None:
-    """Until ``tasks`` more tasks were leased (the leases' own event, no sleep)."""
+async def granted(ctl: Controller, tasks: int, holds: str | None = None) -> None:
+    """Until ``tasks`` more tasks were leased, and node ``holds`` (if named) holds some open (the
+    leases' own event, no sleep)."""
     leases = ctl.node_leases
     assert leases is not None
     target = leases.tasks_leased + tasks
     event = asyncio.Event()
     leases.on_grant.append(event.set)
     try:
-        while leases.tasks_leased < target:
+        while leases.tasks_leased < target or (holds is not None
+                                               and not leases.leases.leased(holds)):
             event.clear()
             await event.wait()
     finally:
@@ -111,7 +113,7 @@ async def test_a_leased_worker_killed_mid_task_loses_no_row(tmp_path: Path) -> N
     killed: list[int] = []
 
     async def kill_one(ctl: Controller) -> None:
-        await granted(ctl, 4)
+        await granted(ctl, 4, holds="a")  # its one worker runs one of them (tasks of ~0.4 s)
         reward = [w for w in ctl.registry.all() if w.role == "reward" and w.node == "a"]
         killed.append(reward[0].pid)
         os.kill(reward[0].pid, signal.SIGKILL)  # one machine: node a's process is ours to kill
