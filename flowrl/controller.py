@@ -30,6 +30,7 @@ from flowrl.control.admission import Admission
 from flowrl.control.assignments import Assignment, Assignments
 from flowrl.control.evaluation import eval_summary, evaluation_for
 from flowrl.control.ledger import LostTrainerState, StepLedger, rank_shares
+from flowrl.control.node_leases import NodeLeases, dispatching_nodes
 from flowrl.control.reports import TaskReport, check_report
 from flowrl.control.run_view import RunCounters, status_snapshot
 from flowrl.control.scheduler import Scheduler, find_source_stage
@@ -113,6 +114,12 @@ class Controller:
                                    evaluation=self.evaluation)
         self.api = WorkerApi(self.registry, self.assignments, self,
                              has_role=lambda role: spec.pool(role) is not None, now=self._now)
+        #: node-local dispatch (``spec.node_dispatch``); None: every task is dispatched here
+        self.node_leases = None if not spec.node_dispatch else NodeLeases(
+            self.graph, self.index, self.registry, self.assignments,
+            nodes=dispatching_nodes(spec, node), reported=self.task_reported,
+            failed=self.task_failed, give_back=self.scheduler.fail_task, wake=self._wake,
+            row_group=self.index.row_group, now=self._now)
         # Nodes other than this one (pools placed there): their agents meet us at `nodes`.
         remote = {n for p in spec.pools for n in p.nodes} - {node}
         self._hub = None if not remote else NodeHub(
@@ -266,8 +273,12 @@ class Controller:
                        loop.create_task(self.workforce.restart_loop(), name="flowrl-restart"),
                        loop.create_task(self._lag.run(), name="flowrl-loop-lag")]
         if hub is not None:  # other nodes' agents and workers reach us over tcp+curve
-            self._owned.append(loop.create_task(await self.workforce.open_nodes(handlers),
-                                                name="flowrl-nodes"))
+            leases = self.node_leases
+            if leases is not None:
+                self._owned.append(loop.create_task(leases.run(), name="flowrl-leases"))
+            self._owned.append(loop.create_task(await self.workforce.open_nodes(
+                handlers if leases is None else {**handlers, **leases.handlers()}),
+                name="flowrl-nodes"))
         await self.workforce.start_node_agent()
         async with asyncio.timeout(self.start_timeout_s):
             await self._node_up.wait()
@@ -479,6 +490,8 @@ class Controller:
         self._kick_at = now = time.perf_counter()
         try:
             self.scheduler.dispatch(steps_target=self._steps_target, now=now)
+            if self.node_leases is not None:
+                self.node_leases.dispatch(now)
         except Exception as exc:  # a scheduler bug must stop the run loudly, not a worker's call
             self._log().exception("dispatch failed")
             self._fail_run(RunError(f"dispatch failed: {exc!r}"))
@@ -501,6 +514,8 @@ class Controller:
     # ---- what workers report (`WorkerApi` calls these once a call passed its checks) -------
 
     def worker_registered(self, info: WorkerInfo) -> dict[str, Any]:
+        if self.node_leases is not None:  # before any pass could pick it
+            self.node_leases.registered(info)
         latest = self.weights.get(self.version)
         # Without published weights of the current version (the run's start, or a resume
         # before its first step) the model every worker loads *is* that version; otherwise
@@ -608,6 +623,8 @@ class Controller:
         info = self.registry.remove(worker_id)
         if info is None:
             return
+        if self.node_leases is not None:
+            self.node_leases.gone(info)
         if not self._stop.is_set():
             self._counters.worker_deaths += 1
             self._log().warning("worker down", worker=worker_id, name=info.name, why=why,
@@ -682,6 +699,8 @@ class Controller:
     # ---- failures --------------------------------------------------------------------------
 
     def _on_node_lost(self, node: str) -> None:
+        if self.node_leases is not None:
+            self.node_leases.node_gone(node)
         if not self._stop.is_set():
             self._fail_run(RunError(f"node agent {node!r} stopped answering"))
 

@@ -72,6 +72,7 @@ import structlog
 
 from flowrl import messages as m
 from flowrl.logs import bind, configure
+from flowrl.node_dispatch import AgentLink
 from flowrl.node_hub import (
     CALL_SLACK_S,
     OP_EXIT,
@@ -214,6 +215,8 @@ class _Agent:
         self.run_id = ""
         self.broadcast = ""
         self.local_store = ""
+        #: node-local dispatch of its leased workers' tasks (None: all central)
+        self.leases: AgentLink | None = None
 
     def _on_exit(self, child: Any, code: int) -> None:
         # Killed on the controller's order or not, the controller forgets the process's workers.
@@ -251,10 +254,14 @@ class _Agent:
                     raise TransportError("the controller stopped answering")
                 log.info("node agent up", node=self.node, store=peer.endpoint,
                          plaintext_reads=peer.plaintext_endpoint)
+                self.leases = await AgentLink.join(  # before any spawn: workers need its endpoint
+                    self.node, self._call, ipc_endpoint(self.run_id, f"tasks-{self.node}"))
                 try:
                     async with asyncio.TaskGroup() as tg:
                         tasks = [tg.create_task(self._poll()), tg.create_task(self._report()),
                                  tg.create_task(self._listen(sub))]
+                        if self.leases is not None:
+                            tasks.append(tg.create_task(self.leases.run()))
                         await self.stop.wait()
                         for t in tasks:
                             t.cancel()
@@ -322,7 +329,9 @@ class _Agent:
             process = ProcessSpec.model_validate(command.get("process"))
             where = Endpoints(run_id=self.run_id, node=self.node,
                               controller=self.args.controller, broadcast=self.broadcast,
-                              store=self.local_store, peers=command.get("peers", {}))
+                              store=self.local_store, peers=command.get("peers", {}),
+                              tasks=None if self.leases is None
+                              else self.leases.tasks_endpoint(process.role))
         except ValueError as exc:  # pydantic's ValidationError is one
             log.warning("ignored a malformed spawn command", node=self.node, error=str(exc))
             return

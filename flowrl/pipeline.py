@@ -81,6 +81,9 @@ class PipelineSpec:
     #: colocated placement: the trainer still writes each version into the store (what a
     #: restarted process joins from); False: its weights are held once
     keep_weight_copy: bool = True
+    #: the agents of nodes other than the controller's dispatch their reward, reference and
+    #: critic workers' tasks themselves, under leases (`flowrl.control.node_leases`)
+    node_dispatch: bool = False
 
     def graph(self) -> StageGraph:
         return StageGraph(self.stages, SOURCE_FIELDS)

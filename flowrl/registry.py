@@ -36,6 +36,8 @@ class WorkerInfo:
     #: a worker of another role in the same process (colocated placement): the two take
     #: turns, so neither is given a task while the other holds one
     partner: WorkerInfo | None = field(default=None, repr=False)
+    #: its node's agent dispatches its tasks (`flowrl.control.node_leases`): never picked here
+    leased: bool = False
     #: the registry's hook for a version change (None once removed)
     _moved: Callable[[WorkerInfo, int], None] | None = field(default=None, repr=False,
                                                              compare=False)
@@ -99,6 +101,12 @@ class Registry:
         info._moved = self._moved
         return info
 
+    def lease_out(self, info: WorkerInfo) -> None:
+        """``info``'s tasks come from its node's agent from now on: dispatch never picks it."""
+        info.leased = True
+        _take(self._open, info)
+        _take(self._idle, info)
+
     def get(self, worker_id: str) -> WorkerInfo | None:
         return self._workers.get(worker_id)
 
@@ -154,7 +162,7 @@ class Registry:
             info.done += 1
         else:
             info.failed += 1
-        if info.worker_id in self._workers:
+        if info.worker_id in self._workers and not info.leased:
             _put(self._open, info, info.version)
             if not info.tasks:
                 _put(self._idle, info, info.version)

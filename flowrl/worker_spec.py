@@ -365,6 +365,9 @@ class Endpoints(_Spec):
     store: str = Field(min_length=1)
     #: other nodes' store servers, by node.
     peers: dict[str, str] = Field(default_factory=dict)
+    #: where its workers poll for tasks, when not the controller: its node agent's dispatch
+    #: (`flowrl.node_dispatch`)
+    tasks: str | None = None
 
 
 class WorkerSpec(_Spec):

@@ -291,6 +291,12 @@ def test_fields_are_documented() -> None:
         ("trainer={'ranks': 2, 'groups_per_step': 2}, placement={'mode': 'colocated'}",
          "trainer.ranks"),
         ("model={'lora': {'rank': 2}}, placement={'mode': 'colocated'}", "model.lora"),
+        # node dispatch: only other nodes' agents dispatch, and not evaluation's scoring
+        ("placement={'node_dispatch': True}", "placement.node_dispatch"),
+        ("placement={'node_dispatch': True, 'roles': {'rollout': ('a',)}, 'cluster': "
+         "{'keys_file': '/tmp/k'}}", "placement.node_dispatch"),
+        ("placement={'node_dispatch': True, 'roles': {'reward': ('a',)}, 'cluster': "
+         "{'keys_file': '/tmp/k'}}, eval={'prompts': 4, 'every': 1}", "placement.node_dispatch"),
     ],
 )
 def test_rules_name_their_field(tmp_path: Path, kwargs: str, field: str) -> None:
@@ -601,3 +607,12 @@ async def test_sim_grpo_recipe_runs() -> None:
     assert out["version"] == 3
     assert out["samples"] == 3 * 2 * 4
     assert out["rows_trained_twice"] == 0
+
+
+def test_node_dispatch_reaches_the_pipeline() -> None:
+    from flowrl.recipe import Recipe
+
+    placement = {"node_dispatch": True, "roles": {"reward": ("a",)},
+                 "cluster": {"keys_file": "/tmp/k"}}
+    assert Recipe(steps=1, placement=placement).to_pipeline().node_dispatch
+    assert not Recipe(steps=1).to_pipeline().node_dispatch

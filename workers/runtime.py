@@ -10,6 +10,10 @@ A worker registers (role, node, capacity), then runs three owned loops until sto
   mistaken for a dead one (compute runs off the event loop, in the role's own thread or engine);
 - *broadcast*: listens for new policy versions and for ``stop``.
 
+With ``WorkerConfig.tasks`` the *pull* loop's calls go to that endpoint instead (a node agent
+that dispatches this worker's stage, `flowrl.node_dispatch`); everything else still goes to the
+controller.
+
 A new policy version is applied at a safe point: new tasks wait while the role loads the weights,
 and loading waits for tasks in flight to finish, so no task ever sees two versions. New tasks
 wait from the moment the version arrives: a worker of several tasks at once (``capacity``) that
@@ -140,6 +144,10 @@ class WorkerConfig:
     #: deadline for fetching and loading one policy version (the wait for a safe point before
     #: it is not counted: a long generation may delay a switch legitimately).
     weight_sync_timeout_s: float = 60.0
+    #: where to poll for tasks and report them (``get_task``, ``task_done``, ``task_failed``)
+    #: when not the controller: the node agent that dispatches this worker's stage
+    #: (`flowrl.node_dispatch`). Everything else still goes to the controller.
+    tasks: str | None = None
 
 
 #: weights up to this size are published with a spare grant for the next version (see below).
@@ -226,6 +234,10 @@ class Worker:
         self.version = 0
         self._rpc = RpcClient(config.controller, timeout=config.rpc_timeout_s,
                               curve=for_endpoint(config.curve, config.controller))
+        # Tasks' calls: to the controller, or to this node's agent when it dispatches them.
+        self._tasks = (self._rpc if config.tasks is None else
+                       RpcClient(config.tasks, timeout=config.rpc_timeout_s,
+                                 curve=for_endpoint(config.curve, config.tasks)))
         self._sub = Subscriber(config.broadcast, [m.TOPIC_VERSION, m.TOPIC_STOP], name=config.name,
                                curve=for_endpoint(config.curve, config.broadcast))
         self._stopped = asyncio.Event()
@@ -282,6 +294,8 @@ class Worker:
 
     async def aclose(self) -> None:
         await self._sub.aclose()
+        if self._tasks is not self._rpc:
+            await self._tasks.aclose()
         await self._rpc.aclose()
 
     async def _pull(self) -> None:
@@ -295,7 +309,7 @@ class Worker:
                 if done is not None:
                     request["done"] = done
                 try:
-                    task = await self._rpc.call(m.OP_GET_TASK, request,
+                    task = await self._tasks.call(m.OP_GET_TASK, request,
                                                 timeout=cfg.poll_s + cfg.rpc_timeout_s)
                 except (ClosedError, DeadlineExceeded):
                     continue
@@ -313,7 +327,7 @@ class Worker:
         finally:
             if done is not None:  # stopping with a report not yet sent: send it on its own
                 with contextlib.suppress(TransportError, asyncio.CancelledError):
-                    await asyncio.shield(self._rpc.call(m.OP_TASK_DONE, {**done, **self._me},
+                    await asyncio.shield(self._tasks.call(m.OP_TASK_DONE, {**done, **self._me},
                                                         timeout=2.0))
 
     async def _refuse(self, task: Any) -> None:
@@ -323,7 +337,7 @@ class Worker:
         task_id = task.get("task_id") if isinstance(task, dict) else None
         if type(task_id) is int:
             with contextlib.suppress(TransportError):
-                await self._rpc.call(m.OP_TASK_FAILED, {
+                await self._tasks.call(m.OP_TASK_FAILED, {
                     **self._me, "task_id": task_id,
                     "error": "malformed task message"})
 
@@ -350,7 +364,7 @@ class Worker:
             self._log().warning("task failed", worker=self.worker_id, task=task["task_id"],
                         stage=task["stage"], error=repr(exc))
             with contextlib.suppress(TransportError):
-                await self._rpc.call(
+                await self._tasks.call(
                     m.OP_TASK_FAILED,
                     {**self._me, "task_id": task["task_id"], "error": repr(exc)},
                 )

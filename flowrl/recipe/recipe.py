@@ -199,6 +199,10 @@ class Recipe(_Section):
                 if name in self.rollout.model_fields_set and getattr(self.rollout, name):
                     raise _rule(f"rollout.{name}", "only episodes call tools and take turns: "
                                 "name the episode function in rollout.episode")
+        if self.placement.node_dispatch and self.eval is not None:
+            raise _rule("placement.node_dispatch", "not with eval: evaluation rounds' scoring "
+                        "jobs are dispatched by the controller, to workers node agents dispatch "
+                        "instead")
         check_colocated(self.placement, model=self.model, rollout=self.rollout,
                         trainer=self.trainer)
         unrun = sorted(set(self.placement.roles) - set(self.roles))
@@ -376,6 +380,7 @@ class Recipe(_Section):
             eval=None if self.eval is None else self.eval.model_dump(mode="json"),
             colocated=self.placement.mode == "colocated",
             keep_weight_copy=self.placement.keep_weight_copy,
+            node_dispatch=self.placement.node_dispatch,
         )
 
     def sim_cost(self) -> dict[str, Any]:

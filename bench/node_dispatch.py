@@ -1,0 +1,85 @@
+"""Node-local dispatch on vs off: `bench/capacity.py`'s workload at one shape, runs alternating.
+
+The same simulated near-zero-compute run as `capacity.py` (its `workload`: 1/16 of the workers
+reward, one trainer, the rest rollout, spread over the node agents), with
+``PipelineSpec.node_dispatch`` off and on in turn, so both see the same machine load. With it on
+the agents of the nodes other than the controller's dispatch their reward workers' tasks under
+leases; rollout and train stay central (docs/architecture.md, node-local dispatch). Prints one
+JSON line: per setting, the samples/s and the controller's CPU µs per trained sample of every
+run, their medians, and the leases granted in the last run with it on.
+
+    python bench/node_dispatch.py [--workers 256] [--agents 4] [--rounds 2] [--steps 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import psutil
+
+from bench.capacity import workload
+from bench.runner import run_and_print
+from bench.scale import started_with_agents
+from flowrl.logs import configure
+
+
+async def measure(workers: int, agents: int, steps: int, node_dispatch: bool) -> dict[str, Any]:
+    spec, nodes = workload(workers, agents)
+    spec = dataclasses.replace(spec, node_dispatch=node_dispatch)
+    me = psutil.Process()
+    async with started_with_agents(spec, nodes) as ctl:
+        await ctl.run(steps=1, timeout_s=300)  # warm-up: every worker polling, first version
+        cpu0 = me.cpu_times()
+        out = await ctl.run(steps=steps, timeout_s=600)
+        cpu1 = me.cpu_times()
+        if out["rows_trained_twice"]:  # exactly once holds at any load
+            raise RuntimeError(f"{out['rows_trained_twice']} rows trained twice")
+        cpu = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
+        leases = ctl.node_leases
+        return {"samples_per_s": round(out["samples_per_s"], 1),
+                "cpu_us_per_sample": round(cpu / out["samples"] * 1e6, 1),
+                "tasks_leased": None if leases is None else leases.tasks_leased}
+
+
+async def main_async(workers: int, agents: int, rounds: int, steps: int) -> dict[str, Any]:
+    runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    for _ in range(rounds):
+        for key in ("off", "on"):
+            runs[key].append(await measure(workers, agents, steps, key == "on"))
+    out: dict[str, Any] = {"workers": workers, "agents": agents, "steps": steps,
+                           "load_avg_1m": round(psutil.getloadavg()[0], 1)}
+    for key, rs in runs.items():
+        out[f"samples_per_s_{key}"] = [r["samples_per_s"] for r in rs]
+        out[f"cpu_us_per_sample_{key}"] = [r["cpu_us_per_sample"] for r in rs]
+        out[f"samples_per_s_{key}_median"] = round(
+            statistics.median(out[f"samples_per_s_{key}"]), 1)
+        out[f"cpu_us_per_sample_{key}_median"] = round(
+            statistics.median(out[f"cpu_us_per_sample_{key}"]), 1)
+    out["tasks_leased_on"] = runs["on"][-1]["tasks_leased"]
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--workers", type=int, default=256)
+    p.add_argument("--agents", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=2, help="off/on pairs")
+    p.add_argument("--steps", type=int, default=2, help="measured steps per run")
+    args = p.parse_args()
+    configure(level="warning")
+    start = time.perf_counter()
+    run_and_print(main_async(args.workers, args.agents, args.rounds, args.steps))
+    print(f"# {time.perf_counter() - start:.0f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

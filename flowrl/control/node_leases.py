@@ -1,0 +1,333 @@
+"""Node-local dispatch wired into a run (``placement.node_dispatch``): the controller's side.
+
+Workers of a row-level stage (`flowrl.control.leases.leasable`: reward, reference, critic) on a
+node whose agent dispatches itself are taken out of central dispatch (`Registry.lease_out`):
+each dispatch pass leases that node's agent ready tasks of their stage instead, as many as its
+workers have room for (`split` balances scarce work over the nodes). The agent runs them on its
+workers (`flowrl.node_dispatch`) and reports completions in batches; an accepted completion goes
+through the same report path as a central one (`Controller.task_reported`: checked against its
+task, then applied to the index), a refused one is dropped.
+
+What the agent is told travels on its long poll (`OP_LEASE_POLL`: grants, workers to admit with
+their tokens or to forget, revoked leases); what it reports on `OP_LEASE_REPORT`, whose reply
+names the leases it may no longer hold. Leases expire on a timer (`run`): an agent that stops
+renewing its leases (it renews with every report) gives their tasks back, rows to the front of
+their stage's queue.
+
+Leased tasks are also `Assignments` (of the pseudo-worker ``lease:<node>`` until one of the
+node's workers reports them), so a pause drains them and progress is measured as for central
+tasks. Only the agents of nodes other than the controller's dispatch themselves (the
+controller's own node has no agent process of that kind).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from flowrl import messages as m
+from flowrl.control.assignments import Assignment, Assignments
+from flowrl.control.leases import Leases, Verdict, leasable, split
+from flowrl.control.reports import MalformedReport, TaskReport, parse_report
+from flowrl.control.scheduler import find_source_stage
+from flowrl.graph import StageGraph, StageSpec
+from flowrl.index import Index, Task
+from flowrl.node_dispatch import OP_LEASE_JOIN, OP_LEASE_POLL, OP_LEASE_REPORT, Reports
+from flowrl.pipeline import PipelineSpec
+from flowrl.registry import Registry, WorkerInfo
+from transport.rpc import Handler
+
+__all__ = ["LEASE_TTL_S", "NodeLeases", "dispatching_nodes", "leased_roles"]
+
+log = structlog.get_logger("flowrl.controller")
+
+#: a lease not renewed this long (its agent silent) gives its tasks back
+LEASE_TTL_S = 30.0
+#: the longest wait of an agent's long poll for commands
+_POLL_S = 2.0
+
+
+def leased_roles(graph: StageGraph) -> dict[str, StageSpec]:
+    """Role -> the stage its workers run, for the roles node agents may dispatch (each runs
+    exactly one stage, row-level; not the source). ValueError for a role of two stages."""
+    source = find_source_stage(graph)
+    out: dict[str, StageSpec] = {}
+    for stage in graph.order:
+        if stage is source or not leasable(stage):
+            continue
+        if stage.role in out:
+            raise ValueError(f"node dispatch needs one stage per role; role {stage.role!r} "
+                             f"runs {out[stage.role].name!r} and {stage.name!r}")
+        out[stage.role] = stage
+    return out
+
+
+@dataclass
+class _Node:
+    name: str
+    #: stage -> task slots of the node's leased workers (capacity * tasks per slot)
+    slots: dict[str, int] = field(default_factory=dict)
+    #: worker id -> its admit command ({worker_id, token, stage})
+    workers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    admit: list[dict[str, Any]] = field(default_factory=list)
+    forget: list[str] = field(default_factory=list)
+    grant: list[dict[str, Any]] = field(default_factory=list)
+    revoke: list[int] = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def pending(self) -> bool:
+        return bool(self.admit or self.forget or self.grant or self.revoke)
+
+
+class NodeLeases:
+    def __init__(
+        self, graph: StageGraph, index: Index, registry: Registry, assignments: Assignments,
+        *, nodes: set[str], reported: Callable[[Assignment, TaskReport], None],
+        failed: Callable[[Assignment, str], None], give_back: Callable[[int], None],
+        wake: Callable[[], None], row_group: Callable[[int], int], now: Callable[[], float],
+        ttl_s: float = LEASE_TTL_S, renew_s: float | None = None,
+    ) -> None:
+        """``nodes``: the nodes whose agents dispatch themselves. ``reported`` / ``failed``:
+        the controller's report path for an accepted completion (and for one it cannot take);
+        ``give_back(task_id)``: a task's rows back to their queue; ``now``: the lease clock.
+        ``renew_s``: how often agents report at the least (so renew), ``ttl_s / 3`` unless
+        told."""
+        self.roles = leased_roles(graph)
+        self.index = index
+        self.registry = registry
+        self.assignments = assignments
+        self.leases = Leases(ttl_s=ttl_s)
+        self.renew_s = ttl_s / 3 if renew_s is None else renew_s
+        self._nodes = {n: _Node(n) for n in sorted(nodes)}
+        self._reported = reported
+        self._failed = failed
+        self._give_back = give_back
+        self._wake = wake
+        self._row_group = row_group
+        self._now = now
+        self._worker_node: dict[str, str] = {}
+        #: completions and give-backs refused (late, repeated, of a returned lease)
+        self.refused = 0
+        #: tasks given back by agents (failed, their worker gone) and taken back by expiry
+        self.given_back = 0
+        self.expired = 0
+        #: leases granted, and tasks in them
+        self.granted = 0
+        self.tasks_leased = 0
+        #: called after each grant (tests wait on it)
+        self.on_grant: list[Callable[[], None]] = []
+
+    # ---- workers (the controller's hooks) ---------------------------------------------------
+
+    def registered(self, info: WorkerInfo) -> None:
+        """A worker registered: one of a dispatching node's leased roles is the agent's to
+        dispatch from now on (before any central pass could pick it)."""
+        node = self._nodes.get(info.node)
+        stage = self.roles.get(info.role)
+        if node is None or stage is None:
+            return
+        self.registry.lease_out(info)
+        node.slots[stage.name] = (node.slots.get(stage.name, 0)
+                                  + info.capacity * self.registry.tasks_per_slot)
+        cmd = {"worker_id": info.worker_id, "token": info.token, "stage": stage.name}
+        node.workers[info.worker_id] = cmd
+        self._worker_node[info.worker_id] = node.name
+        node.admit.append(cmd)
+        node.wake.set()
+
+    def gone(self, info: WorkerInfo) -> None:
+        """A worker left: its agent forgets it (and gives back what it held)."""
+        name = self._worker_node.pop(info.worker_id, None)
+        if name is None:
+            return
+        node = self._nodes[name]
+        stage = node.workers.pop(info.worker_id)["stage"]
+        node.slots[stage] -= info.capacity * self.registry.tasks_per_slot
+        node.forget.append(info.worker_id)
+        node.wake.set()
+
+    def node_gone(self, name: str) -> None:
+        """``name``'s agent was lost: its leases' tasks come back."""
+        if name in self._nodes:
+            self._back(self.leases.node_gone(name))
+
+    # ---- dispatch ---------------------------------------------------------------------------
+
+    def dispatch(self, now: float) -> None:
+        """Lease every dispatching node ready tasks of its workers' stages, up to their room.
+        ``now``: the controller's dispatch clock (as `Scheduler.dispatch`)."""
+        for stage in self.roles.values():
+            ready = self.index.ready_units(stage.name)
+            if not ready:
+                continue
+            room = {n.name: n.slots.get(stage.name, 0) - self._held(n.name, stage.name)
+                    for n in self._nodes.values()
+                    if self.leases.epoch(n.name) is not None}
+            want = -(-ready // max(1, stage.micro_batch))
+            for name, k in split(want, room).items():
+                tasks: list[Task] = []
+                while len(tasks) < k:
+                    task = self.index.request(stage.name, stage.micro_batch,
+                                              worker=f"lease:{name}")
+                    if task is None:
+                        break
+                    tasks.append(task)
+                if tasks:
+                    self._grant(self._nodes[name], stage, tasks, now)
+                if len(tasks) < k:
+                    break  # the queue ran dry
+
+    def _held(self, node: str, stage: str) -> int:
+        return sum(len(x.open) for x in self.leases.of_node(node) if x.stage == stage)
+
+    def _grant(self, node: _Node, stage: StageSpec, tasks: list[Task], now: float) -> None:
+        epoch = self.leases.epoch(node.name)
+        assert epoch is not None
+        lease = self.leases.grant(node.name, epoch, stage.name, tasks, self._now())
+        msgs: list[m.TaskMsg] = []
+        started = time.time()
+        for t in tasks:
+            self.assignments.add(Assignment(t, f"lease:{node.name}", {}, now, started))
+            msgs.append({"task_id": t.id, "stage": t.stage, "rows": list(t.rows),
+                         "groups": list(t.groups),
+                         "row_groups": [self._row_group(r) for r in t.rows],
+                         "inputs": {k: list(v) for k, v in t.handles.items()}, "params": {}})
+        node.grant.append({"lease": lease.id, "epoch": epoch, "stage": stage.name,
+                           "tasks": msgs})
+        node.wake.set()
+        self.granted += 1
+        self.tasks_leased += len(tasks)
+        for callback in self.on_grant:
+            callback()
+
+    def _back(self, task_ids: list[int]) -> None:
+        for tid in task_ids:
+            if self.assignments.pop(tid) is not None:
+                self._give_back(tid)
+        if task_ids:
+            self._wake()
+
+    # ---- expiry -----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Expire leases not renewed in time, on a timer to the earliest expiry."""
+        while True:
+            now = self._now()
+            expiries = [x.expires_at for n in self._nodes for x in self.leases.of_node(n)]
+            await asyncio.sleep(max(0.0, min(expiries) - now) if expiries
+                                else self.leases.ttl_s)
+            self.expire(self._now())
+
+    def expire(self, now: float) -> int:
+        """Take back every lease not renewed by ``now``; the number of tasks given back."""
+        for node in self._nodes.values():
+            gone = [x.id for x in self.leases.of_node(node.name) if x.expires_at <= now]
+            if gone:
+                node.revoke.extend(gone)
+                node.wake.set()
+        back = self.leases.expire(now)
+        self.expired += len(back)
+        if back:
+            log.warning("leases expired", tasks=len(back))
+        self._back(back)
+        return len(back)
+
+    # ---- the agents' calls ------------------------------------------------------------------
+
+    def handlers(self) -> dict[str, Handler]:
+        return {OP_LEASE_JOIN: self._join, OP_LEASE_POLL: self._poll,
+                OP_LEASE_REPORT: self._report}
+
+    def _node(self, p: Any) -> _Node:
+        name = p.get("node") if isinstance(p, dict) else None
+        node = self._nodes.get(name) if type(name) is str else None
+        if node is None:
+            raise ValueError(f"node {name!r} does not dispatch itself in this run")
+        return node
+
+    async def _join(self, p: Any, peer: bytes) -> dict[str, Any]:
+        node = self._node(p)
+        epoch, back = self.leases.join(node.name)
+        self._back(back)
+        # A new incarnation starts afresh: every worker of the node is admitted again.
+        node.admit, node.forget, node.grant, node.revoke = list(node.workers.values()), [], [], []
+        node.wake.set()
+        log.info("node dispatches its workers' tasks", node=node.name, epoch=epoch)
+        self._wake()
+        return {"epoch": epoch, "stages": {r: s.name for r, s in self.roles.items()},
+                "renew_s": self.renew_s}
+
+    async def _poll(self, p: Any, peer: bytes) -> dict[str, Any]:
+        node = self._node(p)
+        epoch = p.get("epoch")
+        if epoch != self.leases.epoch(node.name):
+            raise ValueError(f"node {node.name!r}: epoch {epoch!r} is not its agent's")
+        wait_s: Any = p.get("wait_s", _POLL_S)
+        if not node.pending():
+            node.wake.clear()
+            try:
+                async with asyncio.timeout(min(float(wait_s), _POLL_S * 5)):
+                    await node.wake.wait()
+            except TimeoutError:
+                pass
+        out = {"admit": node.admit, "forget": node.forget, "grant": node.grant,
+               "revoke": node.revoke}
+        node.admit, node.forget, node.grant, node.revoke = [], [], [], []
+        return out
+
+    async def _report(self, p: Any, peer: bytes) -> dict[str, Any]:
+        node = self._node(p)
+        reports = Reports.from_wire(p)
+        now = self._now()
+        ep = reports.epoch
+        for lease, rows, done in reports.done:
+            tid = done.get("task_id") if isinstance(done, dict) else None
+            if type(tid) is not int:
+                self.refused += 1
+                continue
+            verdict = self.leases.complete(node.name, ep, lease, tid, rows, now)
+            a = self.assignments.get(tid) if verdict is Verdict.ACCEPTED else None
+            if a is None:
+                self.refused += 1
+                continue
+            worker = done.get("worker_id")
+            if type(worker) is str and self._worker_node.get(worker) == node.name:
+                a.worker = worker  # spans and the trace name the worker that ran it
+            try:
+                self._reported(a, parse_report(done))
+            except MalformedReport as exc:
+                log.warning("refused a task report", node=node.name, task=tid, error=str(exc))
+                self._failed(a, f"malformed task report: {exc}")
+        back = []
+        for lease, tid in reports.given_back:
+            if self.leases.give_back(node.name, ep, lease, tid, now) is Verdict.ACCEPTED:
+                back.append(tid)
+            else:
+                self.refused += 1
+        self.given_back += len(back)
+        self._back(back)
+        revoked = [lid for lid in reports.held
+                   if self.leases.renew(node.name, ep, lid, now) is not Verdict.ACCEPTED]
+        self._wake()
+        return {"revoked": revoked}
+
+
+def dispatching_nodes(spec: PipelineSpec, node: str) -> set[str]:
+    """The nodes whose agents dispatch themselves under ``spec.node_dispatch``: those other
+    than the controller's ``node`` that run workers of a leased role. ValueError (naming what
+    is missing) when there are none, or with evaluation, whose scoring jobs stay central."""
+    roles = leased_roles(spec.graph())
+    nodes = {n for p in spec.pools if p.role in roles for n in p.nodes} - {node}
+    if not nodes:
+        raise ValueError(f"node_dispatch needs workers of {sorted(roles) or 'a row-level role'} "
+                         f"on a node other than the controller's ({node!r}): "
+                         "placement.roles places none there")
+    if spec.eval is not None:
+        raise ValueError("node_dispatch does not run evaluation rounds (eval): their scoring "
+                         "jobs are dispatched centrally, to workers the agents now dispatch")
+    return nodes

@@ -1,0 +1,224 @@
+"""Node-local dispatch in real runs (``PipelineSpec.node_dispatch``): the controller leases reward
+tasks to the agents of nodes ``a`` and ``b`` (separate processes, each with its own store), whose
+reward workers poll their agent; rollout and train stay on the controller's node, dispatched
+centrally. A seeded run trains exactly the rows central dispatch trains, also when a leased
+worker is killed mid-task or leases expire under live agents."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flowrl.control.assignments import Assignments
+from flowrl.control.node_leases import NodeLeases, dispatching_nodes
+from flowrl.controller import Controller
+from flowrl.graph import StageGraph, StageSpec
+from flowrl.index import Index
+from flowrl.node_dispatch import OP_LEASE_JOIN, OP_LEASE_POLL, OP_LEASE_REPORT, Reports
+from flowrl.node_hub import ClusterConfig
+from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages
+from flowrl.registry import Registry
+from tests.test_multinode import FAST, agents_reaped, start_agent, tail, wait_exit
+from transport.curve import CurveKeys
+
+STEPS = 3
+
+
+def spec(*, node_dispatch: bool, reward_token_s: float = 0.0) -> PipelineSpec:
+    return PipelineSpec(
+        stages=grpo_stages(group_size=4, train_micro_groups=2),
+        pools=(
+            PoolSpec("rollout", count=2, per_process=2),
+            PoolSpec("reward", count=2, nodes=("a", "b")),
+            PoolSpec("train", count=1),
+        ),
+        group_size=4, groups_per_step=4, max_staleness=1, seed=7,
+        engine="sim", engine_config={**FAST, "reward_token_s": reward_token_s},
+        store_capacity_bytes=32 << 20, heartbeat_s=0.5, heartbeat_timeout_s=10.0,
+        node_dispatch=node_dispatch, restart_backoff_s=0.1,
+    )
+
+
+async def run(tmp_path: Path, s: PipelineSpec, chaos: Any = None) -> tuple[dict[str, Any],
+                                                                           Controller]:
+    keys = CurveKeys.generate()
+    ctl = Controller(s, cluster=ClusterConfig(keys=keys), start_timeout_s=60)
+    assert ctl.nodes is not None
+    procs: list[asyncio.subprocess.Process] = []
+    logs = {n: tmp_path / f"{n}-{s.node_dispatch}.log" for n in "ab"}
+    async with agents_reaped(procs):
+        try:
+            starting = asyncio.ensure_future(ctl.start())
+            endpoint = await ctl.nodes.wait_listening()
+            for n in "ab":
+                procs.append(await start_agent(endpoint, n, logs[n], env=keys.to_env()))
+            await starting
+            running = asyncio.ensure_future(ctl.run(steps=STEPS, timeout_s=90))
+            if chaos is not None:
+                await chaos(ctl)
+            out = await running
+            out["status"] = ctl.status()
+        finally:
+            await ctl.aclose()
+        codes = [await wait_exit(p, logs[n]) for p, n in zip(procs, "ab", strict=True)]
+    assert codes == [0, 0], [tail(x) for x in logs.values()]
+    return out, ctl
+
+
+def accounting(out: dict[str, Any], ctl: Controller) -> tuple[int, int, int, int]:
+    return out["version"], out["samples"], ctl.rows_trained, ctl.rows_trained_twice
+
+
+async def granted(ctl: Controller, tasks: int, holds: str | None = None) -> None:
+    """Until ``tasks`` more tasks were leased, and node ``holds`` (if named) holds some open (the
+    leases' own event, no sleep)."""
+    leases = ctl.node_leases
+    assert leases is not None
+    target = leases.tasks_leased + tasks
+    event = asyncio.Event()
+    leases.on_grant.append(event.set)
+    try:
+        while leases.tasks_leased < target or (holds is not None
+                                               and not leases.leases.leased(holds)):
+            event.clear()
+            await event.wait()
+    finally:
+        leases.on_grant.remove(event.set)
+
+
+@pytest.mark.timeout(240)
+async def test_node_dispatch_trains_the_rows_central_dispatch_trains(tmp_path: Path) -> None:
+    central, ctl0 = await run(tmp_path, spec(node_dispatch=False))
+    leased, ctl1 = await run(tmp_path, spec(node_dispatch=True))
+    assert ctl0.node_leases is None
+    assert accounting(leased, ctl1) == accounting(central, ctl0)
+    assert accounting(leased, ctl1) == (STEPS, STEPS * 4 * 4, STEPS * 4 * 4, 0)
+    leases = ctl1.node_leases
+    assert leases is not None
+    assert leases.tasks_leased >= STEPS * 4  # every reward task went through a lease
+    assert leases.refused == 0
+    assert {w["node"] for w in leased["status"]["workers"] if w["role"] == "reward"} == {"a", "b"}
+    assert leased["status"]["worker_deaths"] == 0
+
+
+@pytest.mark.timeout(240)
+async def test_a_leased_worker_killed_mid_task_loses_no_row(tmp_path: Path) -> None:
+    killed: list[int] = []
+
+    async def kill_one(ctl: Controller) -> None:
+        await granted(ctl, 4, holds="a")  # its one worker runs one of them (tasks of ~0.4 s)
+        reward = [w for w in ctl.registry.all() if w.role == "reward" and w.node == "a"]
+        killed.append(reward[0].pid)
+        os.kill(reward[0].pid, signal.SIGKILL)  # one machine: node a's process is ours to kill
+
+    out, ctl = await run(tmp_path, spec(node_dispatch=True, reward_token_s=0.005), kill_one)
+    assert killed
+    assert accounting(out, ctl) == (STEPS, STEPS * 4 * 4, STEPS * 4 * 4, 0)
+    assert out["status"]["worker_deaths"] >= 1
+    assert out["status"]["restarts"] >= 1
+    leases = ctl.node_leases
+    assert leases is not None
+    # The killed worker's task came back: given back by its agent, or with its lease.
+    assert leases.given_back + leases.expired >= 1
+
+
+@pytest.mark.timeout(240)
+async def test_leases_expiring_under_live_agents_lose_no_row(tmp_path: Path) -> None:
+    expired: list[int] = []
+
+    async def expire(ctl: Controller) -> None:
+        leases = ctl.node_leases
+        assert leases is not None
+        for _ in range(3):
+            await granted(ctl, 2)
+            # As if the agents had not renewed: every lease is taken back under them.
+            expired.append(leases.expire(math.inf))
+
+    out, ctl = await run(tmp_path, spec(node_dispatch=True, reward_token_s=0.0005), expire)
+    assert sum(expired) > 0
+    assert ctl.node_leases is not None
+    assert ctl.node_leases.expired >= sum(expired)
+    assert accounting(out, ctl) == (STEPS, STEPS * 4 * 4, STEPS * 4 * 4, 0)
+    assert out["status"]["worker_deaths"] == 0
+
+
+def test_node_dispatch_needs_leased_workers_on_another_node() -> None:
+    s = spec(node_dispatch=True)
+    assert dispatching_nodes(s, "node0") == {"a", "b"}
+    local = dataclasses.replace(s, pools=tuple(dataclasses.replace(p, nodes=())
+                                               for p in s.pools))
+    with pytest.raises(ValueError, match="node other than the controller's"):
+        Controller(local)
+
+
+# ---- the controller's wiring alone (no process): a real index and registry -------------------
+
+def wiring(ready_groups: int) -> tuple[Any, Index, Registry, list[Any], list[int]]:
+    g = StageGraph([StageSpec("rollout", ("prompt",), ("response",), group_level=True),
+                    StageSpec("reward", ("response",), ("reward",), micro_batch=2)],
+                   source_fields=("prompt",))
+    ix = Index(g)
+    for n in range(ready_groups):
+        ix.add_group(2, fields={"prompt": [n, n]})
+        t = ix.request("rollout", 1)
+        assert t is not None
+        ix.complete(t.id, {"response": [10 * n, 10 * n + 1]})
+    reg = Registry(10.0, tasks_per_slot=2)
+    reported: list[Any] = []
+    back: list[int] = []
+    leases = NodeLeases(g, ix, reg, Assignments(), nodes={"a"},
+                        reported=lambda a, r: reported.append((a.worker, r.task_id)),
+                        failed=lambda a, e: reported.append(("failed", e)),
+                        give_back=lambda tid: (back.append(tid), ix.fail(tid)),
+                        wake=lambda: None, row_group=ix.row_group, now=lambda: 0.0)
+    return leases, ix, reg, reported, back
+
+
+async def call(leases: NodeLeases, op: str, **p: Any) -> Any:
+    return await leases.handlers()[op](p, b"")
+
+
+async def test_a_dispatching_nodes_workers_get_leases_up_to_their_room() -> None:
+    leases, _, reg, reported, back = wiring(ready_groups=4)  # 4 reward tasks ready
+    here = reg.register(name="reward.0.0", role="reward", node="node0", pid=1, capacity=1,
+                        version=0, now=0.0)
+    there = reg.register(name="reward.1.0", role="reward", node="a", pid=2, capacity=1,
+                         version=0, now=0.0)
+    for w in (here, there):
+        leases.registered(w)
+    assert reg.least_loaded("reward") is here  # the agent's worker is never picked here
+    joined = await call(leases, OP_LEASE_JOIN, node="a")
+    assert joined["stages"] == {"reward": "reward"}
+    leases.dispatch(0.0)
+    cmds = await call(leases, OP_LEASE_POLL, node="a", epoch=joined["epoch"], wait_s=0.0)
+    assert [c["worker_id"] for c in cmds["admit"]] == [there.worker_id]
+    (grant,) = cmds["grant"]
+    assert len(grant["tasks"]) == 2  # capacity 1 x 2 tasks per slot
+    t0, t1 = grant["tasks"]
+    done = {"worker_id": there.worker_id, "task_id": t0["task_id"],
+            "fields": {"reward": [1.0, 2.0]}, "lengths": [], "version": None, "metrics": {}}
+    wire = Reports(joined["epoch"], done=[(grant["lease"], t0["rows"], done)],  # type: ignore[list-item]
+                   held=[grant["lease"]]).to_wire()
+    assert await call(leases, OP_LEASE_REPORT, node="a", **wire) == {"revoked": []}
+    assert await call(leases, OP_LEASE_REPORT, node="a", **wire) == {"revoked": []}
+    assert reported == [(there.worker_id, t0["task_id"])]  # once: the repeat is refused
+    assert leases.refused == 1
+    # Not renewed in time: the open task comes back, its lease is revoked at the agent.
+    assert leases.expire(math.inf) == 1
+    assert back == [t1["task_id"]]
+    cmds = await call(leases, OP_LEASE_POLL, node="a", epoch=joined["epoch"], wait_s=0.0)
+    assert cmds["revoke"] == [grant["lease"]]
+    # The worker leaves: its agent forgets it, and the node has no room left.
+    reg.remove(there.worker_id)
+    leases.gone(there)
+    cmds = await call(leases, OP_LEASE_POLL, node="a", epoch=joined["epoch"], wait_s=0.0)
+    assert cmds["forget"] == [there.worker_id]
+    leases.dispatch(0.0)
+    assert leases.granted == 1
