@@ -128,18 +128,19 @@ async def placements(ctx: Context) -> dict[str, Any]:
     specs = [await asyncio.to_thread(compile_recipe, placed(ctx.recipe, mode))
              for mode in MODES]
     out: dict[str, Any] = {}
-    async with contextlib.AsyncExitStack() as stack:
-        entered = await asyncio.gather(
-            *(stack.enter_async_context(Controller(spec)) for spec in specs),
-            return_exceptions=True)
-        for ctl in entered:
-            if isinstance(ctl, BaseException):
-                raise ctl
+    ctls = [Controller(spec) for spec in specs]
+    try:
+        # Closed together below, started or half-started (as Controller.__aenter__ does).
+        entered = await asyncio.gather(*(c.start() for c in ctls), return_exceptions=True)
+        for error in entered:
+            if isinstance(error, BaseException):
+                raise error
         await ctx.reshard.started()  # no process starting while a placement runs
-        for mode, ctl in zip(MODES, entered, strict=True):
-            assert isinstance(ctl, Controller)
+        for mode, ctl in zip(MODES, ctls, strict=True):
             run = await run_placement(ctl, ctx.recipe.steps)
             out.update({f"{k}_{mode}": round(v, 1) for k, v in run.items()})
+    finally:
+        await asyncio.gather(*(c.aclose() for c in ctls))
     return out
 
 
