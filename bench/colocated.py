@@ -34,7 +34,9 @@ Keys (each measurement adds its own; `MEASUREMENTS` lists them in order):
   gather's. Their start-up overlaps the placements'; they measure after everything else, alone.
 
 Other keys: ``steps``, ``max_staleness``, ``quick``, ``cpus``, ``load_average`` (at the end),
-and each measurement's seconds (``placements_s``, which holds both start-ups, ...).
+each measurement's seconds (``placements_s``, ...), of which ``start_s`` is the start-up of
+the placements' processes and the resharding ranks, and ``total_s``, the script's (less the
+interpreter's start and the first imports, under a second).
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ from flowrl.recipe_file import apply_overrides, load_recipe
 if TYPE_CHECKING:
     from flowrl.controller import Controller
 
+STARTED = time.perf_counter()
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "tiny_cpu.py"
 QUICK_STEPS = 10
@@ -129,6 +132,7 @@ async def placements(ctx: Context) -> dict[str, Any]:
              for mode in MODES]
     out: dict[str, Any] = {}
     ctls = [Controller(spec) for spec in specs]
+    t0 = time.perf_counter()
     try:
         # Closed together below, started or half-started (as Controller.__aenter__ does).
         entered = await asyncio.gather(*(c.start() for c in ctls), return_exceptions=True)
@@ -136,6 +140,7 @@ async def placements(ctx: Context) -> dict[str, Any]:
             if isinstance(error, BaseException):
                 raise error
         await ctx.reshard.started()  # no process starting while a placement runs
+        out["start_s"] = round(time.perf_counter() - t0, 1)
         for mode, ctl in zip(MODES, ctls, strict=True):
             run = await run_placement(ctl, ctx.recipe.steps)
             out.update({f"{k}_{mode}": round(v, 1) for k, v in run.items()})
@@ -342,7 +347,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             with contextlib.suppress(Exception):
                 await ctx.reshard.task
     out.update(steps=steps, max_staleness=recipe.max_staleness, quick=args.quick,
-               cpus=os.cpu_count(), load_average=[round(x, 2) for x in os.getloadavg()])
+               cpus=os.cpu_count(), load_average=[round(x, 2) for x in os.getloadavg()],
+               total_s=round(time.perf_counter() - STARTED, 1))
     return out
 
 
