@@ -38,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -89,8 +90,16 @@ def _peak_extra(run: Any) -> tuple[int, float]:
     return max(0, _kib("VmHWM") - base), seconds
 
 
+def _wait_for(go: Path) -> None:
+    """Says this rank is ready (``<go>.ready<rank>``), then waits until ``go`` exists (the
+    parent's signal to measure; polled, an idle wait)."""
+    Path(f"{go}.ready{dist.get_rank()}").touch()
+    while not go.exists():
+        time.sleep(0.02)
+
+
 def rank_main(rank: int, store: str, model: str, buckets: Sequence[int], repeats: int,
-              out: str) -> None:
+              out: str, go: str) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
@@ -105,6 +114,7 @@ def rank_main(rank: int, store: str, model: str, buckets: Sequence[int], repeats
         dest = {n: torch.ones(s, dtype=d) for n, (s, d) in shapes.items()} if rank == 0 else {}
 
         into_dest = copy_into(dest) if rank == 0 else (lambda bucket: None)
+        _wait_for(Path(go))  # what came before (imports, the load, the shards) is not measured
 
         def whole() -> None:
             into_dest(engine.export_weights())
@@ -141,22 +151,42 @@ def rank_main(rank: int, store: str, model: str, buckets: Sequence[int], repeats
 
 
 def measure_reshard(model: Path, *, buckets: Sequence[int] = BUCKETS, repeats: int = 3,
-                    tmp: Path | None = None, timeout_s: float = 600.0) -> dict[str, Any]:
+                    tmp: Path | None = None, timeout_s: float = 600.0,
+                    go: threading.Event | None = None,
+                    ready: threading.Event | None = None) -> dict[str, Any]:
     """Run the two ranks on the model at ``model`` and return the figures (module docstring):
     ``reshard_peak_extra_share`` (with ``max(buckets)``), ``reshard_vs_gather_time``, and
-    the per-count shares."""
+    the per-count shares.
+
+    With ``go``, the ranks start (import torch, load and shard the model) at once but measure
+    only once ``go`` is set, so that a caller can overlap their start-up with its own and
+    still measure them alone (``timeout_s`` then counts from ``go``); ``ready`` is set once
+    both have started (or one has exited), so that the caller can keep its own timed work
+    out of their start-up."""
     if not buckets or min(buckets) < 1:
         raise ValueError(f"bucket counts must be >= 1, got {list(buckets)}")
     with tempfile.TemporaryDirectory(prefix="flowrl-bench-reshard-", dir=tmp) as d:
         out = Path(d) / "result"
+        go_file = Path(d) / "go"
+        if go is None:
+            go_file.touch()
         # A fixed mmap threshold: large buffers are mapped and unmapped, so a freed bucket
         # leaves the process and the next one shows up in the resident size again.
         env = {**os.environ, "PYTHONPATH": str(ROOT), "MALLOC_MMAP_THRESHOLD_": "65536"}
         procs = [subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), "rank", str(r), str(Path(d) / "store"),
-             str(model), ",".join(map(str, buckets)), str(repeats), str(out)], env=env)
-            for r in range(WORLD)]
+             str(model), ",".join(map(str, buckets)), str(repeats), str(out), str(go_file)],
+            env=env) for r in range(WORLD)]
         try:
+            if go is not None:
+                started = [Path(f"{go_file}.ready{r}") for r in range(WORLD)]
+                while not all(f.exists() for f in started) and all(
+                        p.poll() is None for p in procs):
+                    time.sleep(0.05)
+                if ready is not None:
+                    ready.set()
+                go.wait()
+                go_file.touch()
             codes = [p.wait(timeout=timeout_s) for p in procs]
         finally:
             for p in procs:
@@ -166,11 +196,12 @@ def measure_reshard(model: Path, *, buckets: Sequence[int] = BUCKETS, repeats: i
         if codes != [0] * WORLD:
             raise RuntimeError(f"reshard ranks exited with {codes}")
         results = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(WORLD)]
-    model_bytes = results[0]["model_bytes"]
+    model_bytes: int = results[0]["model_bytes"]
     most = str(max(buckets))
 
     def share(key: str) -> float:
-        return round(max(r["peak"][key] for r in results) / model_bytes, 4)
+        peak: int = max(r["peak"][key] for r in results)
+        return round(peak / model_bytes, 4)
 
     seconds = results[0]["seconds"]
     figures: dict[str, Any] = {
@@ -200,7 +231,8 @@ def main(quick: bool) -> dict[str, Any]:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["rank"]:
         rank_main(int(sys.argv[2]), sys.argv[3], sys.argv[4],
-                  [int(b) for b in sys.argv[5].split(",")], int(sys.argv[6]), sys.argv[7])
+                  [int(b) for b in sys.argv[5].split(",")], int(sys.argv[6]), sys.argv[7],
+                  sys.argv[8])
     else:
         parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
         parser.add_argument("--quick", action="store_true", help="a smaller model, 1 repeat")
