@@ -25,10 +25,10 @@ collective) and copies each bucket into its engine's parameters in place
 (`workers.resharding.copy_into`): one bucket beyond the engine at a time, never a second
 gathered model; the step's metrics carry ``engine_sync_s`` and ``engine_sync_buckets``.
 
-Why the ranks' collectives cannot wait on a process that is generating, for good: a trainer
-that waits in a collective holds its process's ``train`` phase, so its own engine cannot
-generate until the collective ends. A collective therefore must only wait on peer trainers
-whose tasks the controller has already sent, never on generation that is still to come.
+Why no rank waits in a collective for ever: a trainer that waits in a collective holds its
+process's ``train`` phase, so its own engine cannot generate until the collective ends. A
+collective therefore must only wait on peer trainers whose tasks the controller has already
+sent, never on generation that is still to come.
 
 - Every collective runs in a step-end task: replicated ranks all-reduce only there, and sharded
   ranks (whose every forward and backward gathers and scatters) keep each earlier micro-batch
