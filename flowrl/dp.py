@@ -155,7 +155,8 @@ def merge_step_ends(reports: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     if len(set(sums)) != 1:
         raise StepDivergence(f"data-parallel ranks diverged at version {versions[0]}: "
                              f"parameter checksums {sums}")
-    exporters = [r for r in reports if r.get("weights")]
+    # Colocated placement announces a version served in place with empty weights.
+    exporters = [r for r in reports if r.get("weights") is not None]
     if len(exporters) != 1:
         raise StepDivergence(f"{len(exporters)} ranks exported weights for version "
                              f"{versions[0]}; exactly one (rank 0) must")

@@ -76,7 +76,7 @@ class PipelineSpec:
     #: periodic evaluation (a recipe's ``eval`` section as JSON); None evaluates nothing
     eval: dict[str, Any] | None = None
     #: colocated placement: each train process also hosts a rollout worker (the rollout pool
-    #: starts no process of its own); they generate with the trainer's module and take turns
+    #: starts no process of its own); they generate with the trainer's weights and take turns
     colocated: bool = False
     #: colocated placement: the trainer still writes each version into the store (what a
     #: restarted process joins from); False: its weights are held once

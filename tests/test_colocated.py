@@ -12,11 +12,13 @@ import itertools
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from pydantic import ValidationError
 
+from flowrl import messages as m
 from flowrl.recipe import (
     LoraConfig,
     ModelConfig,
@@ -29,8 +31,9 @@ from flowrl.recipe.placement import ClusterSettings
 from flowrl.registry import Registry
 from flowrl.tiny_model import build_tiny_model
 from flowrl.worker_launch import process_spec
-from workers.colocated import Phases, PhaseSpan, RolloutMemory, TrainerMemory
+from workers.colocated import ColocatedTrainer, Phases, PhaseSpan, RolloutMemory, TrainerMemory
 from workers.engines import TorchTrainerEngine
+from workers.runtime import RoleOutput
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -90,6 +93,35 @@ def test_colocated_placement_refuses_what_it_cannot_serve_in_place() -> None:
         Recipe(steps=1, model=ModelConfig(), placement=PlacementConfig(
             mode="colocated", roles={"rollout": ("node1",)},
             cluster=ClusterSettings(keys_file="/tmp/k")))
+
+
+def test_data_parallel_ranks_colocate_one_rollout_engine_each() -> None:
+    for sharding in ("replicate", "fsdp2"):
+        pipeline = Recipe(steps=1, trainer=TrainerConfig(ranks=2, groups_per_step=2,
+                                                         sharding=sharding),
+                          rollout=RolloutConfig(workers=2),
+                          placement=PlacementConfig(mode="colocated")).to_pipeline()
+        assert pipeline.colocated
+        assert [(p.role, p.count) for p in pipeline.pools if p.role in ("train", "rollout")] \
+            == [("rollout", 2), ("train", 2)]
+    # One engine in each rank's process: as many rollout workers as ranks.
+    with pytest.raises(ValidationError, match=r"rollout.workers: colocated placement hosts one "
+                       r"rollout engine in each trainer process: 2 \(trainer.ranks\), got 1"):
+        Recipe(steps=1, trainer=TrainerConfig(ranks=2, groups_per_step=2),
+               placement=PlacementConfig(mode="colocated"))
+    # What stays refused with ranks too: adapters, and engines on nodes without their rank.
+    with pytest.raises(ValidationError, match=r"model.lora: colocated placement serves whole"):
+        Recipe(steps=1, model=ModelConfig(lora={"rank": 2}),
+               trainer=TrainerConfig(ranks=2, groups_per_step=2),
+               rollout=RolloutConfig(workers=2), placement=PlacementConfig(mode="colocated"))
+    with pytest.raises(ValidationError, match=r"placement.roles.rollout: colocated placement "
+                       r"runs each rollout engine in a trainer process"):
+        Recipe(steps=1, trainer=TrainerConfig(ranks=2, groups_per_step=2),
+               rollout=RolloutConfig(workers=2), placement=PlacementConfig(
+                   mode="colocated", roles={"train": ("node0", "node1"),
+                                            "rollout": ("node1", "node0")},
+                   cluster=ClusterSettings(keys_file="/tmp/k",
+                                           trainer_rendezvous="cluster")))
 
 
 # ---- the controller: a process's two workers never work at once -------------------------------
@@ -189,6 +221,73 @@ async def test_phases_never_overlap_and_switch_only_between_phases() -> None:
     assert metrics["phase_moved_mb"] == train.calls.count("release") + generate.calls.count(
         "release") + train.calls.count("restore") + generate.calls.count("restore")
     assert phases.take_metrics()["phase_switches"] == 0  # since the last step's line
+
+
+class _RecordingTrainer:
+    """A trainer role that records, for each task it runs, the phase its process is in."""
+
+    def __init__(self, phases: Phases) -> None:
+        self.phases = phases
+        self.version = 0
+        self.exports_weights = True
+        self.ran: list[tuple[int, int, str | None]] = []  # (task id, attempt, phase)
+
+    async def run(self, task: m.TaskMsg, inputs: dict[str, Any]) -> RoleOutput:
+        await asyncio.sleep(0)
+        params = task["params"]
+        self.ran.append((task["task_id"], params.get("attempt", 0), self.phases.current))
+        assert torch.equal(inputs["x"][0], torch.tensor([task["task_id"]]))
+        if not params.get("step_end"):
+            return RoleOutput(fields={})
+        self.version += 1
+        return RoleOutput(fields={}, version=self.version, metrics={})
+
+    async def load_version(self, version: int, weights: dict[str, Any]) -> None:
+        self.version = version
+
+
+def _task(task_id: int, *, end: bool, step: int = 0, attempt: int = 0) -> Any:
+    return {"task_id": task_id, "params": {"step": step, "step_end": end, "attempt": attempt}}
+
+
+async def test_a_sharded_rank_trains_its_micro_batches_in_the_step_ends_train_phase() -> None:
+    # A sharded rank's passes are collectives: each waits for every peer. Kept until the
+    # step's end (which every rank gets at once), they never hold the train phase while the
+    # process's own engine still has to generate what a peer waits for.
+    phases = Phases({"train": _Counting(), "generate": _Counting()})
+    role = _RecordingTrainer(phases)
+    rank1 = ColocatedTrainer(role, phases, keep_weight_copy=False, announces=False, defers=True)
+    store_view = torch.tensor([1])  # the store's memory: reused once the task is done
+
+    async def generate() -> None:
+        async with phases.enter("generate"):
+            await asyncio.sleep(0.01)
+
+    gen = asyncio.ensure_future(generate())
+    await asyncio.sleep(0)  # the engine generates
+    out = await rank1.run(_task(1, end=False), {"x": [store_view]})
+    store_view.fill_(9)
+    assert out.version is None
+    assert out.metrics == {"deferred": 1.0}
+    assert role.ran == []  # not trained yet, and no phase taken:
+    assert phases.current == "generate"
+    await gen
+    out = await rank1.run(_task(2, end=True), {"x": [torch.tensor([2])]})
+    assert role.ran == [(1, 0, "train"), (2, 0, "train")]  # in the step end's train phase
+    assert out.version == 1
+    assert out.weights is None  # a rank > 0 announces nothing: rank 0 does
+    assert [s.phase for s in phases.history] == ["generate", "train"]
+    assert all(a.end <= b.start for a, b in itertools.pairwise(phases.history))
+    # A redone step drops the failed attempt's micro-batches.
+    await rank1.run(_task(3, end=False, step=1), {"x": [torch.tensor([3])]})
+    await rank1.run(_task(4, end=False, step=1, attempt=1), {"x": [torch.tensor([4])]})
+    await rank1.run(_task(5, end=True, step=1, attempt=1), {"x": [torch.tensor([5])]})
+    assert role.ran[2:] == [(4, 1, "train"), (5, 1, "train")]
+    # Rank 0 announces the version served in place (no copy kept): empty weights.
+    rank0 = ColocatedTrainer(_RecordingTrainer(phases), phases, keep_weight_copy=False,
+                             defers=True)
+    await rank0.run(_task(6, end=False), {"x": [torch.tensor([6])]})
+    assert (await rank0.run(_task(7, end=True), {"x": [torch.tensor([7])]})).weights == {}
 
 
 def _starts(spans: list[PhaseSpan]) -> list[PhaseSpan]:

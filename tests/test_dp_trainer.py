@@ -119,6 +119,13 @@ def rank_main(rank: int, store: str, model: str, out_dir: str, sharding: str) ->
     engine = SpyEngine(model, lr=LR, device="cpu", dtype=torch.float64, seed=rank)
     group.join(engine.device)
     role = DataParallelTrainerRole(engine, SETTINGS, pad_token_id=PAD, group=group)
+    generator = None
+    if group.sharded:  # as colocated placement does: the step end also loads an engine
+        from workers.engines.hf_rollout import HFRolloutEngine
+        from workers.resharding import copy_into
+
+        generator = HFRolloutEngine(model, device="cpu", dtype=torch.float64)
+        role.load_engine_with(copy_into(generator.weight_targets))
     metrics = asyncio.run(one_step(role, micro_batches(rank)))
     # The optimizer state gathers whole and loads back into this rank's shards (as a resumed
     # rank loads its checkpoint's).
@@ -133,6 +140,9 @@ def rank_main(rank: int, store: str, model: str, out_dir: str, sharding: str) ->
     # What this rank holds of the parameters: everything, or its shard.
     metrics["held"] = sum(local_part(p).numel() for p in engine.model.parameters())
     params = {n: full_tensor(p.detach()).clone() for n, p in engine.model.named_parameters()}
+    if generator is not None:  # the engine's load equals a whole gather, bit for bit
+        metrics["engine_exact"] = float(all(torch.equal(generator.weight_targets[n], p)
+                                            for n, p in params.items()))
     out = Path(out_dir)
     save_file(params, str(out / f"params{rank}.safetensors"))
     save_file(engine.grads, str(out / f"grads{rank}.safetensors"))
@@ -188,6 +198,11 @@ async def test_two_gloo_ranks_take_exactly_the_single_process_step(
     if sharding.startswith("fsdp2"):  # each rank holds about half (FSDP2 pads uneven shards)
         assert metrics[0]["held"] + metrics[1]["held"] == pytest.approx(total, rel=0.01)
         assert max(metrics[0]["held"], metrics[1]["held"]) < 0.6 * total
+        # Every rank loaded its rollout engine with the new weights, whole and exact.
+        for r in (0, 1):
+            assert metrics[r]["engine_exact"] == 1.0
+            assert metrics[r]["engine_sync_s"] > 0
+            assert metrics[r]["engine_sync_buckets"] >= 1
     else:
         assert metrics[0]["held"] == metrics[1]["held"] == total
     # The ranks hold bit-identical parameters after the step, and say so.

@@ -288,8 +288,9 @@ def test_fields_are_documented() -> None:
         # trainer's module cannot serve in place
         ("placement={'mode': 'colocated', 'roles': {'train': ('node0',), 'rollout': "
          "('node1',)}, 'cluster': {'keys_file': '/tmp/k'}}", "placement.roles.rollout"),
+        # (data-parallel ranks colocate, one rollout engine in each rank's process)
         ("trainer={'ranks': 2, 'groups_per_step': 2}, placement={'mode': 'colocated'}",
-         "trainer.ranks"),
+         "rollout.workers"),
         ("model={'lora': {'rank': 2}}, placement={'mode': 'colocated'}", "model.lora"),
         # node dispatch: only other nodes' agents dispatch, and not evaluation's scoring
         ("placement={'node_dispatch': True}", "placement.node_dispatch"),

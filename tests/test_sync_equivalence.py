@@ -14,6 +14,7 @@ import asyncio
 import os
 import signal
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import torch
@@ -58,18 +59,22 @@ def recipe(model: Path) -> Recipe:
     return make_recipe(model)
 
 
-def make_recipe(model: Path, placement: PlacementConfig | None = None) -> Recipe:
+def make_recipe(model: Path, placement: PlacementConfig | None = None, *, ranks: int = 1,
+                sharding: Literal["replicate", "fsdp2"] = "replicate") -> Recipe:
     return Recipe(
         steps=STEPS, max_staleness=0, seed=SEED,
         model=ModelConfig(path=str(model)),
         data=DataConfig(arithmetic=ArithmeticConfig(max_operand=5)),
         algorithm=AlgorithmConfig(group_size=GROUP),
-        rollout=RolloutConfig(temperature=1.0, max_new_tokens=4, groups_per_task=2),
+        rollout=RolloutConfig(temperature=1.0, max_new_tokens=4, groups_per_task=2,
+                              workers=ranks),
         reward=RewardConfig(fn="workers.roles.builtin_rewards:numeric_partial_credit_batch",
                             batched=True),
         # Two micro-batches per step: the run streams them, the loop takes the step at once.
         trainer=TrainerConfig(lr=1e-3, groups_per_step=GROUPS_PER_STEP, micro_batch_groups=2,
-                              grad_clip=1.0),
+                              grad_clip=1.0, ranks=ranks, sharding=sharding,
+                              # several buckets a version, when the ranks export
+                              export_bucket_mb=1 / 16),
         placement=placement or PlacementConfig(),
     )
 
@@ -195,4 +200,51 @@ async def test_colocated_placement_trains_the_same_and_recovers_a_killed_process
         assert ctl.worker_pids("train") == ctl.worker_pids("rollout")
     assert after["version"] == STEPS + 3
     assert after["rows_trained_twice"] == 0
+    assert_equals_plain_loop(recipe, run)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("mode", ["colocated", "separated"])
+@pytest.mark.parametrize("sharding", ["replicate", "fsdp2"])
+async def test_data_parallel_ranks_train_the_same_colocated_or_separated(
+        model: Path, mode: Literal["colocated", "separated"],
+        sharding: Literal["replicate", "fsdp2"]) -> None:
+    # Two trainer ranks and two rollout engines, in two processes (colocated: each hosts a
+    # rank and an engine) or four. Colocated replicated ranks generate with their own module;
+    # colocated FSDP2 ranks load the gathered weights into an engine of their own at every
+    # step's end. At staleness 0 every way trains what the plain loop trains, so colocated
+    # trains what separated does.
+    recipe = make_recipe(model, PlacementConfig(mode=mode), ranks=2, sharding=sharding)
+    spec = compile_recipe(recipe)
+    async with Controller(spec) as ctl:
+        pids = {r: sorted(ctl.worker_pids(r)) for r in ("rollout", "train")}
+        summary = await ctl.run(STEPS, timeout_s=240)
+        run = losses_of(ctl)
+        log = list(ctl.step_log)
+        if mode == "colocated" and sharding == "fsdp2":
+            # A rank's process killed: the group restarts (both processes, trainers and
+            # engines), joins from the store's copy, and the run trains each row once.
+            more = asyncio.ensure_future(ctl.run(2, timeout_s=200))
+            await ctl.wait_for(lambda: ctl.version >= STEPS + 1)
+            os.kill(pids["train"][1], signal.SIGKILL)
+            after = await more
+            assert ctl.restarts >= 1
+            assert after["version"] == STEPS + 2
+            assert after["rows_trained_twice"] == 0
+            assert sorted(ctl.worker_pids("train")) == sorted(ctl.worker_pids("rollout"))
+            assert pids["train"][1] not in ctl.worker_pids("train")
+    assert summary["rows_trained_twice"] == 0
+    assert len(pids["train"]) == 2
+    assert (pids["rollout"] == pids["train"]) == (mode == "colocated")
+    assert all(e["train_ranks"] == 2.0 for e in log)
+    if mode == "colocated" and sharding == "fsdp2":
+        # Every step's end loaded the engine, bucket by bucket; and the train phase is entered
+        # once a step (the step's micro-batches wait for its end): at most one switch to
+        # generate and one to train.
+        assert all(e["train_engine_sync_s"] > 0 for e in log)
+        assert all(e["train_engine_sync_buckets"] > 1 for e in log)
+        assert all(e["train_phase_switches"] <= 2 for e in log)
+    else:
+        assert not any("train_engine_sync_s" in e for e in log)
     assert_equals_plain_loop(recipe, run)

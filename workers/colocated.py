@@ -1,5 +1,5 @@
-"""Colocated placement: one process hosts a trainer and the rollout engine that generates with
-the trainer's own module.
+"""Colocated placement: one process hosts a trainer (or one data-parallel rank) and the rollout
+engine that generates with the trainer's weights.
 
 The two workers of such a process (`workers.main`) share one `Phases`: a generate task and a
 train task (or a weight load) never run at once, and a switch from one phase to the other first
@@ -18,6 +18,31 @@ A new policy version costs the rollout engine nothing: the trainer's module alre
 with, which is the trainer's version: the phases keep training out while it generates.
 On vLLM, which keeps weights of its own layout, `workers.colocated_vllm` loads each version
 from the trainer's tensors and puts vLLM to sleep between its phases.
+
+Data-parallel ranks (``trainer.ranks = N > 1``): N such processes, process i hosting trainer
+rank i and rollout engine i. Replicated ranks hold whole weights, served in place as above.
+FSDP2 ranks hold shards, so each engine keeps a whole module of its own, and at every step's end
+every rank gathers the new weights bucket by bucket (`workers.resharding.export_bucketed`, a
+collective) and copies each bucket into its engine's parameters in place
+(`workers.resharding.copy_into`): one bucket beyond the engine at a time, never a second
+gathered model; the step's metrics carry ``engine_sync_s`` and ``engine_sync_buckets``.
+
+Why no rank waits in a collective for ever: a trainer that waits in a collective holds its
+process's ``train`` phase, so its own engine cannot generate until the collective ends. A
+collective therefore must only wait on peer trainers whose tasks the controller has already
+sent, never on generation that is still to come.
+
+- Every collective runs in a step-end task: replicated ranks all-reduce only there, and sharded
+  ranks (whose every forward and backward gathers and scatters) keep each earlier micro-batch
+  of the step and train them all in the step end's train phase (``ColocatedTrainer.defers``),
+  then run the empty passes that pair them up (`workers.roles.dp_trainer`). The export, its
+  gathers into the engine and any checkpoint gather are part of the step end too.
+- The controller sends the step ends of all N ranks at once, and only when the whole step's
+  groups have been generated (`flowrl.dp`, closing round). So when rank i enters its step end,
+  every peer has its step end too; a peer still in its generate phase finishes the generate
+  tasks ahead of it (`Phases` is a FIFO lock; generation needs nothing from another process)
+  and then enters the train phase and the collective. Nothing in a step end waits for a
+  generate task, so the wait ends.
 """
 
 from __future__ import annotations
@@ -34,6 +59,7 @@ from typing import Any, Literal, Protocol
 import structlog
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from flowrl import messages as m
 from workers.runtime import RoleOutput
@@ -129,11 +155,12 @@ class TrainerMemory:
         moved = 0
         for state in self.engine.optimizer.state.values():
             for key, value in state.items():
-                if isinstance(value, Tensor) and value.dim() > 0:
+                if _movable(value):
                     state[key] = self._to_host(value)
                     moved += value.numel() * value.element_size()
         for name, p in self.params.items():
-            if p.grad is not None:  # a step part-way: its accumulated gradients
+            if _movable(p.grad):  # a step part-way: its accumulated gradients
+                assert p.grad is not None
                 self._grads[name] = self._to_host(p.grad)
                 moved += p.grad.numel() * p.grad.element_size()
                 p.grad = None
@@ -149,7 +176,7 @@ class TrainerMemory:
         for param, state in self.engine.optimizer.state.items():
             assert isinstance(param, Tensor)
             for key, value in state.items():
-                if isinstance(value, Tensor) and value.dim() > 0:
+                if _movable(value):
                     state[key] = value.to(param.device, non_blocking=self._pin)
                     moved += value.numel() * value.element_size()
         for name, grad in self._grads.items():
@@ -160,6 +187,13 @@ class TrainerMemory:
         _synchronize(self.device)
         self._released = False
         return moved
+
+
+def _movable(value: Any) -> bool:
+    """Whether `TrainerMemory` moves ``value``: a plain tensor with elements. The shards of an
+    FSDP2 rank (DTensors) stay where they are: their local part would have to be moved and
+    wrapped again, which is not done yet."""
+    return isinstance(value, Tensor) and not isinstance(value, DTensor) and value.dim() > 0
 
 
 class RolloutMemory:
@@ -264,23 +298,52 @@ class _TrainerLike(Protocol):
 class ColocatedTrainer:
     """A trainer role that trains in the ``train`` phase. A step's end announces the new
     version with the weights (``keep_weight_copy``: the copy a restarted process joins from)
-    or with none: the colocated rollout engine serves them in place."""
+    or with none: the colocated rollout engine serves them in place.
 
-    def __init__(self, role: _TrainerLike, phases: Phases, *, keep_weight_copy: bool) -> None:
+    ``announces``: whether this trainer's step end is the one that announces the version (a
+    data-parallel group's rank 0; the other ranks report none). ``defers``: keep each
+    micro-batch that does not end its step and train them all in the step end's train phase
+    (sharded ranks, see the module docstring). ``engine_load``: called in the train phase after
+    joining at a version with its weights (a restarted process), when the rollout engine holds
+    weights of its own to load them into."""
+
+    def __init__(self, role: _TrainerLike, phases: Phases, *, keep_weight_copy: bool,
+                 announces: bool = True, defers: bool = False,
+                 engine_load: Callable[[int, dict[str, Tensor]], None] | None = None) -> None:
         self.role = role
         self.phases = phases
         self.keep_weight_copy = keep_weight_copy
+        self.announces = announces
+        self.defers = defers
+        self.engine_load = engine_load
         role.exports_weights = keep_weight_copy
+        #: the current step's micro-batches not trained yet (``defers``)
+        self._deferred: list[tuple[m.TaskMsg, dict[str, list[Any]]]] = []
 
     @property
     def version(self) -> int:
         return self.role.version
 
     async def run(self, task: m.TaskMsg, inputs: dict[str, list[Any]]) -> RoleOutput:
-        async with self.phases.enter("train"):
-            out = await self.role.run(task, inputs)
+        params = task["params"]
+        if self.defers:
+            # A redone step (another attempt) or another step: what was kept is not its own.
+            key = (params.get("step"), params.get("attempt", 0))
+            self._deferred = [(t, i) for t, i in self._deferred
+                              if (t["params"].get("step"), t["params"].get("attempt", 0)) == key]
+            if not params.get("step_end", False):
+                self._deferred.append((task, _owned(inputs)))
+                return RoleOutput(fields={}, metrics={"deferred": 1.0})
+        try:
+            async with self.phases.enter("train"):
+                for kept, kept_inputs in self._deferred:
+                    await self.role.run(kept, kept_inputs)
+                out = await self.role.run(task, inputs)
+        finally:
+            if params.get("step_end", False):
+                self._deferred = []
         if out.version is not None:  # a step's end
-            if out.weights is None:
+            if out.weights is None and self.announces:
                 out.weights = {}
             out.metrics.update(self.phases.take_metrics())
             await self.phases.changed()
@@ -296,7 +359,16 @@ class ColocatedTrainer:
                 f"holds version {self.role.version}")
         async with self.phases.enter("train"):
             await self.role.load_version(version, weights)
+            if self.engine_load is not None:
+                await asyncio.to_thread(self.engine_load, version, weights)
         await self.phases.changed()
+
+
+def _owned(inputs: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """``inputs`` with tensors of their own: a deferred micro-batch outlives its task, and
+    what it read may be views of the store's memory."""
+    return {k: [v.clone() if isinstance(v, Tensor) else v for v in values]
+            for k, values in inputs.items()}
 
 
 class _RolloutLike(Protocol):

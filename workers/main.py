@@ -104,11 +104,11 @@ def use_threads(spec: WorkerSpec) -> None:
 def make_roles(spec: WorkerSpec) -> list[Role]:
     """The roles of the process's ``count`` workers, each seeded apart."""
     p = spec.process
-    if p.colocated is not None:  # one trainer and the rollout engine sharing its module
+    if p.colocated is not None:  # one trainer (or rank) and the rollout engine on its weights
         assert isinstance(p.config, EngineSpec)  # ProcessSpec: colocated only on hf or vllm
         from workers.roles.factory import make_colocated_roles
 
-        # Seeded as the separate processes would be (process 0 of each pool, worker 0).
+        # Seeded as the separate processes would be (process i of each pool, worker 0).
         return list(make_colocated_roles(p.config, p.seed * 100, rollout_engine=p.engine,
                                          keep_weight_copy=p.colocated.keep_weight_copy,
                                          process=p.name, run_id=spec.endpoints.run_id))

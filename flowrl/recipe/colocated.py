@@ -1,11 +1,13 @@
 """What colocated placement (``placement.mode = "colocated"``) asks of the rest of a recipe.
 
-A colocated process hosts a trainer and the rollout engine that serves the trainer's own
-weights (the hf engine generates with the trainer's module; the vllm engine reloads its own
-layout from the module's tensors, in the process), so the two must hold the same model: one
-trainer (data-parallel ranks hold shards or replicas that the engine would have to gather), a
-real engine (hf or vllm, not sim), whole weights (no adapters), single completions, and every
-rollout worker on a node that runs a trainer.
+A colocated process hosts a trainer (or one data-parallel trainer rank) and a rollout engine
+that serves the trainer's weights: the hf engine generates with the trainer's module; the vllm
+engine reloads its own layout from the module's tensors, in the process (one trainer only). The
+two hold the same model: a real engine (hf or vllm, not sim), whole weights (no adapters),
+single completions, one rollout worker per trainer process (``rollout.workers ==
+trainer.ranks``), and every rollout worker on a node that runs a trainer. Replicated ranks hold
+whole weights, which the engine serves in place; FSDP2 ranks hold shards, so each engine keeps a
+whole copy that every step's end loads bucket by bucket (`workers.colocated`).
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ def check_colocated(placement: PlacementConfig, *, model: ModelConfig, rollout: 
     if rollout.engine not in ("hf", "vllm"):
         raise _rule("placement.mode", f"colocated placement serves the trainer's weights on "
                     f"the hf or vllm engine; rollout.engine is {rollout.engine!r}")
-    if trainer.ranks != 1:
-        raise _rule("trainer.ranks", f"colocated placement runs one trainer, got "
-                    f"{trainer.ranks} ranks: ranks hold replicas or shards whose layout "
-                    "the rollout engine cannot serve in place (use mode = 'separated')")
+    if rollout.engine == "vllm" and trainer.ranks != 1:
+        raise _rule("trainer.ranks", f"colocated placement on vllm runs one trainer, got "
+                    f"{trainer.ranks} ranks (data-parallel colocated ranks need "
+                    "rollout.engine = 'hf', or use mode = 'separated')")
     if rollout.workers != trainer.ranks:
         raise _rule("rollout.workers", f"colocated placement hosts one rollout engine in each "
                     f"trainer process: {trainer.ranks} (trainer.ranks), got "

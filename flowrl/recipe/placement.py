@@ -127,7 +127,9 @@ class PlacementConfig(_Section):
     and a weight sync is a version bump); the two take turns (generate, then train), and the
     engine not in its phase releases what memory it can (README: "Placement modes"). Reward,
     reference and critic workers keep processes of their own. Needs ``rollout.engine = "hf"``,
-    ``trainer.ranks = 1``, one rollout worker, and the rollout on the trainer's nodes."""
+    one rollout worker per trainer process (``rollout.workers = trainer.ranks``), and the rollout
+    on the trainer's nodes; with ``trainer.sharding = "fsdp2"`` each engine keeps a whole copy
+    of the weights, loaded bucket by bucket at every step's end."""
     keep_weight_copy: bool = True
     """``mode = "colocated"``: the trainer also writes each new version into its node's store,
     the copy a restarted process (after a death) joins the run from. False holds the weights

@@ -73,7 +73,8 @@ class TrainerConfig(_Section):
     """With ``ranks > 1``: the size of one bucket when rank 0 publishes a new version (MiB).
     The weights are gathered whole one bucket at a time, written into the node's store and
     dropped before the next (`workers.resharding`), so publishing holds one bucket beyond the
-    store's copy instead of a second whole model. A model up to this size is one bucket."""
+    store's copy instead of a second whole model. A model up to this size is one bucket.
+    Colocated FSDP2 ranks load their rollout engines with the same buckets, in place."""
 
     @model_validator(mode="after")
     def _micro_fits(self) -> TrainerConfig:

@@ -222,7 +222,7 @@ class HFRolloutEngine:
         self._groups = tied_groups(self.model)
         # The model's own tensors, looked up once: walking the module tree for a state dict
         # costs more than copying a small model's weights, and load_weights runs every step.
-        self._targets = self.model.state_dict(keep_vars=True)
+        self._targets: dict[str, Tensor] = self.model.state_dict(keep_vars=True)
         self._known = {name for group in self._groups for name in group}
         self._version = version
         self._borrowing = False  # the weights are views of a shared version (load_weights)
@@ -297,6 +297,12 @@ class HFRolloutEngine:
         self._borrowing = borrow
         self._base = None
         self._version = version
+
+    @property
+    def weight_targets(self) -> Mapping[str, Tensor]:
+        """The model's own tensors by state-dict name (a tied weight under each of its names):
+        what an in-place load copies into (`workers.resharding.copy_into`)."""
+        return self._targets
 
     def serve_in_place(self, version: int) -> None:
         """The model's own tensors hold ``version`` now (a colocated trainer stepped them):

@@ -25,11 +25,19 @@ that trained fewer micro-batches than the step's busiest (``params["passes"]``) 
 passes, so that every rank's gathers pair up. Exporting and checkpointing gather whole tensors
 on every rank; rank 0 alone publishes and writes them. The step equals one process's as well
 (``tests/test_dp_trainer.py``, both ways).
+
+Colocated placement (`workers.colocated`): replicated ranks serve their module in place, and
+rank 0 exports only when a copy is kept (``exports_weights``). A sharded rank's rollout engine
+keeps whole weights of its own: `load_engine_with` makes every rank's step end copy each
+gathered bucket into them as well (``engine_sync_s`` and ``engine_sync_buckets`` in the step's
+metrics), so the engine holds the new version, bit for bit what a whole gather gives, with one
+bucket of extra memory.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
@@ -48,6 +56,7 @@ from workers.distributed import (
 )
 from workers.engines.protocols import TrainerEngine
 from workers.engines.torch_trainer import TorchTrainerEngine
+from workers.resharding import BucketSink
 from workers.roles.trainer import TrainerRole, TrainSettings, _Step, scale_gradients
 from workers.runtime import RoleOutput
 
@@ -106,24 +115,48 @@ class DataParallelTrainerRole(TrainerRole):
         self._publish: _Publisher | None = None
         #: buckets of this step end already in the store, not yet in its report.
         self._unreported: dict[str, list[Any]] = {}
+        #: colocated placement over shards: every bucket of every step end is also copied into
+        #: this rank's rollout engine (`load_engine_with`); None: no engine to load.
+        self._engine_sink: BucketSink | None = None
+        #: the last export's seconds and buckets (`finish_step` reports them).
+        self._sync: tuple[float, int] | None = None
 
     def bind_weight_publisher(self, publish: _Publisher) -> None:
         self._publish = publish
 
+    def load_engine_with(self, sink: BucketSink) -> None:
+        """Colocated placement over shards: every step's end also hands each gathered bucket
+        to ``sink`` (`workers.resharding.copy_into` over the rollout engine's parameters), on
+        every rank. Every rank must set one, or none: the gathers are collectives."""
+        if not self.group.sharded:
+            raise ValueError("replicated ranks hold whole weights: the engine serves them in "
+                             "place, with nothing to load")
+        self._engine_sink = sink
+
     def export_version(self) -> tuple[dict[str, Tensor] | None, dict[str, list[Any]] | None]:
-        """Rank 0's export, bucket by bucket; a sharded rank > 0 takes part in the gathers
-        and keeps nothing."""
+        """Rank 0's export, bucket by bucket (when `exports_weights`); a sharded rank > 0
+        takes part in the gathers and keeps nothing. With an engine to load
+        (`load_engine_with`) every rank gathers every bucket and copies it into its engine."""
         engine = self.engine
         if not isinstance(engine, TorchTrainerEngine) or engine.lora is not None:
             return super().export_version()  # adapters are small: exported whole
-        if self.group.rank != 0 and not self.group.sharded:
+        rank0 = self.group.rank == 0
+        into = self._engine_sink
+        # `exports_weights` is the same on every rank of a sharded group (colocated: whether
+        # a copy is kept; else True), so every rank takes part in the same gathers.
+        if not self.exports_weights and into is None:
+            return None, None
+        if not rank0 and not self.group.sharded:
             return None, None
         weights: dict[str, Tensor] = {}
         published: dict[str, list[Any]] = {}
-        publish = self._publish if self.group.rank == 0 else None
+        keeps = rank0 and self.exports_weights
+        publish = self._publish if keeps else None
 
         def sink(bucket: dict[str, Tensor]) -> None:
-            if self.group.rank != 0:
+            if into is not None:
+                into(bucket)
+            if not keeps:
                 return
             if publish is None:
                 weights.update(bucket)
@@ -132,8 +165,10 @@ class DataParallelTrainerRole(TrainerRole):
 
         # Until the step end returns them, what is in the store is freed on a failure.
         self._unreported = published
-        engine.export_bucketed(self.group.export_bucket_bytes, sink)
-        if self.group.rank != 0:
+        t0 = time.perf_counter()
+        buckets = engine.export_bucketed(self.group.export_bucket_bytes, sink)
+        self._sync = (time.perf_counter() - t0, buckets) if into is not None else None
+        if not keeps:
             return None, None
         return (None, published) if publish is not None else (weights, None)
 
@@ -159,6 +194,11 @@ class DataParallelTrainerRole(TrainerRole):
         try:
             out = super().finish_step()
             out.metrics["param_checksum"] = parameter_checksum(self._params)
+            if self._sync is not None:  # the rollout engine's load (colocated, sharded)
+                seconds, buckets = self._sync
+                out.metrics["engine_sync_s"] = seconds
+                out.metrics["engine_sync_buckets"] = float(buckets)
+                self._sync = None
         except BaseException:
             # A step end that fails after its export reports no handles: free the buckets
             # already in the store.

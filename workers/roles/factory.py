@@ -173,12 +173,15 @@ def make_hf_role(role: str, config: Config, seed: int, *, process: str | None = 
 def make_colocated_roles(config: Config, seed: int, *, keep_weight_copy: bool,
                          process: str | None = None, run_id: str | None = None,
                          rollout_engine: str = "hf") -> tuple[Role, Role]:
-    """A colocated process's trainer and rollout roles (`workers.colocated`): the rollout
-    engine generates with the trainer's module, so it serves the trainer's weights in place;
-    both take turns in one `Phases`. Raises ValueError when the layouts differ (the rollout's
-    dtype is not the trainer's): serving them would need a copy in another layout.
-    ``rollout_engine="vllm"``: vLLM loads each version from the trainer's tensors in the
-    process instead, in its own layout and dtype (`_colocated_vllm`)."""
+    """A colocated process's trainer and rollout roles (`workers.colocated`), both taking
+    turns in one `Phases`. A trainer (or replicated rank) holds whole weights, which the
+    rollout engine generates with in place; raises ValueError when the layouts differ (the
+    rollout's dtype is not the trainer's): serving them would need a copy in another layout.
+    An FSDP2 rank holds shards: its engine loads a whole model of its own (``rollout.dtype``),
+    which every step's end fills bucket by bucket (`DataParallelTrainerRole.load_engine_with`).
+    ``rollout_engine="vllm"`` (one trainer): vLLM loads each version from the trainer's tensors
+    in the process instead, in its own layout and dtype (`_colocated_vllm`).
+    """
     from workers.colocated import (
         ColocatedRollout,
         ColocatedTrainer,
@@ -188,6 +191,8 @@ def make_colocated_roles(config: Config, seed: int, *, keep_weight_copy: bool,
     )
     from workers.engines.hf_rollout import HFRolloutEngine
     from workers.engines.torch_trainer import TorchTrainerEngine
+    from workers.resharding import copy_into
+    from workers.roles.dp_trainer import DataParallelTrainerRole
     from workers.roles.trainer import TrainerRole
 
     spec = engine_spec(config)
@@ -202,16 +207,29 @@ def make_colocated_roles(config: Config, seed: int, *, keep_weight_copy: bool,
     if rollout_engine != "hf":
         raise ValueError(f"rollout.engine: colocated placement runs hf or vllm, not "
                          f"{rollout_engine!r}")
-    held = next(engine.model.parameters()).dtype
+    ranked = trainer if isinstance(trainer, DataParallelTrainerRole) else None
     wanted = rollout_dtype(spec, engine.device)
-    if wanted != held:
-        raise ValueError(f"rollout.dtype: resolves to {wanted} on {engine.device}, but the "
-                         f"colocated trainer holds {held} weights; serving them in place needs "
-                         f"the same dtype (set rollout.dtype = '{str(held)[6:]}')")
-    generator = HFRolloutEngine(path, device=engine.device, seed=seed, model=engine.model,
-                                version=spec.start_version)
+    if ranked is not None and ranked.group.sharded:
+        generator = HFRolloutEngine(path, device=engine.device, dtype=wanted, seed=seed,
+                                    version=spec.start_version)
+        ranked.load_engine_with(copy_into(generator.weight_targets))
+
+        def engine_load(version: int, weights: dict[str, torch.Tensor]) -> None:
+            if weights:  # a restarted process joining: the store's copy of the version
+                generator.load_weights(weights, version)
+    else:
+        held = next(engine.model.parameters()).dtype
+        if wanted != held:
+            raise ValueError(f"rollout.dtype: resolves to {wanted} on {engine.device}, but the "
+                             f"colocated trainer holds {held} weights; serving them in place "
+                             f"needs the same dtype (set rollout.dtype = '{str(held)[6:]}')")
+        generator = HFRolloutEngine(path, device=engine.device, seed=seed, model=engine.model,
+                                    version=spec.start_version)
     phases = Phases({"train": TrainerMemory(engine), "generate": RolloutMemory(engine.device)})
-    train = ColocatedTrainer(trainer, phases, keep_weight_copy=keep_weight_copy)
+    sharded = ranked is not None and ranked.group.sharded
+    train = ColocatedTrainer(trainer, phases, keep_weight_copy=keep_weight_copy,
+                             announces=ranked is None or ranked.group.rank == 0,
+                             defers=sharded, engine_load=engine_load if sharded else None)
     rollout = ColocatedRollout(_rollout_role(spec, generator, path), generator, train, phases)
     return train, rollout
 
