@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,9 @@ OP_READY: Final = "node_ready"
 OP_POLL: Final = "node_poll"
 OP_EXIT: Final = "node_exit"
 OP_STOPPED: Final = "node_stopped"
+#: the environment variable that hands the agent beside the controller its node token (hex);
+#: the other agents get theirs in the ``node_join`` reply (`flowrl.node_relay`).
+NODE_TOKEN_ENV: Final = "FLOWRL_NODE_TOKEN"
 
 #: how long one ``node_poll`` waits for a command before answering "nothing".
 POLL_S: Final = 2.0
@@ -81,6 +85,8 @@ class _Remote:
     pid: int = 0
     peer_store: str = ""
     last_seen: float = 0.0
+    #: what its agent signs its gathered reports with (`flowrl.node_relay`), given at its join
+    token: bytes = field(default_factory=lambda: secrets.token_bytes(16), repr=False)
     # Spawn commands not yet collected: one per worker process of the node, plus restarts.
     commands: list[dict[str, Any]] = field(default_factory=list)
     # Kill orders not yet collected ({"id", "names"}): one per `NodeHub.stop_workers` call.
@@ -280,6 +286,11 @@ class NodeHub:
             raise RuntimeError(f"node agents did not join within "
                                f"{self.config.join_timeout_s}s: missing {missing}") from None
 
+    def token(self, node: str) -> bytes | None:
+        """The token of `node`'s agent, once it joined (None before, or for no such node)."""
+        remote = self._remote.get(node)
+        return remote.token if remote is not None and remote.pid else None
+
     def add_peer(self, node: str, endpoint: str) -> None:
         self.peers[node] = endpoint
 
@@ -328,7 +339,8 @@ class NodeHub:
         remote.last_seen = time.monotonic()
         assert self._pub is not None
         return {"run_id": self.run_id, "capacity": self.capacity,
-                "broadcast": self._pub.remote.endpoint, "data_plane": self.config.data_plane}
+                "broadcast": self._pub.remote.endpoint, "data_plane": self.config.data_plane,
+                "token": remote.token}
 
     async def _ready_op(self, payload: Any, peer: bytes) -> dict[str, Any]:
         remote = self._node(payload)

@@ -364,6 +364,8 @@ class Endpoints(_Spec):
     store: str = Field(min_length=1)
     #: other nodes' store servers, by node.
     peers: dict[str, str] = Field(default_factory=dict)
+    #: where ``served`` goes: the node agent's relay (`flowrl.node_relay`); "": the controller
+    relay: str = ""
 
 
 class WorkerSpec(_Spec):
