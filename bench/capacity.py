@@ -167,6 +167,7 @@ PROFILED = {("worker_api.py", "_register"): "register",
             ("worker_api.py", "_get_task"): "get_task",
             ("worker_api.py", "_served"): "served",
             ("worker_api.py", "_node_served"): "node_served",
+            ("worker_api.py", "_node_heartbeat"): "node_heartbeat",
             ("node_hub.py", "_poll"): "node_poll",
             ("_zsocket.py", "send_nowait"): "messages_sent"}
 

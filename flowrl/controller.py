@@ -45,7 +45,7 @@ from flowrl.control.workforce import Workforce, rank_rendezvous
 from flowrl.dp import StepDivergence
 from flowrl.events import EventBus, Span
 from flowrl.index import Index, Task
-from flowrl.node_hub import ClusterConfig, NodeHub, StoreRouter
+from flowrl.node_hub import ClusterConfig, NodeHub, StoreRouter, relay_heartbeat_s
 from flowrl.pipeline import PipelineSpec
 from flowrl.recipe.stability import StabilityConfig
 from flowrl.registry import Registry, WorkerInfo
@@ -121,7 +121,8 @@ class Controller:
         remote = {n for p in spec.pools for n in p.nodes} - {node}
         self._hub = None if not remote else NodeHub(
             self.run_id, remote, cluster or ClusterConfig(),
-            capacity=spec.store_capacity_bytes, on_lost=self._on_node_lost,
+            capacity=spec.store_capacity_bytes, heartbeat_s=relay_heartbeat_s(spec.heartbeat_s),
+            on_lost=self._on_node_lost,
             on_exit=lambda *a: self.workforce.on_remote_exit(*a))
         self.workforce = Workforce(
             spec, run_id=self.run_id, node=node, registry=self.registry, events=self.events,

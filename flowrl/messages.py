@@ -32,6 +32,11 @@ Requests (worker -> controller, over the controller's ROUTER socket):
   gathering of its workers' ``served`` reports (each entry is checked as the worker's own
   request would be), and the workers its broadcast relay dropped (`flowrl.node_relay`);
   ``token`` is the node's. Workers on a node agent send ``served`` to it, not here.
+- ``node_heartbeat`` ``{node, token, workers: [{worker_id, token}]}`` -> ``{ok, unknown}``: the
+  heartbeats a node agent heard from its workers since its last (each entry checked as the
+  worker's own heartbeat would be); ``unknown`` names those the controller no longer knows,
+  whose next heartbeat the agent answers ``{ok: False}``. Workers on a node agent send
+  ``heartbeat`` to it, not here.
 - ``sync_failed`` ``{worker_id, version, error}`` -> ``{ok}``: the worker could not load that
   version within its deadline; it exits next (and is restarted, joining at the current version).
 - ``bye``        ``{worker_id}`` -> ``{ok}``: clean exit.
@@ -59,7 +64,9 @@ OP_TASK_DONE: Final = "task_done"
 OP_TASK_FAILED: Final = "task_failed"
 OP_SERVED: Final = "served"
 OP_NODE_SERVED: Final = "node_served"
-#: the most entries (served reports, drops) one ``node_served`` carries
+OP_NODE_HEARTBEAT: Final = "node_heartbeat"
+#: the most entries (served reports, drops, heartbeats) one ``node_served`` or
+#: ``node_heartbeat`` carries
 MAX_NODE_SERVED: Final = 4096
 OP_BYE: Final = "bye"
 OP_SYNC_FAILED: Final = "sync_failed"

@@ -15,7 +15,8 @@ Two ways to run one:
   It says ``node_up``; the controller starts that node's workers itself. With ``--peer-store``
   it also serves the store over tcp+curve (keys from ``FLOWRL_CURVE_KEYS``) to other nodes.
   With ``--broadcast`` (the controller's publisher) it relays the controller's broadcasts to
-  the node's workers and gathers their ``served`` reports (`flowrl.node_relay`).
+  the node's workers and gathers their heartbeats and ``served`` reports
+  (`flowrl.node_relay`).
 
 - on another node::
 
@@ -26,9 +27,9 @@ Two ways to run one:
   (curve) to other nodes (``node_ready``), then long-polls ``node_poll`` for worker processes
   to start or to kill and reports their exits (``node_exit``), and, once the processes of a
   kill order are gone, says so (``node_stopped``, after their exits). Its workers hear the
-  controller's broadcasts through it and report ``served`` to it (`flowrl.node_relay`). Cross-node data never
-  goes through the controller: workers read other nodes' handles from those nodes' store
-  servers.
+  controller's broadcasts through it and send it their heartbeats and ``served`` reports
+  (`flowrl.node_relay`). Cross-node data never goes through the controller: workers read
+  other nodes' handles from those nodes' store servers.
 
 With the ``plaintext`` data plane (``ClusterSettings.data_plane``), every agent's tcp store
 server also serves reads unencrypted, their requests authenticated with the run's keys
@@ -73,7 +74,6 @@ from typing import Any
 
 import structlog
 
-from flowrl import messages as m
 from flowrl.logs import bind, configure
 from flowrl.node_hub import (
     CALL_SLACK_S,
@@ -85,7 +85,7 @@ from flowrl.node_hub import (
     OP_STOPPED,
     POLL_S,
 )
-from flowrl.node_relay import NodeRelay
+from flowrl.node_relay import HEARTBEAT_S, NodeRelay
 from flowrl.worker_launch import worker_command
 from flowrl.worker_spec import Endpoints, ProcessSpec, WorkerSpec
 from transport.curve import ENV as KEYS_ENV
@@ -123,6 +123,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--capacity", type=int, help="beside the controller: store bytes")
     p.add_argument("--broadcast", help="beside the controller: its broadcast endpoint, relayed "
                    "to this node's workers (`flowrl.node_relay`; token from $FLOWRL_NODE_TOKEN)")
+    p.add_argument("--heartbeat-s", type=float, default=0.5,
+                   help="beside the controller, with --broadcast: how often the relay passes "
+                   "the workers' heartbeats on")
     p.add_argument("--peer-store", help="beside the controller: also serve the store here "
                    "(tcp, curve) to other nodes")
     p.add_argument("--data-plane", choices=["encrypted", "plaintext"],
@@ -189,7 +192,7 @@ async def serve_beside(args: argparse.Namespace) -> None:
             relay = None
             if args.broadcast:
                 relay = NodeRelay(args.run_id, args.node, args.broadcast, token,
-                                  lambda p: ctl.call(m.OP_NODE_SERVED, p))
+                                  ctl.call, heartbeat_s=args.heartbeat_s)
                 stack.push_async_callback(relay.aclose)
                 await relay.start(timeout=POLL_S + CALL_SLACK_S)
                 up.update(broadcast=relay.broadcast, relay=relay.served)
@@ -265,7 +268,8 @@ class _Agent:
                     plaintext=join.get("data_plane") == "plaintext"))
                 relay = self.relay = NodeRelay(
                     self.run_id, self.node, self.broadcast, bytes(join.get("token", b"")),
-                    self._send_served, curve=for_endpoint(self.keys, self.broadcast))
+                    self._send_up, curve=for_endpoint(self.keys, self.broadcast),
+                    heartbeat_s=float(join.get("heartbeat_s", HEARTBEAT_S)))
                 stack.push_async_callback(relay.aclose)
                 await relay.start(timeout=POLL_S + CALL_SLACK_S)
                 if await self._call(OP_READY, {"node": self.node,
@@ -361,9 +365,9 @@ class _Agent:
                 self.stop.set()
                 return
 
-    async def _send_served(self, payload: dict[str, Any]) -> Any:
+    async def _send_up(self, op: str, payload: dict[str, Any]) -> Any:
         """The relay's gathered reports, to the controller; None once it stopped answering."""
-        reply = await self._call(m.OP_NODE_SERVED, payload)
+        reply = await self._call(op, payload)
         if reply is None:
             self.stop.set()
         return reply

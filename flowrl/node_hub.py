@@ -31,7 +31,7 @@ from transport.key_file import HeldKeyFile, hold
 from transport.pubsub import DroppedSubscriber, Publisher
 from transport.rpc import Handler, RpcClient, RpcServer
 
-__all__ = ["ClusterConfig", "FanOutPublisher", "NodeHub", "StoreRouter"]
+__all__ = ["ClusterConfig", "FanOutPublisher", "NodeHub", "StoreRouter", "relay_heartbeat_s"]
 
 log = structlog.get_logger("flowrl.node")
 
@@ -55,6 +55,13 @@ _KILL_S: Final = 10.0
 # After a refused agent is logged, further refusals within this long are only counted (an
 # agent with wrong keys reconnects every 100 ms).
 _REFUSALS_QUIET_S: Final = 60.0
+
+
+def relay_heartbeat_s(worker_heartbeat_s: float) -> float:
+    """How often a node agent passes its workers' heartbeats on: every half second, or as
+    often as the workers beat when that is more often, so that a worker's deadline at the
+    controller is renewed at most one heartbeat later than the worker sent it."""
+    return min(0.5, worker_heartbeat_s)
 
 
 class ClusterConfig(ClusterSettings):
@@ -186,13 +193,15 @@ class NodeHub:
 
     def __init__(
         self, run_id: str, nodes: set[str], config: ClusterConfig, *, capacity: int,
-        on_lost: Callable[[str], None],
+        heartbeat_s: float = 0.5, on_lost: Callable[[str], None],
         on_exit: Callable[[str, str, int, int, bool, str], None],
     ) -> None:
         self.run_id = run_id
         self.config = config
         self.keys = config.keys or CurveKeys.generate()
         self.capacity = capacity
+        #: how often agents pass their workers' heartbeats on (`flowrl.node_relay`)
+        self.heartbeat_s = heartbeat_s
         self._on_lost = on_lost
         self._on_exit = on_exit
         self._remote = {n: _Remote(n) for n in sorted(nodes)}
@@ -340,7 +349,7 @@ class NodeHub:
         assert self._pub is not None
         return {"run_id": self.run_id, "capacity": self.capacity,
                 "broadcast": self._pub.remote.endpoint, "data_plane": self.config.data_plane,
-                "token": remote.token}
+                "token": remote.token, "heartbeat_s": self.heartbeat_s}
 
     async def _ready_op(self, payload: Any, peer: bytes) -> dict[str, Any]:
         remote = self._node(payload)

@@ -40,15 +40,16 @@ def spec(rollout_nodes: tuple[str, ...] = ("node0",)) -> PipelineSpec:
 
 
 class Served:
-    """Counts the controller's ``served`` and ``node_served`` requests (wrapped before it
-    starts), and wakes `wait` after each one is handled."""
+    """Counts the controller's ``served``, ``heartbeat`` and node agents' requests (wrapped
+    before it starts), and wakes `wait` after each one is handled."""
 
     def __init__(self, ctl: Controller) -> None:
         self.ctl = ctl
-        self.calls = {"served": 0, "node_served": 0}
+        self.calls = {"served": 0, "node_served": 0, "heartbeat": 0, "node_heartbeat": 0}
         self._handled = asyncio.Event()
         api: Any = ctl.api
-        for op, name in (("served", "_served"), ("node_served", "_node_served")):
+        for op in self.calls:
+            name = f"_{op}"
             inner = getattr(api, name)
 
             async def counted(p: Any, peer: bytes, inner: Any = inner, op: str = op) -> Any:
@@ -82,7 +83,9 @@ async def test_the_controller_sees_a_nodes_workers_serve_a_version_from_gathered
     assert out["version"] == 3
     assert out["rows_trained_twice"] == 0
     calls = served.calls
-    assert calls["served"] == 0  # no worker reported to the controller itself
+    # No worker reported to the controller itself; its agent passed its heartbeats on.
+    assert calls["served"] == calls["heartbeat"] == 0
+    assert calls["node_heartbeat"] >= 1
     # Each version's reports of the node's workers arrive gathered: fewer requests than
     # workers times versions (one in flight at a time; what waits meanwhile goes next).
     assert 1 <= calls["node_served"] < ROLLOUT * ctl.version, calls
@@ -109,6 +112,11 @@ async def test_a_worker_gone_before_its_node_reports_is_not_counted_as_serving()
             reply = await rpc.call(m.OP_NODE_SERVED, report)
             assert reply == {"ok": True, "served": 0}
             assert ctl.registry.versions("rollout") == set()  # none of them counts
+            # Their heartbeats, passed on late, renew nothing: the agent is told they are gone.
+            beats = {"node": ctl.node, "token": ctl._own_node_token,
+                     "workers": [{"worker_id": w, "token": t} for w, t in tokens.items()]}
+            reply = await rpc.call(m.OP_NODE_HEARTBEAT, beats)
+            assert sorted(reply["unknown"]) == sorted(tokens)
             # Only the node's agent reports for it: another token is refused outright.
             with pytest.raises(TransportError, match="without its token"):
                 await rpc.call(m.OP_NODE_SERVED, {**report, "token": b"x" * 16})
@@ -140,8 +148,9 @@ async def test_a_remote_nodes_workers_are_relayed_and_its_agent_killed_mid_run_e
             await starting
             await ctl.run(steps=2, timeout_s=60)
             await served.wait(ctl.version)
-            assert served.calls["served"] == 0
+            assert served.calls["served"] == served.calls["heartbeat"] == 0
             assert served.calls["node_served"] >= 1
+            assert served.calls["node_heartbeat"] >= 1
             family = psutil.Process(procs[0].pid).children(recursive=True)
             assert family  # its worker process
             procs[0].send_signal(signal.SIGKILL)

@@ -9,7 +9,8 @@ A worker registers (role, node, capacity), then runs three owned loops until sto
 - *heartbeat*: one small request per ``heartbeat_s``, so a worker that is busy computing is never
   mistaken for a dead one (compute runs off the event loop, in the role's own thread or engine);
 - *broadcast*: listens for new policy versions and for ``stop`` (on a node agent's relay, which
-  also takes the ``served`` report of each version loaded: `flowrl.node_relay`).
+  also takes the heartbeats and the ``served`` report of each version loaded:
+  `flowrl.node_relay`).
 
 A new policy version is applied at a safe point: new tasks wait while the role loads the weights,
 and loading waits for tasks in flight to finish, so no task ever sees two versions. New tasks
@@ -141,8 +142,8 @@ class WorkerConfig:
     #: deadline for fetching and loading one policy version (the wait for a safe point before
     #: it is not counted: a long generation may delay a switch legitimately).
     weight_sync_timeout_s: float = 60.0
-    #: where ``served`` goes: its node agent's relay, which gathers the node's reports into
-    #: one message (`flowrl.node_relay`); "": straight to the controller.
+    #: where ``served`` and heartbeats go: its node agent's relay, which gathers the node's
+    #: into one message (`flowrl.node_relay`); "": straight to the controller.
     relay: str = ""
 
 
@@ -230,8 +231,8 @@ class Worker:
         self.version = 0
         self._rpc = RpcClient(config.controller, timeout=config.rpc_timeout_s,
                               curve=for_endpoint(config.curve, config.controller))
-        # The relay is on this node (ipc): no curve.
-        self._served_rpc = (RpcClient(config.relay, timeout=config.rpc_timeout_s)
+        # Where ``served`` and heartbeats go. The relay is on this node (ipc): no curve.
+        self._relay_rpc = (RpcClient(config.relay, timeout=config.rpc_timeout_s)
                             if config.relay else self._rpc)
         self._sub = Subscriber(config.broadcast, [m.TOPIC_VERSION, m.TOPIC_STOP], name=config.name,
                                curve=for_endpoint(config.curve, config.broadcast))
@@ -290,8 +291,8 @@ class Worker:
     async def aclose(self) -> None:
         await self._sub.aclose()
         await self._rpc.aclose()
-        if self._served_rpc is not self._rpc:
-            await self._served_rpc.aclose()
+        if self._relay_rpc is not self._rpc:
+            await self._relay_rpc.aclose()
 
     async def _pull(self) -> None:
         cfg = self.config
@@ -405,7 +406,7 @@ class Worker:
         cfg = self.config
         while not self._stopped.is_set():
             try:
-                reply = await self._rpc.call(
+                reply = await self._relay_rpc.call(
                     m.OP_HEARTBEAT,
                     {**self._me, "version": self.version,
                      "busy": self._in_flight},
@@ -485,7 +486,7 @@ class Worker:
                 served.update(interrupted=running, continued=continued or 0)
                 self._log().info("running tasks continue under the new version",
                                  new_version=version, tasks=running, sequences=continued or 0)
-            await self._served_rpc.call(m.OP_SERVED, served)
+            await self._relay_rpc.call(m.OP_SERVED, served)
         finally:
             self._gate.set()
 

@@ -89,6 +89,7 @@ class WorkerApi:
             m.OP_TASK_FAILED: as_worker(self._task_failed),
             m.OP_SERVED: as_worker(self._served),
             m.OP_NODE_SERVED: self._node_served,
+            m.OP_NODE_HEARTBEAT: self._node_heartbeat,
             m.OP_BYE: as_worker(self._bye),
             m.OP_SYNC_FAILED: as_worker(self._sync_failed),
             m.OP_START_FAILED: self._start_failed,
@@ -219,11 +220,7 @@ class WorkerApi:
         ``served`` would be (its token, and it must be registered on that node), and one that
         is not is skipped, not the request: a worker that died before its agent reported is
         no longer registered, so it is not counted as serving."""
-        node = _str(p, "node")
-        expected, token = self._node_token(node), p.get("token")
-        if expected is None or type(token) is not bytes or not hmac.compare_digest(token,
-                                                                                   expected):
-            raise PermissionError(f"a node_served for node {node!r} without its token")
+        node = self._node(p, m.OP_NODE_SERVED)
         entries, drops = p.get("served"), p.get("dropped", [])
         if (type(entries) is not list or type(drops) is not list
                 or len(entries) > m.MAX_NODE_SERVED or len(drops) > m.MAX_NODE_SERVED):
@@ -257,6 +254,40 @@ class WorkerApi:
             self.events.node_dropped(node, DroppedSubscriber(d["name"], "", d["reason"][:200],
                                                              d["connected"]))
         return {"ok": True, "served": len(served)}
+
+    async def _node_heartbeat(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
+        """A node agent's gathered heartbeats (`flowrl.node_relay`): each entry renews its
+        worker's deadline as the worker's own heartbeat would; the reply names the workers
+        that are no longer registered (their agent tells them to exit). An entry with a wrong
+        token, or of another node's worker, is skipped and not named."""
+        node = self._node(p, m.OP_NODE_HEARTBEAT)
+        entries = p.get("workers")
+        if type(entries) is not list or len(entries) > m.MAX_NODE_SERVED:
+            raise ValueError(f"'workers' must be a list of at most {m.MAX_NODE_SERVED}")
+        now = self._now()
+        unknown: list[str] = []
+        for e in entries:
+            wid = e.get("worker_id") if isinstance(e, dict) else None
+            if type(wid) is not str:
+                continue
+            info = self.registry.get(wid)
+            if info is None:
+                unknown.append(wid)
+                continue
+            token = e.get("token")
+            if (info.node == node and type(token) is bytes
+                    and hmac.compare_digest(token, info.token)):
+                self.registry.heartbeat(wid, now)
+        return {"ok": True, "unknown": unknown}
+
+    def _node(self, p: Any, op: str) -> str:
+        """The node a node agent's request names, checked against the node's token."""
+        node = _str(p, "node")
+        expected, token = self._node_token(node), p.get("token")
+        if expected is None or type(token) is not bytes or not hmac.compare_digest(token,
+                                                                                   expected):
+            raise PermissionError(f"a {op} for node {node!r} without its token")
+        return node
 
     async def _sync_failed(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
         """A worker missed its weight-sync deadline: it exits next, and its process is
