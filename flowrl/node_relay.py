@@ -43,7 +43,7 @@ import structlog
 from flowrl import messages as m
 from transport.curve import CurveKeys
 from transport.endpoints import ipc_endpoint
-from transport.errors import TransportError
+from transport.errors import DeadlineExceeded, TransportError
 from transport.pubsub import DroppedSubscriber, Publisher, Subscriber
 from transport.rpc import RpcServer
 
@@ -189,6 +189,13 @@ class NodeRelay:
                                            "served": entries, "dropped": drops}
                 try:
                     reply = await self._send(m.OP_NODE_SERVED, payload)
+                except DeadlineExceeded:
+                    # Unanswered (taking a report twice is harmless): sent again with the next,
+                    # unless a worker reported a later version meanwhile.
+                    for e in entries:
+                        self._pending.setdefault(e["worker_id"], e)
+                    self._drops[:0] = drops
+                    continue
                 except TransportError as exc:  # refused: logged, as a worker's own would be
                     log.warning("node_served refused", node=self.node, error=repr(exc)[:200])
                     continue
