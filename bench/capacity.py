@@ -36,12 +36,19 @@ micro-batch dispatchable to its task in the worker's mailbox (`Controller.dispat
 
 ``--quick`` runs 2 measured steps per shape instead of 8; on 2 shared cores most of its ~2 min
 is starting the 25 processes (each imports torch) of the 1,024-worker shape.
+
+``--profile FILE`` runs only the 1,024-worker shape, 4 measured steps under cProfile (the event
+loop's thread), writes the stats to FILE (`pstats`) and prints the calls that count messages:
+requests handled by kind, messages sent, function calls in all. Call counts do not depend on the
+load; times do.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import math
+import pstats
 import statistics
 import sys
 import threading
@@ -99,7 +106,8 @@ def loop_cpu(me: psutil.Process) -> float:
     return next(t.user_time + t.system_time for t in me.threads() if t.id == main)
 
 
-async def measure(workers: int, agents: int, steps: int) -> dict[str, Any]:
+async def measure(workers: int, agents: int, steps: int,
+                  profile: cProfile.Profile | None = None) -> dict[str, Any]:
     spec, nodes = workload(workers, agents)
     me = psutil.Process()
     rss0 = me.memory_info().rss
@@ -107,7 +115,13 @@ async def measure(workers: int, agents: int, steps: int) -> dict[str, Any]:
         await ctl.run(steps=1, timeout_s=300)  # warm-up: every worker polling, first version
         ctl.dispatch_us.clear()
         cpu0, loop0 = me.cpu_times(), loop_cpu(me)
-        out = await ctl.run(steps=steps, timeout_s=600)
+        if profile is not None:
+            profile.enable()
+        try:
+            out = await ctl.run(steps=steps, timeout_s=600)
+        finally:
+            if profile is not None:
+                profile.disable()
         cpu1, loop1 = me.cpu_times(), loop_cpu(me)
         cpu = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
         samples = out["samples"]
@@ -147,13 +161,46 @@ async def main_async(quick: bool) -> dict[str, Any]:
     return result
 
 
+#: what `--profile` prints: (file, function) -> key (requests handled by kind, messages sent)
+PROFILED = {("worker_api.py", "_register"): "register",
+            ("worker_api.py", "_heartbeat"): "heartbeat",
+            ("worker_api.py", "_get_task"): "get_task",
+            ("worker_api.py", "_served"): "served",
+            ("worker_api.py", "_node_served"): "node_served",
+            ("worker_api.py", "_node_heartbeat"): "node_heartbeat",
+            ("node_hub.py", "_poll"): "node_poll",
+            ("_zsocket.py", "send_nowait"): "messages_sent"}
+
+
+def profiled_counts(path: str) -> dict[str, Any]:
+    """The `PROFILED` call counts and totals of the cProfile stats in ``path``."""
+    stats: dict[Any, Any] = pstats.Stats(path).stats  # type: ignore[attr-defined]
+    counts: dict[str, Any] = {key: 0 for key in PROFILED.values()}
+    for (file, _, name), (_, ncalls, *_) in stats.items():
+        key = PROFILED.get((Path(file).name, name))
+        if key is not None:
+            counts[key] += ncalls
+    return {"function_calls": sum(v[1] for v in stats.values()),
+            "profiled_s": round(sum(v[2] for v in stats.values()), 2), **counts}
+
+
+async def profile_async(path: str) -> dict[str, Any]:
+    prof = cProfile.Profile()
+    r = await measure(1024, 8, 4, prof)
+    prof.dump_stats(path)
+    return {"samples": 4 * GROUPS_PER_STEP * GROUP,
+            "cpu_us_per_sample_1024w": round(r["cpu_us_per_sample"], 1),
+            **profiled_counts(path)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true", help="fewer steps, same keys")
+    p.add_argument("--profile", metavar="FILE", help="profile the 1,024-worker shape only")
     args = p.parse_args()
     configure(level="warning")
     start = time.perf_counter()
-    run_and_print(main_async(args.quick))
+    run_and_print(profile_async(args.profile) if args.profile else main_async(args.quick))
     print(f"# {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
 

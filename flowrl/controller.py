@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import gc
+import secrets
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -45,7 +46,7 @@ from flowrl.control.workforce import Workforce, rank_rendezvous
 from flowrl.dp import StepDivergence
 from flowrl.events import EventBus, Span
 from flowrl.index import Index, Task
-from flowrl.node_hub import ClusterConfig, NodeHub, StoreRouter
+from flowrl.node_hub import ClusterConfig, NodeHub, StoreRouter, relay_heartbeat_s
 from flowrl.pipeline import PipelineSpec
 from flowrl.recipe.stability import StabilityConfig
 from flowrl.registry import Registry, WorkerInfo
@@ -53,7 +54,7 @@ from flowrl.resume import RunState
 from flowrl.run_trace import TraceRecord
 from flowrl.staleness import StalenessGate
 from transport.endpoints import ipc_endpoint, new_run_id, remove_run_dir
-from transport.pubsub import Publisher
+from transport.pubsub import DroppedSubscriber, Publisher
 from transport.rpc import RpcClient, RpcServer
 from transport.shm import claim_run_dir
 
@@ -113,7 +114,10 @@ class Controller:
                                    send=self._send, free=self.store_feed.free,
                                    evaluation=self.evaluation)
         self.api = WorkerApi(self.registry, self.assignments, self,
-                             has_role=lambda role: spec.pool(role) is not None, now=self._now)
+                             has_role=lambda role: spec.pool(role) is not None, now=self._now,
+                             node_token=self._node_token)
+        # What this node's agent signs its gathered reports with (`flowrl.node_relay`).
+        self._own_node_token = secrets.token_bytes(16)
         #: node-local dispatch (``spec.node_dispatch``); None: every task is dispatched here
         self.node_leases = None if not spec.node_dispatch else NodeLeases(
             self.graph, self.index, self.registry, self.assignments,
@@ -124,7 +128,8 @@ class Controller:
         remote = {n for p in spec.pools for n in p.nodes} - {node}
         self._hub = None if not remote else NodeHub(
             self.run_id, remote, cluster or ClusterConfig(),
-            capacity=spec.store_capacity_bytes, on_lost=self._on_node_lost,
+            capacity=spec.store_capacity_bytes, heartbeat_s=relay_heartbeat_s(spec.heartbeat_s),
+            on_lost=self._on_node_lost,
             on_exit=lambda *a: self.workforce.on_remote_exit(*a))
         self.workforce = Workforce(
             spec, run_id=self.run_id, node=node, registry=self.registry, events=self.events,
@@ -279,7 +284,7 @@ class Controller:
             self._owned.append(loop.create_task(await self.workforce.open_nodes(
                 handlers if leases is None else {**handlers, **leases.handlers()}),
                 name="flowrl-nodes"))
-        await self.workforce.start_node_agent()
+        await self.workforce.start_node_agent(self._own_node_token)
         async with asyncio.timeout(self.start_timeout_s):
             await self._node_up.wait()
         if self._fatal is not None:
@@ -587,14 +592,33 @@ class Controller:
 
     def worker_serves(self, info: WorkerInfo, version: int, interrupted: int = 0,
                       continued: int = 0) -> None:
+        self._serves(info, version, interrupted, continued)
+        self.versions.release_unserved()
+        self._wake()
+
+    def workers_serve(self, served: list[tuple[WorkerInfo, int, int, int]]) -> None:
+        """A node's gathered ``served`` reports: one release and one dispatch pass for all."""
+        for info, version, interrupted, continued in served:
+            self._serves(info, version, interrupted, continued)
+        self.versions.release_unserved()
+        self._wake()
+
+    def node_dropped(self, node: str, dropped: DroppedSubscriber) -> None:
+        self.workforce.subscriber_dropped(dropped, node=node)
+
+    def _node_token(self, node: str) -> bytes | None:
+        if node == self.node:
+            return self._own_node_token
+        return None if self._hub is None else self._hub.token(node)
+
+    def _serves(self, info: WorkerInfo, version: int, interrupted: int,
+                continued: int) -> None:
         info.version = version
         self.trace.served(info.worker_id, version, time.time())
         if interrupted:  # loaded while tasks ran, which continue under it (rollout.partial)
             detail = {"version": version, "tasks": interrupted, "sequences": continued}
             self.events.emit("interrupted", worker=info.worker_id, **detail)
             self.events.mark(info.worker_id, info.role, "interrupted", **detail)
-        self.versions.release_unserved()
-        self._wake()
 
     def sync_failed(self, info: WorkerInfo, version: int, error: str) -> None:
         record: dict[str, Any] = {
@@ -608,10 +632,13 @@ class Controller:
     def start_failed(self, process: str, token: str, error: str) -> None:
         self.workforce.start_failed(process, token, error)
 
-    def node_up(self, store: str, peer_store: str | None) -> bool:
+    def node_up(self, store: str, peer_store: str | None, relay: tuple[str, str] | None = None
+                ) -> bool:
         if self._node_up.is_set():  # the agent reports once: a replay must not move the store
             return False
         self.workforce.endpoints.store = store
+        if relay is not None:  # this node's workers hear broadcasts and report through it
+            self.workforce.endpoints.broadcast, self.workforce.endpoints.relay = relay
         if self._hub is not None and peer_store:
             self._hub.add_peer(self.node, peer_store)
         self._node_up.set()

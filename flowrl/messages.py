@@ -27,6 +27,16 @@ Requests (worker -> controller, over the controller's ROUTER socket):
   serves that policy version. Interruptible generation (``rollout.partial``) loads it while
   tasks run: ``interrupted`` counts those tasks, ``continued`` their running sequences that
   continue under it.
+- ``node_served`` ``{node, token, served: [{worker_id, token, version, interrupted?,
+  continued?}], dropped: [{name, reason, connected}]}`` -> ``{ok, served}``: a node agent's
+  gathering of its workers' ``served`` reports (each entry is checked as the worker's own
+  request would be), and the workers its broadcast relay dropped (`flowrl.node_relay`);
+  ``token`` is the node's. Workers on a node agent send ``served`` to it, not here.
+- ``node_heartbeat`` ``{node, token, workers: [{worker_id, token}]}`` -> ``{ok, unknown}``: the
+  heartbeats a node agent heard from its workers since its last (each entry checked as the
+  worker's own heartbeat would be); ``unknown`` names those the controller no longer knows,
+  whose next heartbeat the agent answers ``{ok: False}``. Workers on a node agent send
+  ``heartbeat`` to it, not here.
 - ``sync_failed`` ``{worker_id, version, error}`` -> ``{ok}``: the worker could not load that
   version within its deadline; it exits next (and is restarted, joining at the current version).
 - ``bye``        ``{worker_id}`` -> ``{ok}``: clean exit.
@@ -36,7 +46,7 @@ Requests (worker -> controller, over the controller's ROUTER socket):
   worker's. A process that never came up stops the run with ``error``; a restarted one is
   restarted again within ``max_restarts``.
 
-Broadcasts (controller -> everyone, PUB/SUB topics):
+Broadcasts (controller -> node agents -> their workers, PUB/SUB topics):
 
 - ``version``  ``{version, weights}``: a new policy version is published; ``weights`` maps
   parameter names to store handles (rollout workers load it at their next safe point).
@@ -53,6 +63,11 @@ OP_GET_TASK: Final = "get_task"
 OP_TASK_DONE: Final = "task_done"
 OP_TASK_FAILED: Final = "task_failed"
 OP_SERVED: Final = "served"
+OP_NODE_SERVED: Final = "node_served"
+OP_NODE_HEARTBEAT: Final = "node_heartbeat"
+#: the most entries (served reports, drops, heartbeats) one ``node_served`` or
+#: ``node_heartbeat`` carries
+MAX_NODE_SERVED: Final = 4096
 OP_BYE: Final = "bye"
 OP_SYNC_FAILED: Final = "sync_failed"
 OP_START_FAILED: Final = "start_failed"

@@ -14,6 +14,9 @@ Two ways to run one:
 
   It says ``node_up``; the controller starts that node's workers itself. With ``--peer-store``
   it also serves the store over tcp+curve (keys from ``FLOWRL_CURVE_KEYS``) to other nodes.
+  With ``--broadcast`` (the controller's publisher) it relays the controller's broadcasts to
+  the node's workers and gathers their heartbeats and ``served`` reports
+  (`flowrl.node_relay`).
 
 - on another node::
 
@@ -23,9 +26,10 @@ Two ways to run one:
   and the data plane), serves its store on ipc to its own workers and on ``tcp://ADDR``
   (curve) to other nodes (``node_ready``), then long-polls ``node_poll`` for worker processes
   to start or to kill and reports their exits (``node_exit``), and, once the processes of a
-  kill order are gone, says so (``node_stopped``, after their exits). Cross-node data never
-  goes through the controller: workers read other nodes' handles from those nodes' store
-  servers.
+  kill order are gone, says so (``node_stopped``, after their exits). Its workers hear the
+  controller's broadcasts through it and send it their heartbeats and ``served`` reports
+  (`flowrl.node_relay`). Cross-node data never goes through the controller: workers read
+  other nodes' handles from those nodes' store servers.
 
 With the ``plaintext`` data plane (``ClusterSettings.data_plane``), every agent's tcp store
 server also serves reads unencrypted, their requests authenticated with the run's keys
@@ -70,11 +74,11 @@ from typing import Any
 
 import structlog
 
-from flowrl import messages as m
 from flowrl.logs import bind, configure
 from flowrl.node_dispatch import AgentLink
 from flowrl.node_hub import (
     CALL_SLACK_S,
+    NODE_TOKEN_ENV,
     OP_EXIT,
     OP_JOIN,
     OP_POLL,
@@ -82,13 +86,13 @@ from flowrl.node_hub import (
     OP_STOPPED,
     POLL_S,
 )
+from flowrl.node_relay import HEARTBEAT_S, NodeRelay
 from flowrl.worker_launch import worker_command
 from flowrl.worker_spec import Endpoints, ProcessSpec, WorkerSpec
 from transport.curve import ENV as KEYS_ENV
 from transport.curve import CurveKeys, for_endpoint
 from transport.endpoints import ipc_endpoint, tcp_endpoint
 from transport.errors import DeadlineExceeded, KeysRefused, SharedMemoryTooSmall, TransportError
-from transport.pubsub import Subscriber
 from transport.rpc import RpcClient
 from transport.store import SampleStore
 from transport.store_server import StoreServer
@@ -118,6 +122,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-id", help="beside the controller: the run (else asked from it)")
     p.add_argument("--store", help="beside the controller: the endpoint the store binds")
     p.add_argument("--capacity", type=int, help="beside the controller: store bytes")
+    p.add_argument("--broadcast", help="beside the controller: its broadcast endpoint, relayed "
+                   "to this node's workers (`flowrl.node_relay`; token from $FLOWRL_NODE_TOKEN)")
+    p.add_argument("--heartbeat-s", type=float, default=0.5,
+                   help="beside the controller, with --broadcast: how often the relay passes "
+                   "the workers' heartbeats on")
     p.add_argument("--peer-store", help="beside the controller: also serve the store here "
                    "(tcp, curve) to other nodes")
     p.add_argument("--data-plane", choices=["encrypted", "plaintext"],
@@ -169,6 +178,7 @@ async def serve_beside(args: argparse.Namespace) -> None:
     stop = asyncio.Event()
     _stop_on_signals(stop)
     keys = _keys(args)
+    token = bytes.fromhex(os.environ.pop(NODE_TOKEN_ENV, ""))
     store = SampleStore(args.run_id, args.node, capacity_bytes=args.capacity)
     try:
         async with contextlib.AsyncExitStack() as stack:
@@ -179,10 +189,23 @@ async def serve_beside(args: argparse.Namespace) -> None:
                     _peer_server(store, args.peer_store, keys,
                                  plaintext=args.data_plane == "plaintext"))
                 up["peer_store"] = peer.endpoint
-            async with RpcClient(args.controller) as ctl:
-                await ctl.call("node_up", up)
+            ctl = await stack.enter_async_context(RpcClient(args.controller))
+            relay = None
+            if args.broadcast:
+                relay = NodeRelay(args.run_id, args.node, args.broadcast, token,
+                                  ctl.call, heartbeat_s=args.heartbeat_s)
+                stack.push_async_callback(relay.aclose)
+                await relay.start(timeout=POLL_S + CALL_SLACK_S)
+                up.update(broadcast=relay.broadcast, relay=relay.served)
+            await ctl.call("node_up", up)
             log.info("node agent up", node=args.node, store=server.endpoint)
-            await stop.wait()
+            async with asyncio.TaskGroup() as tg:
+                # The controller stops this agent itself once its workers are gone (they
+                # read this node's store): a stop broadcast is only passed on.
+                relaying = tg.create_task(relay.run(lambda: None)) if relay else None
+                await stop.wait()
+                if relaying is not None:
+                    relaying.cancel()
     finally:
         store.close()
 
@@ -217,6 +240,7 @@ class _Agent:
         self.local_store = ""
         #: node-local dispatch of its leased workers' tasks (None: all central)
         self.leases: AgentLink | None = None
+        self.relay: NodeRelay | None = None
 
     def _on_exit(self, child: Any, code: int) -> None:
         # Killed on the controller's order or not, the controller forgets the process's workers.
@@ -245,10 +269,12 @@ class _Agent:
                 peer = await stack.enter_async_context(_peer_server(
                     store, tcp_endpoint(self.args.host), self.keys,
                     plaintext=join.get("data_plane") == "plaintext"))
-                sub = Subscriber(self.broadcast, [m.TOPIC_STOP], name=f"node:{self.node}",
-                                 curve=for_endpoint(self.keys, self.broadcast))
-                stack.push_async_callback(sub.aclose)
-                await sub.join(timeout=POLL_S + CALL_SLACK_S)
+                relay = self.relay = NodeRelay(
+                    self.run_id, self.node, self.broadcast, bytes(join.get("token", b"")),
+                    self._send_up, curve=for_endpoint(self.keys, self.broadcast),
+                    heartbeat_s=float(join.get("heartbeat_s", HEARTBEAT_S)))
+                stack.push_async_callback(relay.aclose)
+                await relay.start(timeout=POLL_S + CALL_SLACK_S)
                 if await self._call(OP_READY, {"node": self.node,
                                                "peer_store": peer.endpoint}) is None:
                     raise TransportError("the controller stopped answering")
@@ -259,7 +285,7 @@ class _Agent:
                 try:
                     async with asyncio.TaskGroup() as tg:
                         tasks = [tg.create_task(self._poll()), tg.create_task(self._report()),
-                                 tg.create_task(self._listen(sub))]
+                                 tg.create_task(relay.run(self.stop.set))]
                         if self.leases is not None:
                             tasks.append(tg.create_task(self.leases.run()))
                         await self.stop.wait()
@@ -327,9 +353,11 @@ class _Agent:
             if not isinstance(command, dict):
                 raise ValueError(f"a spawn command is a mapping, got {type(command).__name__}")
             process = ProcessSpec.model_validate(command.get("process"))
+            assert self.relay is not None  # started before the agent said it was ready
             where = Endpoints(run_id=self.run_id, node=self.node,
-                              controller=self.args.controller, broadcast=self.broadcast,
-                              store=self.local_store, peers=command.get("peers", {}),
+                              controller=self.args.controller, broadcast=self.relay.broadcast,
+                              relay=self.relay.served, store=self.local_store,
+                              peers=command.get("peers", {}),
                               tasks=None if self.leases is None
                               else self.leases.tasks_endpoint(process.role))
         except ValueError as exc:  # pydantic's ValidationError is one
@@ -346,12 +374,12 @@ class _Agent:
                 self.stop.set()
                 return
 
-    async def _listen(self, sub: Subscriber) -> None:
-        while True:
-            topic, _ = await sub.recv()
-            if topic == m.TOPIC_STOP:
-                self.stop.set()
-                return
+    async def _send_up(self, op: str, payload: dict[str, Any]) -> Any:
+        """The relay's gathered reports, to the controller; None once it stopped answering."""
+        reply = await self._call(op, payload)
+        if reply is None:
+            self.stop.set()
+        return reply
 
 
 def main(argv: list[str] | None = None) -> None:

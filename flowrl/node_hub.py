@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ from transport.key_file import HeldKeyFile, hold
 from transport.pubsub import DroppedSubscriber, Publisher
 from transport.rpc import Handler, RpcClient, RpcServer
 
-__all__ = ["ClusterConfig", "FanOutPublisher", "NodeHub", "StoreRouter"]
+__all__ = ["ClusterConfig", "FanOutPublisher", "NodeHub", "StoreRouter", "relay_heartbeat_s"]
 
 log = structlog.get_logger("flowrl.node")
 
@@ -39,6 +40,9 @@ OP_READY: Final = "node_ready"
 OP_POLL: Final = "node_poll"
 OP_EXIT: Final = "node_exit"
 OP_STOPPED: Final = "node_stopped"
+#: the environment variable that hands the agent beside the controller its node token (hex);
+#: the other agents get theirs in the ``node_join`` reply (`flowrl.node_relay`).
+NODE_TOKEN_ENV: Final = "FLOWRL_NODE_TOKEN"
 
 #: how long one ``node_poll`` waits for a command before answering "nothing".
 POLL_S: Final = 2.0
@@ -51,6 +55,13 @@ _KILL_S: Final = 10.0
 # After a refused agent is logged, further refusals within this long are only counted (an
 # agent with wrong keys reconnects every 100 ms).
 _REFUSALS_QUIET_S: Final = 60.0
+
+
+def relay_heartbeat_s(worker_heartbeat_s: float) -> float:
+    """How often a node agent passes its workers' heartbeats on: every half second, or as
+    often as the workers beat when that is more often, so that a worker's deadline at the
+    controller is renewed at most one heartbeat later than the worker sent it."""
+    return min(0.5, worker_heartbeat_s)
 
 
 class ClusterConfig(ClusterSettings):
@@ -81,6 +92,8 @@ class _Remote:
     pid: int = 0
     peer_store: str = ""
     last_seen: float = 0.0
+    #: what its agent signs its gathered reports with (`flowrl.node_relay`), given at its join
+    token: bytes = field(default_factory=lambda: secrets.token_bytes(16), repr=False)
     # Spawn commands not yet collected: one per worker process of the node, plus restarts.
     commands: list[dict[str, Any]] = field(default_factory=list)
     # Kill orders not yet collected ({"id", "names"}): one per `NodeHub.stop_workers` call.
@@ -180,13 +193,15 @@ class NodeHub:
 
     def __init__(
         self, run_id: str, nodes: set[str], config: ClusterConfig, *, capacity: int,
-        on_lost: Callable[[str], None],
+        heartbeat_s: float = 0.5, on_lost: Callable[[str], None],
         on_exit: Callable[[str, str, int, int, bool, str], None],
     ) -> None:
         self.run_id = run_id
         self.config = config
         self.keys = config.keys or CurveKeys.generate()
         self.capacity = capacity
+        #: how often agents pass their workers' heartbeats on (`flowrl.node_relay`)
+        self.heartbeat_s = heartbeat_s
         self._on_lost = on_lost
         self._on_exit = on_exit
         self._remote = {n: _Remote(n) for n in sorted(nodes)}
@@ -280,6 +295,11 @@ class NodeHub:
             raise RuntimeError(f"node agents did not join within "
                                f"{self.config.join_timeout_s}s: missing {missing}") from None
 
+    def token(self, node: str) -> bytes | None:
+        """The token of `node`'s agent, once it joined (None before, or for no such node)."""
+        remote = self._remote.get(node)
+        return remote.token if remote is not None and remote.pid else None
+
     def add_peer(self, node: str, endpoint: str) -> None:
         self.peers[node] = endpoint
 
@@ -328,7 +348,8 @@ class NodeHub:
         remote.last_seen = time.monotonic()
         assert self._pub is not None
         return {"run_id": self.run_id, "capacity": self.capacity,
-                "broadcast": self._pub.remote.endpoint, "data_plane": self.config.data_plane}
+                "broadcast": self._pub.remote.endpoint, "data_plane": self.config.data_plane,
+                "token": remote.token, "heartbeat_s": self.heartbeat_s}
 
     async def _ready_op(self, payload: Any, peer: bytes) -> dict[str, Any]:
         remote = self._node(payload)

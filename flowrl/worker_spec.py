@@ -368,6 +368,8 @@ class Endpoints(_Spec):
     #: where its workers poll for tasks, when not the controller: its node agent's dispatch
     #: (`flowrl.node_dispatch`)
     tasks: str | None = None
+    #: where ``served`` goes: the node agent's relay (`flowrl.node_relay`); "": the controller
+    relay: str = ""
 
 
 class WorkerSpec(_Spec):

@@ -73,7 +73,7 @@ def test_colocated_placement_takes_the_vllm_engine(tmp_path: Path) -> None:
     assert train.engine == "vllm"
     assert train.colocated is not None
     # What vLLM cannot serve from one trainer's module is refused as on hf, naming the field.
-    with pytest.raises(ValidationError, match=r"trainer.ranks: colocated placement on vllm runs one"):
+    with pytest.raises(ValidationError, match=r"trainer.ranks: colocated placement on vllm"):
         Recipe(steps=1, rollout=RolloutConfig(engine="vllm"), trainer=TrainerConfig(ranks=2),
                placement=PlacementConfig(mode="colocated"))
     with pytest.raises(ValidationError, match=r"model.lora: colocated placement serves whole"):

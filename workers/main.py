@@ -81,7 +81,7 @@ def worker_configs(spec: WorkerSpec) -> list[WorkerConfig]:
     return [WorkerConfig(name=f"{p.name}.{i}", role=role, node=at.node,
                          controller=at.controller, broadcast=at.broadcast, capacity=capacity,
                          heartbeat_s=p.heartbeat_s, curve=keys,
-                         weight_sync_timeout_s=p.weight_sync_timeout_s,
+                         weight_sync_timeout_s=p.weight_sync_timeout_s, relay=at.relay,
                          tasks=at.tasks if role == p.role else None)
             for i, (role, capacity) in enumerate(roles)]
 

@@ -8,7 +8,9 @@ A worker registers (role, node, capacity), then runs three owned loops until sto
   fields' handles (``task_done`` on its own only when the worker stops holding one);
 - *heartbeat*: one small request per ``heartbeat_s``, so a worker that is busy computing is never
   mistaken for a dead one (compute runs off the event loop, in the role's own thread or engine);
-- *broadcast*: listens for new policy versions and for ``stop``.
+- *broadcast*: listens for new policy versions and for ``stop`` (on a node agent's relay, which
+  also takes the heartbeats and the ``served`` report of each version loaded:
+  `flowrl.node_relay`).
 
 With ``WorkerConfig.tasks`` the *pull* loop's calls go to that endpoint instead (a node agent
 that dispatches this worker's stage, `flowrl.node_dispatch`); everything else still goes to the
@@ -148,6 +150,9 @@ class WorkerConfig:
     #: when not the controller: the node agent that dispatches this worker's stage
     #: (`flowrl.node_dispatch`). Everything else still goes to the controller.
     tasks: str | None = None
+    #: where ``served`` and heartbeats go: its node agent's relay, which gathers the node's
+    #: into one message (`flowrl.node_relay`); "": straight to the controller.
+    relay: str = ""
 
 
 #: weights up to this size are published with a spare grant for the next version (see below).
@@ -238,6 +243,9 @@ class Worker:
         self._tasks = (self._rpc if config.tasks is None else
                        RpcClient(config.tasks, timeout=config.rpc_timeout_s,
                                  curve=for_endpoint(config.curve, config.tasks)))
+        # Where ``served`` and heartbeats go. The relay is on this node (ipc): no curve.
+        self._relay_rpc = (RpcClient(config.relay, timeout=config.rpc_timeout_s)
+                            if config.relay else self._rpc)
         self._sub = Subscriber(config.broadcast, [m.TOPIC_VERSION, m.TOPIC_STOP], name=config.name,
                                curve=for_endpoint(config.curve, config.broadcast))
         self._stopped = asyncio.Event()
@@ -297,6 +305,8 @@ class Worker:
         if self._tasks is not self._rpc:
             await self._tasks.aclose()
         await self._rpc.aclose()
+        if self._relay_rpc is not self._rpc:
+            await self._relay_rpc.aclose()
 
     async def _pull(self) -> None:
         cfg = self.config
@@ -410,7 +420,7 @@ class Worker:
         cfg = self.config
         while not self._stopped.is_set():
             try:
-                reply = await self._rpc.call(
+                reply = await self._relay_rpc.call(
                     m.OP_HEARTBEAT,
                     {**self._me, "version": self.version,
                      "busy": self._in_flight},
@@ -490,7 +500,7 @@ class Worker:
                 served.update(interrupted=running, continued=continued or 0)
                 self._log().info("running tasks continue under the new version",
                                  new_version=version, tasks=running, sequences=continued or 0)
-            await self._rpc.call(m.OP_SERVED, served)
+            await self._relay_rpc.call(m.OP_SERVED, served)
         finally:
             self._gate.set()
 

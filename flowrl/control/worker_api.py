@@ -25,6 +25,7 @@ from flowrl import messages as m
 from flowrl.control.assignments import Assignment, Assignments
 from flowrl.control.reports import MalformedReport, TaskReport, parse_report
 from flowrl.registry import Registry, WorkerInfo
+from transport.pubsub import DroppedSubscriber
 from transport.rpc import Handler
 
 __all__ = ["MAX_CAPACITY", "MAX_WAIT_S", "WorkerApi", "WorkerEvents"]
@@ -49,25 +50,33 @@ class WorkerEvents(Protocol):
     def worker_serves(self, info: WorkerInfo, version: int, interrupted: int = 0,
                       continued: int = 0) -> None: ...
 
+    def workers_serve(self, served: list[tuple[WorkerInfo, int, int, int]]) -> None: ...
+
+    def node_dropped(self, node: str, dropped: DroppedSubscriber) -> None: ...
+
     def sync_failed(self, info: WorkerInfo, version: int, error: str) -> None: ...
 
     def start_failed(self, process: str, token: str, error: str) -> None: ...
 
     def worker_gone(self, worker_id: str, why: str) -> None: ...
 
-    def node_up(self, store: str, peer_store: str | None) -> bool: ...
+    def node_up(self, store: str, peer_store: str | None,
+                relay: tuple[str, str] | None = None) -> bool: ...
 
 
 class WorkerApi:
     def __init__(self, registry: Registry, assignments: Assignments, events: WorkerEvents,
-                 *, has_role: Callable[[str], bool], now: Callable[[], float]) -> None:
+                 *, has_role: Callable[[str], bool], now: Callable[[], float],
+                 node_token: Callable[[str], bytes | None] = lambda node: None) -> None:
         """``has_role(role)``: whether the pipeline has a pool for ``role``; ``now()``: the
-        clock heartbeats are measured with."""
+        clock heartbeats are measured with; ``node_token(node)``: the token of that node's
+        agent (None: no such node)."""
         self.registry = registry
         self.assignments = assignments
         self.events = events
         self._has_role = has_role
         self._now = now
+        self._node_token = node_token
         self._mailboxes: dict[str, asyncio.Queue[m.TaskMsg]] = {}
 
     def handlers(self) -> dict[str, Handler]:
@@ -79,6 +88,8 @@ class WorkerApi:
             m.OP_TASK_DONE: as_worker(self._task_done),
             m.OP_TASK_FAILED: as_worker(self._task_failed),
             m.OP_SERVED: as_worker(self._served),
+            m.OP_NODE_SERVED: self._node_served,
+            m.OP_NODE_HEARTBEAT: self._node_heartbeat,
             m.OP_BYE: as_worker(self._bye),
             m.OP_SYNC_FAILED: as_worker(self._sync_failed),
             m.OP_START_FAILED: self._start_failed,
@@ -203,6 +214,81 @@ class WorkerApi:
                                       continued)
         return {"ok": True}
 
+    async def _node_served(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
+        """A node agent's gathered ``served`` reports and relay drops (`flowrl.node_relay`).
+        The request must carry the node's token; each entry is taken as the worker's own
+        ``served`` would be (its token, and it must be registered on that node), and one that
+        is not is skipped, not the request: a worker that died before its agent reported is
+        no longer registered, so it is not counted as serving."""
+        node = self._node(p, m.OP_NODE_SERVED)
+        entries, drops = p.get("served"), p.get("dropped", [])
+        if (type(entries) is not list or type(drops) is not list
+                or len(entries) > m.MAX_NODE_SERVED or len(drops) > m.MAX_NODE_SERVED):
+            raise ValueError(f"'served' and 'dropped' must be lists of at most "
+                             f"{m.MAX_NODE_SERVED}")
+        served: list[tuple[WorkerInfo, int, int, int]] = []
+        for e in entries:
+            wid = e.get("worker_id") if isinstance(e, dict) else None
+            info = self.registry.get(wid) if type(wid) is str else None
+            if info is None or info.node != node:
+                continue  # gone meanwhile (or never this node's)
+            token = e.get("token")
+            if type(token) is not bytes or not hmac.compare_digest(token, info.token):
+                log.warning("ignored a served report without its worker's token",
+                            worker=wid, node=node)
+                continue
+            try:
+                version = _int(e, "version", 0, 2**62)
+                interrupted, continued = (_int(e, key, 0, 2**31) if key in e else 0
+                                          for key in ("interrupted", "continued"))
+            except ValueError as exc:
+                log.warning("ignored a malformed served report", worker=wid, error=str(exc))
+                continue
+            served.append((info, version, interrupted, continued))
+        if served:
+            self.events.workers_serve(served)
+        for d in drops:
+            if not (isinstance(d, dict) and type(d.get("name")) is str
+                    and type(d.get("reason")) is str and type(d.get("connected")) is bool):
+                continue
+            self.events.node_dropped(node, DroppedSubscriber(d["name"], "", d["reason"][:200],
+                                                             d["connected"]))
+        return {"ok": True, "served": len(served)}
+
+    async def _node_heartbeat(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
+        """A node agent's gathered heartbeats (`flowrl.node_relay`): each entry renews its
+        worker's deadline as the worker's own heartbeat would; the reply names the workers
+        that are no longer registered (their agent tells them to exit). An entry with a wrong
+        token, or of another node's worker, is skipped and not named."""
+        node = self._node(p, m.OP_NODE_HEARTBEAT)
+        entries = p.get("workers")
+        if type(entries) is not list or len(entries) > m.MAX_NODE_SERVED:
+            raise ValueError(f"'workers' must be a list of at most {m.MAX_NODE_SERVED}")
+        now = self._now()
+        unknown: list[str] = []
+        for e in entries:
+            wid = e.get("worker_id") if isinstance(e, dict) else None
+            if type(wid) is not str:
+                continue
+            info = self.registry.get(wid)
+            if info is None:
+                unknown.append(wid)
+                continue
+            token = e.get("token")
+            if (info.node == node and type(token) is bytes
+                    and hmac.compare_digest(token, info.token)):
+                self.registry.heartbeat(wid, now)
+        return {"ok": True, "unknown": unknown}
+
+    def _node(self, p: Any, op: str) -> str:
+        """The node a node agent's request names, checked against the node's token."""
+        node = _str(p, "node")
+        expected, token = self._node_token(node), p.get("token")
+        if expected is None or type(token) is not bytes or not hmac.compare_digest(token,
+                                                                                   expected):
+            raise PermissionError(f"a {op} for node {node!r} without its token")
+        return node
+
     async def _sync_failed(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
         """A worker missed its weight-sync deadline: it exits next, and its process is
         restarted like any dead worker (bounded by ``max_restarts``)."""
@@ -224,8 +310,10 @@ class WorkerApi:
 
     async def _node_up(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
         peer_store = p.get("peer_store")
+        relay = (_str(p, "broadcast"), _str(p, "relay")) if "relay" in p else None
         ok = self.events.node_up(_str(p, "store"),
-                                 peer_store if isinstance(peer_store, str) and peer_store else None)
+                                 peer_store if isinstance(peer_store, str) and peer_store else None,
+                                 relay)
         return {"ok": ok}
 
 

@@ -36,7 +36,7 @@ from typing import Any, cast
 import structlog
 
 from flowrl.events import EventBus
-from flowrl.node_hub import NodeHub
+from flowrl.node_hub import NODE_TOKEN_ENV, NodeHub, relay_heartbeat_s
 from flowrl.pipeline import PipelineSpec, PoolSpec
 from flowrl.procs import Child, Supervisor
 from flowrl.registry import Registry, WorkerInfo
@@ -65,6 +65,8 @@ class Endpoints:
     controller: str = ""
     broadcast: str = ""
     store: str = ""
+    #: where workers send ``served`` (their node agent's relay); "": to the controller
+    relay: str = ""
 
 
 @dataclass(frozen=True)
@@ -170,18 +172,22 @@ class Workforce:
                         "collectives are unencrypted", store=self.rendezvous.start())
         return hub.run()
 
-    async def start_node_agent(self) -> None:
+    async def start_node_agent(self, token: bytes) -> None:
         """This node's agent: it owns the node's sample store (and serves it to the other
-        nodes' workers when there are any) and reports ``node_up`` once it listens."""
+        nodes' workers when there are any), relays the controller's broadcasts to this node's
+        workers and gathers their ``served`` reports (signed with ``token``), and reports
+        ``node_up`` once it listens."""
         hub = self.hub
         peer_store = [] if hub is None else hub.store_args()
+        env = {} if hub is None else hub.keys.to_env()
         await self.supervisor.spawn(
             f"node:{self.node}",
             [sys.executable, "-m", "flowrl.node", "--run-id", self.run_id, "--node", self.node,
-             "--controller", self.endpoints.controller,
+             "--controller", self.endpoints.controller, "--broadcast", self.endpoints.broadcast,
+             "--heartbeat-s", str(relay_heartbeat_s(self.spec.heartbeat_s)),
              "--store", ipc_endpoint(self.run_id, f"store-{self.node}"),
              "--capacity", str(self.spec.store_capacity_bytes), *peer_store],
-            env=None if hub is None else hub.keys.to_env())
+            env={**env, NODE_TOKEN_ENV: token.hex()})
 
     async def start_pools(self) -> None:
         for pool in self.spec.pools:
@@ -228,7 +234,7 @@ class Workforce:
         e = self.endpoints
         argv = worker_command(WorkerSpec(process=process, endpoints=WorkerEndpoints(
             run_id=self.run_id, node=self.node, controller=e.controller,
-            broadcast=e.broadcast, store=e.store,
+            broadcast=e.broadcast, store=e.store, relay=e.relay,
             peers={} if hub is None else hub.peers_for(self.node))))
         return await self.supervisor.spawn(process.name, argv,
                                            env=None if hub is None else hub.keys.to_env())
@@ -328,16 +334,16 @@ class Workforce:
                 self._hung.add(name)
                 self.supervisor.kill(child.pid, signal.SIGKILL)
 
-    def subscriber_dropped(self, dropped: DroppedSubscriber) -> None:
+    def subscriber_dropped(self, dropped: DroppedSubscriber, node: str | None = None) -> None:
         """A broadcast subscriber stopped reading: a worker that is still connected (each
         worker subscribes under its own name) is hung, and is treated like one that missed
-        its heartbeats."""
+        its heartbeats. ``node``: the node whose agent's relay dropped it (its workers only)."""
         log.warning("broadcast subscriber dropped", subscriber=dropped.name,
-                    reason=dropped.reason, connected=dropped.connected)
+                    reason=dropped.reason, connected=dropped.connected, node=node)
         if not dropped.connected or self._stopping():
             return
         for info in self.registry.all():
-            if info.name == dropped.name:
+            if info.name == dropped.name and node in (None, info.node):
                 self._worker_gone(info.worker_id,
                                   f"stopped reading broadcasts ({dropped.reason})")
                 self.hung(info)

@@ -1,0 +1,210 @@
+"""A node agent's relay: the controller's broadcasts fanned out to the node's workers, and the
+workers' ``served`` reports gathered into one message per node.
+
+Without it a new policy version costs the controller three messages per rollout worker: the
+broadcast (the publisher sends one copy per subscriber), the worker's ``served`` request once it
+has loaded the weights, and the reply; and each worker's heartbeat is a request and a reply a
+second. With it the controller sends one copy per node agent and takes one ``node_served``
+request per node and batch, and one ``node_heartbeat`` per node every `HEARTBEAT_S`. The
+agent (`flowrl.node`, either kind) runs a `NodeRelay`:
+
+- *broadcasts*: it subscribes to the controller's topics (``version``, ``stop``) and republishes
+  each message on an ipc publisher of its own, which its node's workers join instead of the
+  controller's. A worker that stops reading the relay is dropped by it (as the controller's
+  publisher would) and reported upstream in the next ``node_served``, where the controller
+  treats it as hung, as before.
+- *heartbeats*: workers send their heartbeats to the relay too; every `HEARTBEAT_S` (or the
+  workers' heartbeat period when shorter: `flowrl.node_hub.relay_heartbeat_s`) it passes
+  on the workers it heard from since the last time in one ``node_heartbeat``, and answers a
+  worker the controller no longer knows ``ok: False`` (it exits, as before). A worker that
+  stops (dies, hangs) is no longer passed on, so its deadline at the controller runs out.
+- *served*: workers send ``served`` (the same request, with their id and token) to the relay's
+  ipc endpoint, which answers at once and keeps each worker's latest report. One ``node_served``
+  is in flight at a time; what arrives meanwhile goes in the next, so the first report of a
+  version travels at once and the rest of the node's follow in one or a few messages.
+
+The controller checks each gathered entry as it checked the worker's own request (the worker's
+token, that the worker is registered on that node), and the whole request carries the node's
+token (`flowrl.node_hub.NODE_TOKEN_ENV` for the agent beside the controller, the ``node_join``
+reply for the others), so only the node's agent can report drops. An entry of a worker the
+controller has already forgotten (it died before its agent reported) is ignored: a dead worker
+is never counted as serving, nor kept alive. An agent that dies ends the run
+(`flowrl.control.workforce`), so nothing it gathered outlives it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, Final
+
+import structlog
+
+from flowrl import messages as m
+from transport.curve import CurveKeys
+from transport.endpoints import ipc_endpoint
+from transport.errors import DeadlineExceeded, TransportError
+from transport.pubsub import DroppedSubscriber, Publisher, Subscriber
+from transport.rpc import RpcServer
+
+__all__ = ["HEARTBEAT_S", "NodeRelay"]
+
+log = structlog.get_logger("flowrl.node")
+
+#: how often the relay passes its workers' heartbeats on (well within any heartbeat timeout).
+HEARTBEAT_S: Final = 0.5
+# The most drops kept waiting: one per subscriber at most, bounded as a backstop.
+_MAX_DROPS: Final = 1024
+
+Send = Callable[[str, dict[str, Any]], Awaitable[Any]]
+"""Sends one request (``node_served``, ``node_heartbeat``) and its payload to the controller;
+None back means the controller is gone."""
+
+
+class NodeRelay:
+    """The relay of node ``node``: start it, hand its endpoints (`broadcast`, `served`) to the
+    node's workers, and run `run` until the agent stops."""
+
+    def __init__(self, run_id: str, node: str, upstream: str, token: bytes, send: Send, *,
+                 curve: CurveKeys | None = None, heartbeat_s: float = HEARTBEAT_S) -> None:
+        """``upstream``: the controller's broadcast endpoint; ``token``: this node's token;
+        ``send``: how a request reaches the controller; ``heartbeat_s``: how often the
+        workers' heartbeats are passed on."""
+        self.node = node
+        self._token = token
+        self._send = send
+        self._sub = Subscriber(upstream, [m.TOPIC_VERSION, m.TOPIC_STOP], name=f"node:{node}",
+                               curve=curve)
+        self._pub = Publisher(ipc_endpoint(run_id, f"relay-{node}"), on_drop=self._dropped)
+        self._server = RpcServer(ipc_endpoint(run_id, f"served-{node}"),
+                                 {m.OP_SERVED: self._served, m.OP_HEARTBEAT: self._heartbeat})
+        self._heartbeat_s = heartbeat_s
+        # Heartbeats heard since the last were passed on, as (worker id, token): a process
+        # that sends another's id with a wrong token cannot replace the right one.
+        self._beats: set[tuple[str, bytes]] = set()
+        # Workers the controller no longer knows: their next heartbeat is answered ok False.
+        self._forgotten: set[str] = set()
+        # Each worker's latest report, by worker id, and the drops: sent with the next request.
+        self._pending: dict[str, dict[str, Any]] = {}
+        self._drops: list[dict[str, Any]] = []
+        self._wake = asyncio.Event()
+        self.broadcast = ""
+        self.served = ""
+        #: ``node_served`` requests sent (tests and benchmarks read it)
+        self.sent = 0
+
+    async def start(self, timeout: float) -> None:  # noqa: ASYNC109 (Subscriber.join's)
+        """Join the controller's broadcasts first, then listen: a worker that joins the relay
+        sees every broadcast the controller sends after it registered."""
+        await self._sub.join(timeout=timeout)
+        self.broadcast = await self._pub.start()
+        self.served = await self._server.start()
+
+    async def run(self, on_stop: Callable[[], None]) -> None:
+        """Relay until cancelled; ``on_stop()`` once the controller broadcast ``stop`` (after
+        passing it on)."""
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._report())
+            tg.create_task(self._pass_heartbeats())
+            await self._forward(on_stop)
+
+    async def aclose(self) -> None:
+        await self._server.aclose()
+        await self._pub.aclose()
+        await self._sub.aclose()
+
+    async def _forward(self, on_stop: Callable[[], None]) -> None:
+        while True:
+            topic, payload = await self._sub.recv()
+            await self._pub.publish(topic, payload)
+            if topic == m.TOPIC_STOP:
+                on_stop()
+
+    async def _served(self, p: Any, peer: bytes) -> dict[str, Any]:
+        """A worker's ``served``: checked for shape here, for its token by the controller."""
+        if not (isinstance(p, dict) and type(p.get("worker_id")) is str
+                and type(p.get("token")) is bytes and type(p.get("version")) is int):
+            raise ValueError("served needs 'worker_id', 'token' and 'version'")
+        entry = {k: p[k] for k in ("worker_id", "token", "version", "interrupted", "continued")
+                 if k in p}
+        if p["worker_id"] not in self._pending and len(self._pending) >= m.MAX_NODE_SERVED:
+            raise ValueError("too many served reports waiting")  # only a flood gets here
+        self._pending[p["worker_id"]] = entry
+        self._wake.set()
+        return {"ok": True}
+
+    async def _heartbeat(self, p: Any, peer: bytes) -> dict[str, Any]:
+        """A worker's heartbeat: passed on with the others within `heartbeat_s`."""
+        if not (isinstance(p, dict) and type(p.get("worker_id")) is str
+                and type(p.get("token")) is bytes):
+            raise ValueError("heartbeat needs 'worker_id' and 'token'")
+        if p["worker_id"] in self._forgotten:
+            return {"ok": False}
+        beat = (p["worker_id"], p["token"])
+        if beat not in self._beats and len(self._beats) >= m.MAX_NODE_SERVED:
+            raise ValueError("too many heartbeats waiting")  # only a flood gets here
+        self._beats.add(beat)
+        return {"ok": True}
+
+    async def _pass_heartbeats(self) -> None:
+        """Every `heartbeat_s`, the workers heard from since the last time, in one request.
+        A timer, not an event: the sign of a dead worker is an absence of heartbeats, so a
+        worker not heard from is not passed on and its deadline at the controller runs out."""
+        while True:
+            await asyncio.sleep(self._heartbeat_s)
+            beats, self._beats = list(self._beats), set()
+            for i in range(0, len(beats), m.MAX_NODE_SERVED):
+                chunk = beats[i:i + m.MAX_NODE_SERVED]
+                payload = {"node": self.node, "token": self._token,
+                           "workers": [{"worker_id": w, "token": t} for w, t in chunk]}
+                try:
+                    reply = await self._send(m.OP_NODE_HEARTBEAT, payload)
+                except TransportError as exc:
+                    log.warning("node_heartbeat refused", node=self.node, error=repr(exc)[:200])
+                    continue
+                if reply is None:
+                    return  # the controller is gone; the agent exits
+                unknown = reply.get("unknown") if isinstance(reply, dict) else None
+                heard = {w for w, _ in chunk}
+                # Only ids this relay passed on: the set stays bounded by the node's workers.
+                self._forgotten.update(w for w in unknown or () if w in heard)
+
+    def _dropped(self, dropped: DroppedSubscriber) -> None:
+        if len(self._drops) < _MAX_DROPS:
+            self._drops.append({"name": dropped.name, "reason": dropped.reason,
+                                "connected": dropped.connected})
+            self._wake.set()
+
+    async def _report(self) -> None:
+        """One ``node_served`` in flight at a time, carrying all that waits."""
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._pending or self._drops:
+                entries = list(self._pending.values())[:m.MAX_NODE_SERVED]
+                for e in entries:
+                    del self._pending[e["worker_id"]]
+                drops, self._drops = self._drops, []
+                payload: dict[str, Any] = {"node": self.node, "token": self._token,
+                                           "served": entries, "dropped": drops}
+                try:
+                    reply = await self._send(m.OP_NODE_SERVED, payload)
+                except DeadlineExceeded:
+                    # Unanswered (taking a report twice is harmless): sent again with the next,
+                    # unless a worker reported a later version meanwhile.
+                    for e in entries:
+                        self._pending.setdefault(e["worker_id"], e)
+                    self._drops[:0] = drops
+                    continue
+                except TransportError as exc:  # refused: logged, as a worker's own would be
+                    log.warning("node_served refused", node=self.node, error=repr(exc)[:200])
+                    continue
+                self.sent += 1
+                if reply is None:
+                    return  # the controller is gone; the agent exits
+
+    @property
+    def waiting(self) -> int:
+        """Reports not yet sent."""
+        return len(self._pending)
+
