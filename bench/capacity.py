@@ -27,8 +27,13 @@ Keys, per ``<n>w`` (64, 256, 1024 workers):
 And: ``samples_per_s_max``: the highest of the measured rates; ``samples_per_s_ceiling``:
 1e6 ÷ ``cpu_us_per_sample_1024w``, the rate a controller with one core of its own sustains at
 1,024 workers (the workers here share 2 cores with it, so the measured rate is bounded by their
-CPU first); ``dispatch_p50_us_1024w`` / ``dispatch_p99_us_1024w``: from the report that made a
-micro-batch dispatchable to its task in the worker's mailbox (`Controller.dispatch_us`);
+CPU first); ``dispatch_p50_us_1024w`` / ``dispatch_p99_us_1024w``: from the start of the
+dispatch pass that handed a task out (run inline by the report that made it dispatchable) to the
+task in the worker's mailbox (`Controller.dispatch_us`): a task's place in its pass, in wall
+time, so the tail is the largest passes (a node agent's gathered ``node_served`` hands out a
+task to each of its workers that loaded the version) stretched by the machine's load;
+``dispatch_pass_max_tasks_1024w``: the most tasks one pass handed out
+(`Controller.dispatch_pass_tasks`);
 ``controller_rss_mb``: the controller process's resident memory after the 1,024-worker run, and
 ``controller_rss_growth_mb`` over what it held before starting.
 
@@ -114,6 +119,7 @@ async def measure(workers: int, agents: int, steps: int,
     async with started_with_agents(spec, nodes) as ctl:
         await ctl.run(steps=1, timeout_s=300)  # warm-up: every worker polling, first version
         ctl.dispatch_us.clear()
+        ctl.dispatch_pass_tasks.clear()
         cpu0, loop0 = me.cpu_times(), loop_cpu(me)
         if profile is not None:
             profile.enable()
@@ -131,6 +137,7 @@ async def measure(workers: int, agents: int, steps: int,
             "samples_per_s": out["samples_per_s"], "cpu_us_per_sample": cpu / samples * 1e6,
             "cpu_share": cpu / out["wall_s"], "loop_share": (loop1 - loop0) / cpu,
             "dispatch_us": list(ctl.dispatch_us),
+            "pass_max": max(ctl.dispatch_pass_tasks, default=0),
             "rss": me.memory_info().rss, "rss_growth": me.memory_info().rss - rss0,
         }
 
@@ -152,6 +159,7 @@ async def main_async(quick: bool) -> dict[str, Any]:
         "samples_per_s_ceiling": round(1e6 / big["cpu_us_per_sample"]),
         "dispatch_p50_us_1024w": round(statistics.median(d), 1) if d else None,
         "dispatch_p99_us_1024w": round(pct(d, 0.99), 1),
+        "dispatch_pass_max_tasks_1024w": big["pass_max"],
         "controller_rss_mb": round(big["rss"] / 2**20, 1),
         "controller_rss_growth_mb": round(big["rss_growth"] / 2**20, 1),
         "samples_per_step": GROUPS_PER_STEP * GROUP,

@@ -152,6 +152,7 @@ class Controller:
         self._fatal: BaseException | None = None
         self._frozen = False  # objects frozen at start (`gc.freeze`), given back by aclose
         self._kick_at = 0.0
+        self._pass_sent = 0
         self._failures: collections.Counter[tuple[str, int]] = collections.Counter()
         self._owned: list[asyncio.Task[None]] = []
         self._server: RpcServer | None = None
@@ -184,6 +185,9 @@ class Controller:
             self.on_step.append(lambda e: ev.committed(e["step"], time.perf_counter()))
             ev.on_record.append(self._evaluated)
         self.dispatch_us: collections.deque[float] = collections.deque(maxlen=100_000)
+        #: tasks each dispatch pass handed out (passes handing out none are not kept): a task's
+        #: `dispatch_us` is its place in its pass, so the largest passes set its tail
+        self.dispatch_pass_tasks: collections.deque[int] = collections.deque(maxlen=100_000)
         self.errors: collections.deque[dict[str, Any]] = collections.deque(maxlen=50)
         #: the HTTP monitor's settings; None runs no monitor.
         self.monitor_config = monitor
@@ -493,6 +497,7 @@ class Controller:
             return
         self._dispatching = True
         self._kick_at = now = time.perf_counter()
+        self._pass_sent = 0
         try:
             self.scheduler.dispatch(steps_target=self._steps_target, now=now)
             if self.node_leases is not None:
@@ -502,6 +507,8 @@ class Controller:
             self._fail_run(RunError(f"dispatch failed: {exc!r}"))
         finally:
             self._dispatching = False
+            if self._pass_sent:
+                self.dispatch_pass_tasks.append(self._pass_sent)
 
     def _check_drained(self) -> None:
         if self._paused and not self.assignments and not self._drained_sent:
@@ -512,6 +519,7 @@ class Controller:
         """The scheduler's output: ``a`` goes to its worker's mailbox."""
         if self._kick_at:
             self.dispatch_us.append((time.perf_counter() - self._kick_at) * 1e6)
+        self._pass_sent += 1
         ev = self.evaluation
         groups = ev.row_group if ev is not None and ev.owns(a.task.id) else self.index.row_group
         self.api.deliver(w.worker_id, a, groups)

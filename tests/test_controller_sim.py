@@ -48,6 +48,9 @@ async def test_run_trains_every_row_once_within_the_staleness_bound(staleness: i
     if staleness == 0:
         assert out["staleness"] == {0: 64}
     assert status["worker_deaths"] == 0
+    # every task sent is counted in the pass that sent it
+    assert sum(ctl.dispatch_pass_tasks) == len(ctl.dispatch_us) > 0
+    assert min(ctl.dispatch_pass_tasks) >= 1
 
 
 @pytest.mark.timeout(90)
