@@ -295,17 +295,7 @@ class VLLMRolloutEngine:
     ) -> None:
         # vLLM repacks weights into its own layout: `shared` tensors are copied like any.
         self._enter()
-        plan = self.plan_weights(state)
-        try:
-            self._reload(weights_iterator=plan)
-            self._loads += 1
-        except Exception as exc:
-            self._recover(exc)
-            raise RuntimeError(
-                f"vLLM failed to reload weights for version {version} ({exc!r}); the engine "
-                f"reloaded {self.model_dir} and serves version {self._version}"
-            ) from exc
-        self._version = version
+        self._load(self.plan_weights(state), version, "reload weights")
 
     def load_weight_stream(self, buckets: Iterable[Mapping[str, Tensor]], version: int) -> None:
         """Load weights that arrive bucket by bucket: vLLM draws the next bucket once it has
@@ -316,16 +306,7 @@ class VLLMRolloutEngine:
         vLLM's reload, so the engine reloads ``model_dir`` as for any failed reload (see the
         module docstring) and raises `RuntimeError`."""
         self._enter()
-        try:
-            self._reload(weights_iterator=self._stream(buckets))
-            self._loads += 1
-        except Exception as exc:
-            self._recover(exc)
-            raise RuntimeError(
-                f"vLLM failed to load the weight stream of version {version} ({exc!r}); the "
-                f"engine reloaded {self.model_dir} and serves version {self._version}"
-            ) from exc
-        self._version = version
+        self._load(self._stream(buckets), version, "load the weight stream")
 
     def _stream(self, buckets: Iterable[Mapping[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
         seen: set[str] = set()
@@ -341,6 +322,20 @@ class VLLMRolloutEngine:
         missing = [n for n in self._shapes if n not in seen]
         if missing:
             raise KeyError(f"missing weights: {sorted(missing)[:5]}")
+
+    def _load(self, weights: Iterable[tuple[str, Tensor]], version: int, what: str) -> None:
+        """vLLM's in-place reload of ``weights`` as ``version``; on any failure the engine
+        reloads ``model_dir`` (`_recover`) and raises RuntimeError saying what it serves."""
+        try:
+            self._reload(weights_iterator=weights)
+            self._loads += 1
+        except Exception as exc:
+            self._recover(exc)
+            raise RuntimeError(
+                f"vLLM failed to {what} for version {version} ({exc!r}); the engine reloaded "
+                f"{self.model_dir} and serves version {self._version}"
+            ) from exc
+        self._version = version
 
     def _reload(self, **kwargs: Any) -> None:
         self.llm.collective_rpc("reload_weights", kwargs=kwargs)
