@@ -124,10 +124,8 @@ class WorkerApi:
         async def checked(p: Any, peer: bytes) -> Any:
             wid = p.get("worker_id") if isinstance(p, dict) else None
             info = self.registry.get(wid) if type(wid) is str else None
-            if info is not None:
-                token = p.get("token")
-                if type(token) is not bytes or not hmac.compare_digest(token, info.token):
-                    raise PermissionError(f"a call for worker {wid} without its token")
+            if info is not None and not _carries(p, info.token):
+                raise PermissionError(f"a call for worker {wid} without its token")
             return await handler(p, peer)
         return checked
 
@@ -232,8 +230,7 @@ class WorkerApi:
             info = self.registry.get(wid) if type(wid) is str else None
             if info is None or info.node != node:
                 continue  # gone meanwhile (or never this node's)
-            token = e.get("token")
-            if type(token) is not bytes or not hmac.compare_digest(token, info.token):
+            if not _carries(e, info.token):
                 log.warning("ignored a served report without its worker's token",
                             worker=wid, node=node)
                 continue
@@ -274,18 +271,15 @@ class WorkerApi:
             if info is None:
                 unknown.append(wid)
                 continue
-            token = e.get("token")
-            if (info.node == node and type(token) is bytes
-                    and hmac.compare_digest(token, info.token)):
+            if info.node == node and _carries(e, info.token):
                 self.registry.heartbeat(wid, now)
         return {"ok": True, "unknown": unknown}
 
     def _node(self, p: Any, op: str) -> str:
         """The node a node agent's request names, checked against the node's token."""
         node = _str(p, "node")
-        expected, token = self._node_token(node), p.get("token")
-        if expected is None or type(token) is not bytes or not hmac.compare_digest(token,
-                                                                                   expected):
+        expected = self._node_token(node)
+        if expected is None or not _carries(p, expected):
             raise PermissionError(f"a {op} for node {node!r} without its token")
         return node
 
@@ -318,6 +312,12 @@ class WorkerApi:
 
 
 # ---- request validation (a malformed request is answered with an error and changes nothing) --
+
+def _carries(p: dict[str, Any], token: bytes) -> bool:
+    """Whether request (or gathered entry) ``p`` carries ``token`` (compared in constant time)."""
+    given = p.get("token")
+    return type(given) is bytes and hmac.compare_digest(given, token)
+
 
 def _str(p: Any, key: str) -> str:
     value = p.get(key) if isinstance(p, dict) else None
