@@ -31,6 +31,7 @@ from flowrl.control.admission import Admission
 from flowrl.control.assignments import Assignment, Assignments
 from flowrl.control.evaluation import eval_summary, evaluation_for
 from flowrl.control.ledger import LostTrainerState, StepLedger, rank_shares
+from flowrl.control.lost_nodes import LostNodes
 from flowrl.control.node_leases import NodeLeases, dispatching_nodes
 from flowrl.control.reports import TaskReport, check_report
 from flowrl.control.run_view import RunCounters, status_snapshot
@@ -113,6 +114,8 @@ class Controller:
                                    self.ledger, self.assignments, group_size=spec.group_size,
                                    send=self._send, free=self.store_feed.free,
                                    evaluation=self.evaluation)
+        #: nodes lost mid-run, and the groups whose data was on their stores
+        self.lost_nodes = LostNodes(self.index, self.scheduler.drop_group)
         self.api = WorkerApi(self.registry, self.assignments, self,
                              has_role=lambda role: spec.pool(role) is not None, now=self._now,
                              node_token=self._node_token)
@@ -499,6 +502,7 @@ class Controller:
         self._kick_at = now = time.perf_counter()
         self._pass_sent = 0
         try:
+            self.lost_nodes.sweep()
             self.scheduler.dispatch(steps_target=self._steps_target, now=now)
             if self.node_leases is not None:
                 self.node_leases.dispatch(now)
@@ -514,6 +518,7 @@ class Controller:
         if self._paused and not self.assignments and not self._drained_sent:
             self._drained_sent = True
             self.events.emit("drained", version=self.version)
+            self._changed_now()  # `wait_for` callers waiting for the drain
 
     def _send(self, w: WorkerInfo, a: Assignment) -> None:
         """The scheduler's output: ``a`` goes to its worker's mailbox."""
@@ -734,10 +739,26 @@ class Controller:
     # ---- failures --------------------------------------------------------------------------
 
     def _on_node_lost(self, node: str) -> None:
+        """``node``'s agent stopped answering: its workers and its store's data are gone. The
+        run goes on without them when it can (`flowrl.control.lost_nodes`)."""
         if self.node_leases is not None:
             self.node_leases.node_gone(node)
-        if not self._stop.is_set():
-            self._fail_run(RunError(f"node agent {node!r} stopped answering"))
+        if self._stop.is_set():
+            return
+        why = self.workforce.node_lost(node)
+        for info in [w for w in self.registry.all() if w.node == node]:
+            self.worker_gone(info.worker_id, f"its node agent {node!r} stopped answering")
+        if why is not None:
+            self._fail_run(RunError(f"node agent {node!r} stopped answering and {why}"))
+            return
+        held = self.lost_nodes.lost(node)
+        self._log().warning("node lost; the run goes on without it", node=node,
+                            groups_with_lost_data=held, dropped=self.lost_nodes.groups_dropped)
+        self.errors.append({"node": node, "error": f"node agent {node!r} stopped answering; "
+                            f"{held} groups had data there"})
+        self.events.emit("node_lost", node=node, groups=held)
+        self._changed_now()
+        self._wake()
 
     def _fail_run(self, error: RunError) -> None:
         """Stop the run with ``error``: every waiter wakes up and raises it."""
@@ -778,7 +799,7 @@ class Controller:
             stale_dropped=self.stale_dropped, store_stats=self.store_stats,
             counters=self._counters, restarts=self.restarts, errors=list(self.errors),
             lag=self._lag, events=self.events, monitor_url=self.monitor_url,
-            eval_log=self.eval_log)
+            eval_log=self.eval_log, lost_nodes=self.lost_nodes)
 
     def kill_worker_process(self, pid: int) -> None:
         """SIGKILL one child (tests and chaos use this)."""

@@ -39,7 +39,7 @@ Guarantees.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Final
 
@@ -302,6 +302,28 @@ class Index:
     def group_meta(self, gid: int) -> Any:
         """The `meta` given to `add_group` (e.g. the dataset index, to readmit a stale prompt)."""
         return self._group(gid).meta
+
+    def groups_holding(self, holds: Callable[[Any], bool]) -> list[int]:
+        """Ids of the live groups with a row holding a handle for which ``holds`` is true
+        (e.g. one on a lost node's store). A scan of every live row: for rare events only."""
+        unset = _UNSET
+        out: dict[int, None] = {}
+        for row in self._rows.values():
+            if row.gid in out or row.dropped:
+                continue
+            if any(h is not unset and holds(h) for h in row.handles):
+                out[row.gid] = None
+        return list(out)
+
+    def group_in_flight(self, gid: int) -> bool:
+        """Whether a task holds a row of live group ``gid`` (a trained micro-batch stays in
+        flight until its step commits)."""
+        rows = self._rows
+        return any((row := rows.get(rid)) is not None and row.flight
+                   for rid in self._group(gid).rows)
+
+    def has_group(self, gid: int) -> bool:
+        return gid in self._groups
 
     def row_group(self, rid: int) -> int:
         return self._row(rid).gid

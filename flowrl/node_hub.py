@@ -74,7 +74,8 @@ class ClusterConfig(ClusterSettings):
     keys: CurveKeys | None = None
     """The run's curve keys; None makes fresh ones."""
     node_timeout_s: float = Field(default=15.0, gt=0.0)
-    """A remote agent not heard from for this long is lost, and the run fails."""
+    """A remote agent not heard from for this long is lost: its workers and its store's data
+    with it. The run goes on without the node when it can (`flowrl.control.lost_nodes`)."""
 
     @classmethod
     def from_settings(cls, settings: ClusterSettings, *, host: str | None = None
@@ -92,6 +93,8 @@ class _Remote:
     pid: int = 0
     peer_store: str = ""
     last_seen: float = 0.0
+    #: not heard from within ``node_timeout_s``: out of the run for good (`NodeHub.lose`)
+    lost: bool = False
     #: what its agent signs its gathered reports with (`flowrl.node_relay`), given at its join
     token: bytes = field(default_factory=lambda: secrets.token_bytes(16), repr=False)
     # Spawn commands not yet collected: one per worker process of the node, plus restarts.
@@ -133,7 +136,8 @@ class FanOutPublisher(Publisher):
 
 class StoreRouter(RpcClient):
     """The controller's store client: frees go to the node holding each handle (its own node's
-    store over ipc, others over tcp+curve); ``stats`` adds every node's under ``nodes``."""
+    store over ipc, others over tcp+curve; a lost node's are dropped); ``stats`` adds every
+    node's under ``nodes``."""
 
     def __init__(self, endpoint: str, node: str, peers: Mapping[str, str],
                  keys: CurveKeys) -> None:
@@ -158,6 +162,8 @@ class StoreRouter(RpcClient):
                     node = Handle.from_wire(h).node
                 except MalformedMessage:  # the own store refuses it and says why
                     node = self._node
+                if node != self._node and node not in self._peers:
+                    continue  # a lost node's (`NodeHub.lose`): that memory is gone
                 by_node.setdefault(node, []).append(h)
             own = super().call  # zero-argument super() is unavailable in a comprehension
             calls: list[Awaitable[Any]] = [
@@ -298,7 +304,7 @@ class NodeHub:
     def token(self, node: str) -> bytes | None:
         """The token of `node`'s agent, once it joined (None before, or for no such node)."""
         remote = self._remote.get(node)
-        return remote.token if remote is not None and remote.pid else None
+        return remote.token if remote is not None and remote.pid and not remote.lost else None
 
     def add_peer(self, node: str, endpoint: str) -> None:
         self.peers[node] = endpoint
@@ -338,6 +344,10 @@ class NodeHub:
         remote = self._remote.get(name) if isinstance(name, str) else None
         if remote is None:
             raise ValueError(f"node {name!r} is not part of this run; have {self.nodes}")
+        if remote.lost:  # its agent was stopped, not dead, and woke up: it must go
+            raise ValueError(f"node {remote.name!r} was declared lost after "
+                             f"{self.config.node_timeout_s}s without a word and is out of the "
+                             "run; its agent must exit")
         return remote
 
     async def _join(self, payload: Any, peer: bytes) -> dict[str, Any]:
@@ -411,7 +421,7 @@ class NodeHub:
     async def _watch(self) -> None:
         timeout = self.config.node_timeout_s
         while True:
-            joined = [r for r in self._remote.values() if r.pid]
+            joined = [r for r in self._remote.values() if r.pid and not r.lost]
             if not joined:
                 self._changed.clear()
                 await self._changed.wait()
@@ -420,13 +430,26 @@ class NodeHub:
             lost = [r for r in joined if now - r.last_seen > timeout]
             for r in lost:
                 log.warning("node agent lost", node=r.name, silent_s=round(now - r.last_seen, 1))
-                r.last_seen = float("inf")  # reported once
+                self.lose(r.name)
                 self._on_lost(r.name)
-            oldest = min(r.last_seen for r in joined)
+            alive = [r.last_seen for r in joined if not r.lost]
+            if not alive:
+                continue
             # A timer to the next deadline (an event-driven wait has nothing to wait on: the
             # sign of loss is the absence of messages).
-            await asyncio.sleep(max(0.05, oldest + timeout - now) if oldest != float("inf")
-                                else timeout)
+            await asyncio.sleep(max(0.05, min(alive) + timeout - now))
+
+    def lose(self, node: str) -> None:
+        """``node`` is out of the run: its store is no peer any more, its requests are refused,
+        and kill orders waiting for it are done (its workers die with their agent)."""
+        remote = self._remote[node]
+        remote.lost = True
+        remote.commands.clear()
+        remote.kills.clear()
+        self.peers.pop(node, None)
+        for order_node, done in self._orders.values():
+            if order_node == node and not done.done():
+                done.set_result(None)
 
     async def _close(self) -> None:
         self._stopping = True

@@ -41,6 +41,7 @@ __all__ = [
     "Run",
     "contiguous_runs",
     "dtype_name",
+    "handle_node",
     "handle_to_wire",
     "is_handle",
     "rows_from_wire",
@@ -145,6 +146,19 @@ def is_handle(value: Any) -> bool:
     """Whether a decoded field value is a store handle (sent by `to_wire`) rather than an inline
     value such as a prompt position or a reward. Its validity is `Handle.from_wire`'s check."""
     return type(value) is msgpack.ExtType and value.code == HANDLE_EXT
+
+
+def handle_node(value: Any) -> str | None:
+    """The node whose store holds handle ``value`` (in its ext form); None for an inline value
+    or an undecodable handle (what `Handle.from_wire` refuses holds no memory anywhere)."""
+    if not is_handle(value):
+        return None
+    try:
+        fields = _unwrap(value)
+    except MalformedMessage:
+        return None
+    node = fields[0] if type(fields) is list and fields else None
+    return node if type(node) is str else None
 
 
 def _unwrap_all(values: list[Any] | tuple[Any, ...]) -> list[Any]:

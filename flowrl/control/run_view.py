@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from flowrl.control.admission import Admission
 from flowrl.control.assignments import Assignments
 from flowrl.control.ledger import StepLedger
+from flowrl.control.lost_nodes import LostNodes
 from flowrl.control.step_metrics import StepFailures
 from flowrl.events import EventBus
 from flowrl.graph import StageGraph
@@ -46,7 +47,8 @@ def status_snapshot(*, run_id: str, graph: StageGraph, index: Index, registry: R
                     stale_dropped: int, store_stats: dict[str, Any], counters: RunCounters,
                     restarts: int, errors: list[dict[str, Any]], lag: LoopLag | None,
                     events: EventBus, monitor_url: str | None,
-                    eval_log: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                    eval_log: list[dict[str, Any]] | None = None,
+                    lost_nodes: LostNodes | None = None) -> dict[str, Any]:
     stats = index.statistics()
     wall = (time.perf_counter() - counters.started_at) if counters.started_at else 0.0
     now = time.time()
@@ -100,6 +102,8 @@ def status_snapshot(*, run_id: str, graph: StageGraph, index: Index, registry: R
         "admission_paused_for_store": backpressure.paused,
         "store_backpressure": backpressure.statistics(time.perf_counter()),
         "worker_deaths": counters.worker_deaths,
+        "nodes_lost": [] if lost_nodes is None else list(lost_nodes.nodes),
+        "groups_lost": 0 if lost_nodes is None else lost_nodes.groups_dropped,
         "restarts": restarts,
         "errors": errors,
         "loop_lag": lag.snapshot() if lag is not None else None,

@@ -216,11 +216,16 @@ class Scheduler:
 
     def _drop_stale(self) -> None:
         for gid in self.index.take_stale():
-            handles = self.index.drop_group(gid)
-            self.admission.dropped(gid)
+            self.drop_group(gid)
             self.stale_dropped += 1
-            if handles:
-                self._free(handles)
+
+    def drop_group(self, gid: int) -> None:
+        """Drop live group ``gid`` (stale, or its data lost with a node): its prompt is sampled
+        again, and its memory freed (a row a task still holds, once that task ends)."""
+        handles = self.index.drop_group(gid)
+        self.admission.dropped(gid)
+        if handles:
+            self._free(handles)
 
     def _assign(self, w: WorkerInfo, task: Task, params: dict[str, Any], now: float) -> None:
         self.registry.assign(w, task.id, max(1, task.tokens))

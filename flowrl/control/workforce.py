@@ -348,6 +348,30 @@ class Workforce:
                                   f"stopped reading broadcasts ({dropped.reason})")
                 self.hung(info)
 
+    def node_lost(self, node: str) -> str | None:
+        """``node``'s agent was lost, and its worker processes with it (they die with their
+        agent): they are not restarted, the node is out of the run. Returns why the run cannot
+        go on without them (None: it can)."""
+        gone = {name: p for name, p in self._processes.items()
+                if self.node_of(p.role, p.proc_no) == node}
+        for name in gone:
+            del self._processes[name]
+            self._hung.discard(name)
+        trainers = sorted(n for n, p in gone.items() if p.role == self.train_role)
+        if trainers:
+            return (f"trainer process(es) {trainers} ran there: the trainer's state is lost "
+                    "(resume the run from its last checkpoint)")
+        left = {p.role for p in self._processes.values()}
+        if self.spec.colocated and self.train_role in left:
+            left.add("rollout")  # hosted by the train processes
+        empty = sorted({p.role for p in gone.values()} - left)
+        if empty:
+            return f"no {', '.join(empty)} worker is left on any other node"
+        if gone:
+            log.warning("worker processes lost with their node", node=node,
+                        processes=sorted(gone))
+        return None
+
     async def _kill_remote(self, node: str, name: str) -> None:
         assert self.hub is not None
         try:
@@ -416,10 +440,11 @@ class Workforce:
             await self._restart_group(delay)
             return
         await asyncio.sleep(delay)  # backoff timer, not a poll
-        if self._stopping():
+        proc = self._processes.get(name)
+        if self._stopping() or proc is None:  # None: its node was lost meanwhile
             return
         try:
-            await self._spawn(self._processes[name])
+            await self._spawn(proc)
         except Exception as exc:  # a process that cannot start again ends the run, loudly
             self._fail_run(f"could not restart worker process {name}: {exc!r}")
             return

@@ -1,0 +1,118 @@
+"""A node agent lost mid-run (killed, or stopped for longer than ``node_timeout_s``) takes its
+workers and its store's data with it; the run goes on without the node
+(`flowrl.control.lost_nodes`).
+
+Real controller, the controller's own node agent and one on node ``a`` over tcp+curve, and
+worker processes on the simulated engine: half the rollout workers on each node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+
+import psutil
+import pytest
+
+from flowrl.controller import Controller
+from flowrl.node_hub import ClusterConfig
+from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages
+from tests.test_multinode import FAST, agents_reaped, start_agent, wait_exit
+from transport.curve import CurveKeys
+from transport.handles import handle_node
+
+ROLLOUT = 6
+
+
+def spec(rollout_nodes: tuple[str, ...]) -> PipelineSpec:
+    return PipelineSpec(
+        stages=grpo_stages(group_size=4, train_micro_groups=2),
+        pools=(PoolSpec("rollout", count=ROLLOUT, per_process=ROLLOUT // len(rollout_nodes),
+                        nodes=rollout_nodes),
+               PoolSpec("reward", count=1), PoolSpec("train", count=1)),
+        group_size=4, groups_per_step=4, max_staleness=1,
+        engine="sim", engine_config=FAST, store_capacity_bytes=32 << 20,
+        heartbeat_s=0.5, heartbeat_timeout_s=10.0,
+    )
+
+
+def on_a(ctl: Controller) -> list[int]:
+    """Live groups with a row whose data is on node a's store."""
+    return ctl.index.groups_holding(lambda h: handle_node(h) == "a")
+
+
+def idle_on_a(ctl: Controller) -> list[int]:
+    return [g for g in on_a(ctl) if not ctl.index.group_in_flight(g)]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+async def test_a_lost_node_is_left_behind_its_lost_groups_redone_and_no_row_trained_twice(
+        tmp_path: Path, how: str) -> None:
+    keys = CurveKeys.generate()
+    ctl = Controller(spec(("node0", "a")), cluster=ClusterConfig(keys=keys, node_timeout_s=3.0),
+                     start_timeout_s=60)
+    assert ctl.nodes is not None
+    log = tmp_path / "a.log"
+    procs: list[asyncio.subprocess.Process] = []
+    async with agents_reaped(procs):
+        try:
+            starting = asyncio.ensure_future(ctl.start())
+            endpoint = await ctl.nodes.wait_listening()
+            procs.append(await start_agent(endpoint, "a", log, env=keys.to_env()))
+            await starting
+            agent = psutil.Process(procs[0].pid)
+            family = agent.children(recursive=True)
+            assert family  # its worker process
+            running = asyncio.ensure_future(ctl.run(steps=8, timeout_s=150))
+            # Drained, with node a's data waiting in the index and no task reading it: what
+            # is dropped at the loss is then known exactly.
+            for _ in range(20):
+                await ctl.wait_for(lambda: ctl.version >= 1 or running.done())
+                ctl.pause()
+                await ctl.wait_for(lambda: not ctl.assignments)
+                if idle_on_a(ctl):
+                    break
+                ctl.resume()
+                version = ctl.version
+                await ctl.wait_for(lambda v=version: ctl.version > v or running.done())
+            held, idle = on_a(ctl), idle_on_a(ctl)
+            assert idle, "no drained state with node a's data waiting came up"
+            if how == "killed":
+                agent.send_signal(signal.SIGKILL)
+            else:
+                agent.suspend()  # and its workers: a whole node frozen
+                for p in family:
+                    p.suspend()
+            async with asyncio.timeout(30):
+                await ctl.wait_for(lambda: ctl.lost_nodes.nodes == ["a"])
+            # Waiting groups were dropped at once; held ones (a trained micro-batch of the
+            # step in progress) wait for their step.
+            assert ctl.lost_nodes.groups_dropped == len(idle) >= 1
+            assert ctl.lost_nodes.waiting == len(held) - len(idle)
+            assert not [w for w in ctl.registry.all() if w.node == "a"]
+            assert ctl.status()["nodes_lost"] == ["a"]
+            if how == "stopped":
+                for p in [agent, *family]:
+                    p.resume()  # it wakes up to a refusal and leaves, with its workers
+                assert await wait_exit(procs[0], log) != 0
+                assert "declared lost" in log.read_text()
+            ctl.resume()
+            out = await running
+            assert out["version"] == ctl.version == 8
+            assert out["rows_trained_twice"] == 0
+            ctl.index.audit()  # the index's books balance (raises if not)
+            # Nothing of node a is left: every group with data there was trained or dropped.
+            assert not on_a(ctl)
+            assert ctl.lost_nodes.waiting == 0
+            assert ctl.status()["groups_lost"] == len(idle)
+            # The workers left were enough: node0's rollout workers made every later step.
+            assert {w.node for w in ctl.registry.of_role("rollout")} == {"node0"}
+        finally:
+            await ctl.aclose()
+        if how == "killed":
+            await wait_exit(procs[0], log)
+    # Its workers die with it (parent-death signal): none is left.
+    _, alive = psutil.wait_procs(family, timeout=30)
+    assert not alive
