@@ -25,15 +25,20 @@ from transport.handles import handle_node
 ROLLOUT = 6
 
 
-def spec(rollout_nodes: tuple[str, ...]) -> PipelineSpec:
+def spec(rollout_nodes: tuple[str, ...], *, node_dispatch: bool = False) -> PipelineSpec:
+    """Half the rollout workers on each node; with ``node_dispatch``, a reward worker on each
+    node too, node a's dispatched by its agent under leases."""
+    reward = (PoolSpec("reward", count=2, per_process=1, nodes=("node0", "a")) if node_dispatch
+              else PoolSpec("reward", count=1))
     return PipelineSpec(
         stages=grpo_stages(group_size=4, train_micro_groups=2),
         pools=(PoolSpec("rollout", count=ROLLOUT, per_process=ROLLOUT // len(rollout_nodes),
                         nodes=rollout_nodes),
-               PoolSpec("reward", count=1), PoolSpec("train", count=1)),
+               reward, PoolSpec("train", count=1)),
         group_size=4, groups_per_step=4, max_staleness=1,
-        engine="sim", engine_config=FAST, store_capacity_bytes=32 << 20,
-        heartbeat_s=0.5, heartbeat_timeout_s=10.0,
+        engine="sim", engine_config={**FAST, "reward_token_s": 0.002 if node_dispatch else 0.0},
+        store_capacity_bytes=32 << 20, heartbeat_s=0.5, heartbeat_timeout_s=10.0,
+        node_dispatch=node_dispatch,
     )
 
 
@@ -114,5 +119,49 @@ async def test_a_lost_node_is_left_behind_its_lost_groups_redone_and_no_row_trai
         if how == "killed":
             await wait_exit(procs[0], log)
     # Its workers die with it (parent-death signal): none is left.
+    _, alive = psutil.wait_procs(family, timeout=30)
+    assert not alive
+
+
+@pytest.mark.timeout(180)
+async def test_a_lost_dispatching_node_gives_its_leases_back_and_no_row_is_trained_twice(
+        tmp_path: Path) -> None:
+    keys = CurveKeys.generate()
+    ctl = Controller(spec(("node0", "a"), node_dispatch=True),
+                     cluster=ClusterConfig(keys=keys, node_timeout_s=3.0), start_timeout_s=60)
+    assert ctl.nodes is not None
+    leases = ctl.node_leases
+    assert leases is not None
+    log = tmp_path / "a.log"
+    procs: list[asyncio.subprocess.Process] = []
+    async with agents_reaped(procs):
+        try:
+            starting = asyncio.ensure_future(ctl.start())
+            endpoint = await ctl.nodes.wait_listening()
+            procs.append(await start_agent(endpoint, "a", log, env=keys.to_env()))
+            await starting
+            family = psutil.Process(procs[0].pid).children(recursive=True)
+            running = asyncio.ensure_future(ctl.run(steps=8, timeout_s=150))
+            # Killed while it holds leases, not drained: tasks in flight there come back.
+            granted = asyncio.Event()
+            leases.on_grant.append(granted.set)
+            while not leases.leases.leased("a"):
+                granted.clear()
+                await granted.wait()
+            procs[0].send_signal(signal.SIGKILL)
+            async with asyncio.timeout(30):
+                await ctl.wait_for(lambda: ctl.lost_nodes.nodes == ["a"])
+            assert leases.leases.leased("a") == 0
+            assert leases.lost_back >= 1  # what it held when it died came back
+            await running
+            out = await ctl.run(steps=3, timeout_s=60)  # all of it without node a
+            assert out["version"] == ctl.version >= 11
+            assert out["rows_trained_twice"] == 0
+            ctl.index.audit()
+            assert not on_a(ctl)
+            assert {w.node for w in ctl.registry.of_role("reward")} == {"node0"}
+        finally:
+            await ctl.aclose()
+        await wait_exit(procs[0], log)
     _, alive = psutil.wait_procs(family, timeout=30)
     assert not alive

@@ -116,6 +116,8 @@ class NodeLeases:
         #: tasks given back by agents (failed, their worker gone) and taken back by expiry
         self.given_back = 0
         self.expired = 0
+        #: tasks of leases taken back from lost agents
+        self.lost_back = 0
         #: leases granted, and tasks in them
         self.granted = 0
         self.tasks_leased = 0
@@ -154,7 +156,9 @@ class NodeLeases:
     def node_gone(self, name: str) -> None:
         """``name``'s agent was lost: its leases' tasks come back."""
         if name in self._nodes:
-            self._back(self.leases.node_gone(name))
+            back = self.leases.node_gone(name)
+            self.lost_back += len(back)
+            self._back(back)
 
     # ---- dispatch ---------------------------------------------------------------------------
 
