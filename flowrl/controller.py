@@ -751,6 +751,7 @@ class Controller:
         if why is not None:
             self._fail_run(RunError(f"node agent {node!r} stopped answering and {why}"))
             return
+        self.versions.announce(m.TOPIC_NODE_LOST, {"node": node})  # workers stop reading it
         held = self.lost_nodes.lost(node)
         self._log().warning("node lost; the run goes on without it", node=node,
                             groups_with_lost_data=held, dropped=self.lost_nodes.groups_dropped)

@@ -78,6 +78,10 @@ so that however many are open, heartbeats are still read and answered."""
 
 TOPIC_VERSION: Final = "version"
 TOPIC_STOP: Final = "stop"
+#: ``{"node": name}``: that node is out of the run, its store with it (`flowrl.control.lost_nodes`)
+TOPIC_NODE_LOST: Final = "node_lost"
+#: what workers and node relays subscribe to
+WORKER_TOPICS: Final = (TOPIC_VERSION, TOPIC_STOP, TOPIC_NODE_LOST)
 
 DataPlane = Literal["encrypted", "plaintext"]
 """How sample bytes of cross-node store reads travel (``ClusterSettings.data_plane``; node

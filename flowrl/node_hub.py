@@ -25,7 +25,7 @@ from flowrl.recipe import ClusterSettings
 from flowrl.worker_spec import ProcessSpec
 from transport.curve import CurveKeys
 from transport.endpoints import tcp_endpoint
-from transport.errors import MalformedMessage
+from transport.errors import MalformedMessage, TransportError
 from transport.handles import Handle
 from transport.key_file import HeldKeyFile, hold
 from transport.pubsub import DroppedSubscriber, Publisher
@@ -181,10 +181,10 @@ class StoreRouter(RpcClient):
                                                                      strict=True))}}
         return await super().call(op, payload, timeout=timeout)
 
-    async def aclose(self) -> None:
-        await super().aclose()
+    async def aclose(self, error: TransportError | None = None) -> None:
+        await super().aclose(error)
         for client in self._clients.values():
-            await client.aclose()
+            await client.aclose(error)
 
 
 class NodeHub:

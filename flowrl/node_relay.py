@@ -8,11 +8,11 @@ second. With it the controller sends one copy per node agent and takes one ``nod
 request per node and batch, and one ``node_heartbeat`` per node every `HEARTBEAT_S`. The
 agent (`flowrl.node`, either kind) runs a `NodeRelay`:
 
-- *broadcasts*: it subscribes to the controller's topics (``version``, ``stop``) and republishes
-  each message on an ipc publisher of its own, which its node's workers join instead of the
-  controller's. A worker that stops reading the relay is dropped by it (as the controller's
-  publisher would) and reported upstream in the next ``node_served``, where the controller
-  treats it as hung, as before.
+- *broadcasts*: it subscribes to the controller's topics (``version``, ``stop``,
+  ``node_lost``) and republishes each message on an ipc publisher of its own, which its
+  node's workers join instead of the controller's. A worker that stops reading the relay is
+  dropped by it (as the controller's publisher would) and reported upstream in the next
+  ``node_served``, where the controller treats it as hung, as before.
 - *heartbeats*: workers send their heartbeats to the relay too; every `HEARTBEAT_S` (or the
   workers' heartbeat period when shorter: `flowrl.node_hub.relay_heartbeat_s`) it passes
   on the workers it heard from since the last time in one ``node_heartbeat``, and answers a
@@ -73,7 +73,7 @@ class NodeRelay:
         self.node = node
         self._token = token
         self._send = send
-        self._sub = Subscriber(upstream, [m.TOPIC_VERSION, m.TOPIC_STOP], name=f"node:{node}",
+        self._sub = Subscriber(upstream, list(m.WORKER_TOPICS), name=f"node:{node}",
                                curve=curve)
         self._pub = Publisher(ipc_endpoint(run_id, f"relay-{node}"), on_drop=self._dropped)
         self._server = RpcServer(ipc_endpoint(run_id, f"served-{node}"),

@@ -13,10 +13,12 @@ from typing import Any
 
 import pytest
 import torch
+import zmq
+import zmq.asyncio
 
 from transport import shm
 from transport.endpoints import ipc_endpoint, remove_run_dir, tcp_endpoint
-from transport.errors import RemoteError, UnknownSegment
+from transport.errors import NodeLost, RemoteError, UnknownSegment
 from transport.handles import rows_from_wire
 from transport.rpc import RpcClient
 from transport.store import Handle, SampleStore
@@ -495,3 +497,36 @@ async def test_readonly_views_see_recycled_contents_and_refuse_writes(run_id: st
             assert await proc.finish() == -signal.SIGSEGV
         assert torch.equal(store.get(handles["w"])[0], torch.ones(4))  # unchanged
         await writer.free(handles["w"])
+
+
+@pytest.mark.timeout(60)
+async def test_reads_of_a_lost_node_fail_at_once_with_node_lost(run_id: str) -> None:
+    # A peer that takes requests and never answers: the store server of a node whose agent
+    # is stopped. A read waits for it (its timeout is far off) until the node is lost.
+    ctx = zmq.asyncio.Context()
+    peer = ctx.socket(zmq.ROUTER)
+    peer.setsockopt(zmq.LINGER, 0)
+    endpoint = ipc_endpoint(run_id, "silent-store")
+    peer.bind(endpoint)
+    lost = Handle("node0", f"flowrl-{run_id}-x", 0, "int64", (4,))
+    client = StoreClient(run_id, "node1", "ipc:///unused", peers={"node0": endpoint},
+                         timeout=600.0)
+    try:
+        async with client:
+            reading = asyncio.ensure_future(client.get([lost]))
+            async with asyncio.timeout(STEP):
+                await peer.recv_multipart()  # the read is at the peer, waiting
+            assert not reading.done()
+            await client.lose_node("node0")
+            async with asyncio.timeout(STEP):
+                with pytest.raises(NodeLost, match="node 'node0' was lost"):
+                    await reading
+            # Later reads and frees of its handles fail at once too.
+            with pytest.raises(NodeLost):
+                await client.get([lost])
+            with pytest.raises(NodeLost):
+                await client.free([lost])
+            await client.lose_node("node1")  # its own node: never lost from here
+    finally:
+        peer.close()
+        ctx.term()

@@ -45,6 +45,10 @@ class ClosedError(TransportError):
     """The socket or store was closed while an operation was pending."""
 
 
+class NodeLost(TransportError):
+    """A node is out of the run and its store with it: its data cannot be read any more."""
+
+
 class BindRefused(TransportError):
     """A bind to a non-loopback address was attempted without explicit permission."""
 

@@ -385,6 +385,7 @@ class RpcClient(Closeable):
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._next_id = 0
         self._closed = False
+        self._closed_by: TransportError | None = None  # what calls raise once closed
         self._late = 0
         self._malformed = 0
         self._handshakes: HandshakeWatch | None = None
@@ -393,7 +394,7 @@ class RpcClient(Closeable):
 
     def _open(self) -> AsyncSocket:
         if self._closed:
-            raise ClosedError("client is closed")
+            raise self._closed_by or ClosedError("client is closed")
         options: list[tuple[int, int | bytes]] = [
             (zmq.SNDHWM, _HWM),
             (zmq.RCVHWM, _HWM),
@@ -444,6 +445,8 @@ class RpcClient(Closeable):
         the limit, here or at the server), Overloaded (a long poll over the server's
         budget), KeysRefused (a curve server refuses this client's keys), ClosedError.
         """
+        if self._closed:
+            raise self._closed_by or ClosedError("client is closed")
         sock = self._sock or self._open()
         if self._refused:
             raise KeysRefused(self._endpoint, self._refused)
@@ -495,11 +498,12 @@ class RpcClient(Closeable):
         else:
             fut.set_exception(_reply_error(status, body))
 
-    async def aclose(self) -> None:
-        """Close the socket; pending calls raise ClosedError."""
+    async def aclose(self, error: TransportError | None = None) -> None:
+        """Close the socket; pending and later calls raise ``error`` (default: ClosedError)."""
         if self._closed:
             return
         self._closed = True
+        self._closed_by = error
         if self._handshakes is not None:
             self._handshakes.close()
         if self._sock is not None:
@@ -507,7 +511,7 @@ class RpcClient(Closeable):
         pending, self._pending = self._pending, {}
         for fut in pending.values():
             if not fut.done():
-                fut.set_exception(ClosedError("client closed"))
+                fut.set_exception(error or ClosedError("client closed"))
 
     def statistics(self) -> RpcClientStats:
         return RpcClientStats(

@@ -15,7 +15,7 @@ import zmq
 
 from transport import shm
 from transport.curve import CurveKeys, for_endpoint
-from transport.errors import ClosedError, MalformedMessage, RemoteError, TransportError
+from transport.errors import ClosedError, MalformedMessage, NodeLost, RemoteError, TransportError
 from transport.handles import DTYPES, ITEMSIZE, Handle, Run, contiguous_runs, single_run
 from transport.packing import (
     FieldData,
@@ -105,10 +105,25 @@ class StoreClient:
         self._reads = MappingCache(cache_bytes)
         self._writes = MappingCache(cache_bytes, writable=True)
         self._batchers: dict[str, _ReadBatcher] = {}
+        self._lost: set[str] = set()
 
     def set_peer(self, node: str, endpoint: str) -> None:
         """Where the store server of `node` listens (for reading and freeing its handles)."""
         self._peers[node] = endpoint
+
+    async def lose_node(self, node: str) -> None:
+        """`node` is out of the run, its store with it: calls to its server waiting now raise
+        `NodeLost` at once (not after the timeout), and so does every later one."""
+        if node == self.node or node in self._lost:
+            return
+        self._lost.add(node)
+        self._peers.pop(node, None)
+        self._batchers.pop(node, None)
+        error = NodeLost(f"node {node!r} was lost with its store")
+        for clients in (self._remote, self._plain):
+            client = clients.pop(node, None)
+            if client is not None:
+                await client.aclose(error)
 
     # -- connections ----------------------------------------------------------------------------
 
@@ -127,6 +142,8 @@ class StoreClient:
     def _peer(self, node: str) -> RpcClient:
         if node == self.node:
             return self._own()
+        if node in self._lost:
+            raise NodeLost(f"node {node!r} was lost with its store")
         client = self._remote.get(node)
         if client is None:
             endpoint = self._peers.get(node)
@@ -146,10 +163,13 @@ class StoreClient:
         batcher = self._batchers.get(node)
         if batcher is not None:
             return batcher
+        self._peer(node)  # NodeLost for a lost node, before waiting for anything
         async with self._discovering:
             batcher = self._batchers.get(node)
             if batcher is None:
-                batcher = self._batchers[node] = _ReadBatcher(await self._reader(node))
+                reader = await self._reader(node)
+                self._peer(node)  # lost meanwhile: NodeLost
+                batcher = self._batchers[node] = _ReadBatcher(reader)
             return batcher
 
     async def _reader(self, node: str) -> RpcClient:

@@ -127,6 +127,8 @@ class Store(Protocol):
 
     async def free(self, handles: Sequence[Handle]) -> None: ...
 
+    async def lose_node(self, node: str) -> None: ...
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -246,7 +248,7 @@ class Worker:
         # Where ``served`` and heartbeats go. The relay is on this node (ipc): no curve.
         self._relay_rpc = (RpcClient(config.relay, timeout=config.rpc_timeout_s)
                             if config.relay else self._rpc)
-        self._sub = Subscriber(config.broadcast, [m.TOPIC_VERSION, m.TOPIC_STOP], name=config.name,
+        self._sub = Subscriber(config.broadcast, list(m.WORKER_TOPICS), name=config.name,
                                curve=for_endpoint(config.curve, config.broadcast))
         self._stopped = asyncio.Event()
         self._idle = asyncio.Event()  # set when no task is in flight
@@ -450,6 +452,11 @@ class Worker:
             if topic == m.TOPIC_STOP:
                 self._stopped.set()
                 return
+            if topic == m.TOPIC_NODE_LOST:
+                node = payload.get("node") if isinstance(payload, dict) else None
+                if type(node) is str:  # its reads fail now, not after their timeout
+                    await self.store.lose_node(node)
+                continue
             if topic != m.TOPIC_VERSION:
                 continue
             version = payload.get("version") if isinstance(payload, dict) else None

@@ -157,6 +157,10 @@ class Versions:
     def _served(self) -> set[int]:
         return self.registry.versions(self.rollout_role)
 
+    def announce(self, topic: str, payload: dict[str, Any]) -> None:
+        """Broadcast something other than a version (a node lost), in order with them."""
+        self._queue.put_nowait((topic, payload))
+
     async def broadcast(self, pub: Publisher) -> None:
         """Send the queued broadcasts, in order (an owned task runs this)."""
         while True:
