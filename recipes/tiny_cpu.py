@@ -15,7 +15,9 @@ reward (``workers.roles.builtin_rewards.numeric_partial_credit``) is 1.0 for the
 reward from about 0.45 over the first ten steps to 0.90-0.96 over the last ten: ten runs of ten
 learned (five seeds, each alone and beside two CPU-bound processes; ``bench/learning.py``,
 2026-12-01), 72-157 s of training on shared cores. 400 steps, not 300: at 300 the slowest runs
-were still climbing (0.81-0.82 at the end of two loaded runs). Another build of the same model
+were still climbing (0.81-0.82 at the end of two loaded runs). Those figures are of one CPU's
+build: on an AVX-512 Xeon (2026-12-02) the build answers 2 of 36 greedily and two runs ended at
+0.67 and 0.50 (README.md, "On another CPU"). Another build of the same model
 (``model.tiny.seed=1``) warm-starts worse and collapses at ~0.55; bench/README.md has the
 figures.
 
