@@ -72,6 +72,18 @@ async def start_agent(endpoint: str, node: str, log: Path, *, keys_file: Path | 
             env={**os.environ, **(env or {})}, cwd=ROOT)
 
 
+async def start_joined(ctl: Controller, node: str, log: Path, keys: CurveKeys,
+                       procs: list[asyncio.subprocess.Process]) -> asyncio.subprocess.Process:
+    """Start ``ctl`` with ``node``'s agent (under ``keys``, added to ``procs`` to be reaped
+    before the start is awaited); returns the agent."""
+    assert ctl.nodes is not None
+    starting = asyncio.ensure_future(ctl.start())
+    endpoint = await ctl.nodes.wait_listening()
+    procs.append(await start_agent(endpoint, node, log, env=keys.to_env()))
+    await starting
+    return procs[-1]
+
+
 async def wait_exit(proc: asyncio.subprocess.Process, log: Path) -> int:
     try:
         async with asyncio.timeout(EXIT_S):

@@ -18,7 +18,7 @@ import pytest
 from flowrl.controller import Controller
 from flowrl.node_hub import ClusterConfig
 from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages
-from tests.test_multinode import FAST, agents_reaped, start_agent, wait_exit
+from tests.test_multinode import FAST, agents_reaped, start_joined, wait_exit
 from transport.curve import CurveKeys
 from transport.handles import handle_node
 
@@ -63,10 +63,7 @@ async def test_a_lost_node_is_left_behind_its_lost_groups_redone_and_no_row_trai
     procs: list[asyncio.subprocess.Process] = []
     async with agents_reaped(procs):
         try:
-            starting = asyncio.ensure_future(ctl.start())
-            endpoint = await ctl.nodes.wait_listening()
-            procs.append(await start_agent(endpoint, "a", log, env=keys.to_env()))
-            await starting
+            await start_joined(ctl, "a", log, keys, procs)
             agent = psutil.Process(procs[0].pid)
             family = agent.children(recursive=True)
             assert family  # its worker process
@@ -136,10 +133,7 @@ async def test_a_lost_dispatching_node_gives_its_leases_back_and_no_row_is_train
     procs: list[asyncio.subprocess.Process] = []
     async with agents_reaped(procs):
         try:
-            starting = asyncio.ensure_future(ctl.start())
-            endpoint = await ctl.nodes.wait_listening()
-            procs.append(await start_agent(endpoint, "a", log, env=keys.to_env()))
-            await starting
+            await start_joined(ctl, "a", log, keys, procs)
             family = psutil.Process(procs[0].pid).children(recursive=True)
             running = asyncio.ensure_future(ctl.run(steps=8, timeout_s=150))
             # Killed while it holds leases, not drained: tasks in flight there come back.

@@ -19,7 +19,7 @@ from flowrl import messages as m
 from flowrl.controller import Controller, RunError
 from flowrl.node_hub import ClusterConfig
 from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages
-from tests.test_multinode import FAST, agents_reaped, start_agent, wait_exit
+from tests.test_multinode import FAST, agents_reaped, start_joined, wait_exit
 from transport.curve import CurveKeys
 from transport.errors import TransportError
 from transport.rpc import RpcClient
@@ -142,10 +142,7 @@ async def test_a_remote_nodes_workers_are_relayed_and_losing_its_only_rollout_no
     procs: list[asyncio.subprocess.Process] = []
     async with agents_reaped(procs):
         try:
-            starting = asyncio.ensure_future(ctl.start())
-            endpoint = await ctl.nodes.wait_listening()
-            procs.append(await start_agent(endpoint, "a", log, env=keys.to_env()))
-            await starting
+            await start_joined(ctl, "a", log, keys, procs)
             await ctl.run(steps=2, timeout_s=60)
             await served.wait(ctl.version)
             assert served.calls["served"] == served.calls["heartbeat"] == 0
