@@ -55,7 +55,8 @@ async def test_a_learning_rate_spike_is_rolled_back(guarded: bool) -> None:
         log, events = ctl.step_log, guard_events(ctl)
     after = mean_reward(log, len(log) - 9, len(log))
     wrecked = min(e["reward_mean"] for e in log[40:60])
-    assert wrecked < before / 2  # the spike did collapse the policy
+    # The spike did drop the reward (a guarded run's rollback may cut the fall short).
+    assert wrecked < before - 0.1
     if not guarded:
         assert events == []
         # It does not come back by itself: it stays below where it was, or it has settled
