@@ -7,7 +7,7 @@ BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup chromium test lint types layers pytest demo bench clean test-vllm test-gpu
+.PHONY: setup chromium model test lint types layers pytest demo bench clean test-vllm test-gpu
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -32,9 +32,15 @@ types: $(STAMP)
 layers: $(STAMP)
 	$(BIN)/lint-imports --no-cache
 
+# The default job's tiny model, built into the cache once (a minute or two the first time) so
+# that the tests which train it do not build it inside their timeouts, two at once.
+model: $(STAMP)
+	$(BIN)/python -c 'from flowrl.recipe_file import load_recipe; from flowrl.run import \
+		prepare_model; print("model", prepare_model(load_recipe("recipes/tiny_cpu.py")))'
+
 # Two processes, each taking whole test modules (module fixtures are built once): the suite's
 # tests wait on subprocesses and sockets as much as they compute, so two share 2 cores well.
-pytest: $(STAMP) chromium
+pytest: $(STAMP) chromium model
 	$(BIN)/pytest -q -n 2 --dist loadfile
 
 test: lint types layers pytest

@@ -35,7 +35,7 @@ def cli_args(settings: dict[str, Any]) -> list[str]:
     """``python -m flowrl.tiny_model``'s options for `build_tiny_model`'s keyword arguments
     ``settings`` (those the recipe's ``tiny`` section sets)."""
     names = {"corpus_kind": "corpus"}
-    return [a for k, v in settings.items()
+    return [a for k, v in settings.items() if v is not None
             for a in (f"--{names.get(k, k).replace('_', '-')}", str(v))]
 
 
@@ -56,7 +56,12 @@ def _said(progress: Progress, line: str, what: str, steps: int) -> bool:
         progress.update(f"{what} made: {millions:.2f}M parameters ({took}){warm}", force=True)
     elif stage == "warmup":
         step, total = record["step"], record["steps"]
-        progress.update(lambda: f"warm-up step {step} of {total} ({took})")
+        known = record.get("known")
+        if known is None:
+            progress.update(lambda: f"warm-up step {step} of {total} ({took})")
+        else:  # a warm-up with a target: what the model knows, at most every 100 steps
+            progress.update(f"warm-up step {step} of at most {total}: {known:.0%} of the "
+                            f"corpus's questions answered ({took})", force=True)
     elif stage == "save":
         progress.update(f"saving ({took})", force=True)
     return True
@@ -70,9 +75,12 @@ async def build_in_child(out: Path, settings: dict[str, Any], *, what: str,
     and waited for; a forced stop (`Interrupts.force`) kills it. Raises `BuildFailed` with
     the end of its output when it fails."""
     steps = int(settings.get("pretrain_steps", 0))
-    progress.begin("model", f"building the {what}",
-                   f"building the {what}" + (f" ({steps} warm-up steps)" if steps else "")
-                   + f" into the cache, where later runs find it: {out}")
+    until = settings.get("pretrain_until")
+    warm = (f" ({steps} warm-up steps)" if until is None else
+            f" (warm-up until it answers {until:.0%} of its corpus's questions, at most "
+            f"{steps} steps)") if steps else ""
+    progress.begin("model", f"building the {what}", f"building the {what}{warm} into the "
+                   f"cache, where later runs find it: {out}")
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "flowrl.tiny_model", str(out), *cli_args(settings),
         "--json-progress", stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,

@@ -84,7 +84,11 @@ def tiny_build(tiny: TinyModelConfig, *, head: HeadKind = "lm") -> tuple[Path, d
     settings = tiny.model_dump(mode="json")
     # Another install (other torch/transformers/tokenizers) or build procedure builds other
     # bytes: its own entry (a checkout with another procedure never rebuilds this one in place).
+    if not settings["pretrain_steps"]:
+        settings["pretrain_until"] = None  # no warm-up to end: the same build as without
     keyed = {**settings, "libraries": build_versions(), "format": BUILD_FORMAT}
+    if keyed["pretrain_until"] is None:  # keys of models cached before the field existed
+        del keyed["pretrain_until"]
     if head != "lm":  # a causal LM's key names no head
         keyed["head"] = head
     key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:12]
@@ -94,6 +98,7 @@ def tiny_build(tiny: TinyModelConfig, *, head: HeadKind = "lm") -> tuple[Path, d
         "layers": settings["layers"], "heads": settings["heads"],
         "kv_heads": settings["kv_heads"], "max_positions": settings["max_positions"],
         "pretrain_steps": settings["pretrain_steps"], "seed": settings["seed"],
+        "pretrain_until": settings["pretrain_until"],
         "corpus_kind": settings["corpus"], "head": head,
     }
 

@@ -26,10 +26,10 @@ of small arithmetic prompts quickly (short lines) while leaving most answers unk
 ``tool_calls`` teaches the format of a calculator call on two-digit sums (`tool_call_line`), not
 the habit of calling: most of its lines answer directly, with a random number.
 
-CLI: ``python -m flowrl.tiny_model OUT_DIR [--seed N] [--pretrain-steps N] [--corpus KIND]
-[--head lm|score] [--json-progress]`` (and the shape: ``--vocab-size``, ``--hidden``,
-``--layers``, ``--heads``, ``--kv-heads``, ``--max-positions``). It says what it builds on
-stderr; SIGINT or SIGTERM stop it with exit code 130, leaving nothing that looks built.
+CLI: ``python -m flowrl.tiny_model OUT_DIR [--seed N] [--pretrain-steps N] [--pretrain-until S]
+[--corpus KIND] [--head lm|score] [--json-progress]`` (and the shape: ``--vocab-size``,
+``--hidden``, ``--layers``, ``--heads``, ``--kv-heads``, ``--max-positions``). It says what it
+builds on stderr; SIGINT or SIGTERM stop it with exit code 130, leaving nothing that looks built.
 """
 
 from __future__ import annotations
@@ -118,13 +118,17 @@ class TinySpec:
     libraries: dict[str, str]
     format: int = BUILD_FORMAT
     head: HeadKind = "lm"
+    pretrain_until: float | None = None
 
     def manifest(self) -> dict[str, Any]:
-        """The spec as the manifest records it; a causal LM's leaves ``head`` out, so the
-        causal LMs cached before reward models existed stay valid."""
+        """The spec as the manifest records it; a causal LM's leaves ``head`` out, and a
+        warm-up of a fixed length leaves ``pretrain_until`` out, so the models cached before
+        either existed stay valid."""
         out = asdict(self)
         if self.head == "lm":
             del out["head"]
+        if self.pretrain_until is None:
+            del out["pretrain_until"]
         return out
 
 
@@ -233,30 +237,90 @@ def _train_tokenizer(corpus: Sequence[str], vocab_size: int) -> Any:
     return tok
 
 
+def answer_pairs(corpus: Iterable[str]) -> list[tuple[str, str]]:
+    """The corpus's distinct ``question=answer`` lines split after the first ``=`` (lines
+    without one, or with nothing after it, have no answer to know), in first-seen order."""
+    seen: dict[tuple[str, str], None] = {}
+    for line in corpus:
+        question, eq, answer = line.partition("=")
+        if eq and answer and EOS_TOKEN not in answer:
+            seen[(question + eq, answer)] = None
+    return list(seen)
+
+
+def _padded(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[Any, Any]:
+    """Token rows as one right-padded batch: (ids, attention mask)."""
+    import torch
+
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r)
+        mask[i, :len(r)] = 1
+    return ids, mask
+
+
+def known_share(model: Any, tokenizer: Any, pairs: Sequence[tuple[str, str]]) -> float:
+    """The share of ``pairs`` whose greedy completion of the question is exactly the answer and
+    then the end of text: every answer token, and the end, is the most likely one after the
+    question and the answer's earlier tokens (one batched forward pass, no sampling)."""
+    import torch
+
+    if not pairs:
+        return 0.0
+    rows, starts = [], []
+    for question, answer in pairs:
+        asked = tokenizer(question).input_ids
+        row = [*tokenizer(question + answer).input_ids, tokenizer.eos_token_id]
+        if row[:len(asked)] != asked:  # the answer merged into the question's last token
+            raise ValueError(f"{question + answer!r} does not tokenize as its question "
+                             "then its answer")
+        rows.append(row)
+        starts.append(len(asked))
+    ids, mask = _padded(rows, tokenizer.pad_token_id)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        best = model(input_ids=ids, attention_mask=mask).logits.argmax(-1)
+    model.train(was_training)
+    known = sum(
+        bool((best[i, start - 1:len(r) - 1] == ids[i, start:len(r)]).all())
+        for i, (r, start) in enumerate(zip(rows, starts, strict=True)))
+    return known / len(rows)
+
+
+#: how often (steps) a warm-up with a target (``pretrain_until``) checks what the model knows
+KNOWN_EVERY = 100
+
+
 def _pretrain(model: Any, tokenizer: Any, corpus: Sequence[str], steps: int, seed: int,
-              progress: BuildProgress) -> None:
-    """A short language-modelling warm-up on the corpus, so the model knows its formats."""
+              progress: BuildProgress, until: float | None = None) -> None:
+    """A short language-modelling warm-up on the corpus, so the model knows its formats.
+    ``until``: stop early, at a multiple of `KNOWN_EVERY` steps, once the model answers that
+    share of the corpus's questions exactly (`known_share`)."""
     import torch
 
     rng = random.Random(seed)
     encoded = [[*tokenizer(line).input_ids, tokenizer.eos_token_id] for line in corpus]
+    pairs = answer_pairs(corpus) if until is not None else []
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     model.train()
     for step in range(1, steps + 1):
-        rows = [rng.choice(encoded) for _ in range(32)]
-        width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, : len(r)] = torch.tensor(r)
-            mask[i, : len(r)] = 1
+        ids, mask = _padded([rng.choice(encoded) for _ in range(32)], tokenizer.pad_token_id)
         labels = ids.masked_fill(mask == 0, -100)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        progress("warmup", {"step": step, "steps": steps})
+        if until is not None and step % KNOWN_EVERY == 0:
+            known = known_share(model, tokenizer, pairs)
+            progress("warmup", {"step": step, "steps": steps, "known": known})
+            if known >= until:
+                break
+        else:
+            progress("warmup", {"step": step, "steps": steps})
     model.eval()
 
 
@@ -322,7 +386,8 @@ def _write(dest: Path, spec: TinySpec, corpus: Sequence[str],
         model: Any = model_cls(config)
         progress("model", {"parameters": sum(p.numel() for p in model.parameters())})
         if spec.pretrain_steps:
-            _pretrain(model, tokenizer, corpus, spec.pretrain_steps, spec.seed, progress)
+            _pretrain(model, tokenizer, corpus, spec.pretrain_steps, spec.seed, progress,
+                      spec.pretrain_until)
     progress("save", {})
     model.eval()
     model.save_pretrained(dest)
@@ -353,6 +418,7 @@ def tiny_spec(
     pretrain_steps: int = 0,
     corpus_kind: CorpusKind = "mixed",
     head: HeadKind = "lm",
+    pretrain_until: float | None = None,
 ) -> tuple[TinySpec, list[str]]:
     """The spec `build_tiny_model` builds with these settings, and its corpus; ValueError for
     settings it cannot build."""
@@ -366,6 +432,13 @@ def tiny_spec(
     lines = list(corpus) if corpus is not None else synthetic_corpus(seed, kind=corpus_kind)
     if not lines:
         raise ValueError("corpus is empty")
+    if not pretrain_steps:
+        pretrain_until = None  # no warm-up: nothing to end early, the same build as without
+    if pretrain_until is not None:
+        if not 0.0 < pretrain_until <= 1.0:
+            raise ValueError(f"pretrain_until is a share in (0, 1], got {pretrain_until}")
+        if not answer_pairs(lines):
+            raise ValueError("pretrain_until needs a corpus with 'question=answer' lines")
     spec = TinySpec(
         vocab_size=vocab_size,
         hidden=hidden,
@@ -379,6 +452,7 @@ def tiny_spec(
         pretrain_steps=pretrain_steps,
         libraries=build_versions(),
         head=head,
+        pretrain_until=pretrain_until,
     )
     return spec, lines
 
@@ -405,13 +479,18 @@ def build_tiny_model(
     pretrain_steps: int = 0,
     corpus_kind: CorpusKind = "mixed",
     head: HeadKind = "lm",
+    pretrain_until: float | None = None,
     progress: BuildProgress | None = None,
 ) -> Path:
     """Build (or reuse) a tiny Qwen2 model and tokenizer in ``out_dir``; return its path.
 
     ``corpus`` defaults to `synthetic_corpus(seed, kind=corpus_kind)`. ``pretrain_steps`` > 0
     runs that many language-modelling steps (batch 32) on the corpus before saving; 0 keeps
-    random weights.
+    random weights. ``pretrain_until`` (a share) ends the warm-up earlier, once the model
+    answers that share of the corpus's distinct ``question=answer`` lines exactly (greedily;
+    `known_share`, checked every `KNOWN_EVERY` steps): how fast a model learns its facts
+    depends on the CPU's kernels, so a fixed number of steps leaves models built on different
+    CPUs knowing different amounts, and a target leaves them knowing about the same.
     The tokenizer's vocabulary is at most ``vocab_size`` (fewer if the corpus has too few
     merges); the model's vocabulary equals the tokenizer's.
     ``head="score"`` builds a reward model (one scalar per sequence) with random weights
@@ -422,7 +501,8 @@ def build_tiny_model(
     spec, lines = tiny_spec(
         vocab_size=vocab_size, hidden=hidden, layers=layers, heads=heads, kv_heads=kv_heads,
         intermediate=intermediate, max_positions=max_positions, seed=seed, corpus=corpus,
-        pretrain_steps=pretrain_steps, corpus_kind=corpus_kind, head=head)
+        pretrain_steps=pretrain_steps, corpus_kind=corpus_kind, head=head,
+        pretrain_until=pretrain_until)
     out = Path(out_dir)
     if _read_manifest(out) == spec.manifest():
         return out
@@ -485,6 +565,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--max-positions", type=int, default=512)
     parser.add_argument("--pretrain-steps", type=int, default=0)
+    parser.add_argument("--pretrain-until", type=float, default=None,
+                        help="end the warm-up once this share of the corpus's questions is "
+                             "answered exactly (checked every 100 steps)")
     parser.add_argument("--corpus", choices=CORPORA, default="mixed")
     parser.add_argument("--head", choices=HEADS, default="lm")
     parser.add_argument("--json-progress", action="store_true",
@@ -501,6 +584,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             kv_heads=args.kv_heads,
             max_positions=args.max_positions,
             pretrain_steps=args.pretrain_steps,
+            pretrain_until=args.pretrain_until,
             corpus_kind=args.corpus,
             head=args.head,
             progress=_say(args.json_progress),

@@ -77,7 +77,7 @@ def _group_of(p: psutil.Process) -> int | None:
 @pytest.mark.timeout(120)
 def test_ctrl_c_during_the_tiny_model_build_leaves_nothing_that_looks_built(
         tmp_path: Path) -> None:
-    proc = _launch(tmp_path, "--steps", "3")  # the recipe's 200 warm-up steps: a long build
+    proc = _launch(tmp_path, "--steps", "3")  # the recipe's warm-up: a long build
     seen = _until(proc, "model   building the tiny model")
     code, rest, err = _ctrl_c(proc, tmp_path)
     assert code == 130, err[-20:]

@@ -114,7 +114,13 @@ def test_a_build_childs_json_lines_become_progress_lines() -> None:
     assert lines[1:] == ["model   tokenizer trained: 258 tokens (3.0 s)",
                          "model   tiny model made: 0.91M parameters (3.0 s); 30 warm-up steps "
                          "next"]
-    assert cli_args({"hidden": 32, "kv_heads": 1, "corpus_kind": "arithmetic"}) == [
+    # A warm-up with a target says what the model knows at each check, at once.
+    assert _said(p, json.dumps({"stage": "warmup", "step": 100, "steps": 4000, "known": 0.25}),
+                 "tiny model", 4000)
+    assert lines[-1] == ("model   warm-up step 100 of at most 4000: 25% of the corpus's "
+                         "questions answered (3.0 s)")
+    assert cli_args({"hidden": 32, "kv_heads": 1, "corpus_kind": "arithmetic",
+                     "pretrain_until": None}) == [
         "--hidden", "32", "--kv-heads", "1", "--corpus", "arithmetic"]
 
 

@@ -497,6 +497,9 @@ def test_exceptions_while_running_the_file_name_file_and_line(tmp_path: Path) ->
                   "e.g. trainer.lr=1e-5"),
         ("trainer..lr=1", "--set 'trainer..lr=1': expected key=value"),
         ("=3", "--set '=3': expected key=value"),
+        ("model.tiny.pretrain_until=2",
+         "model.tiny.pretrain_until: input should be less than or equal to 1 (got 2) "
+         "(after --set model.tiny.pretrain_until=2)"),
     ],
 )
 def test_bad_overrides_name_the_file_and_field(

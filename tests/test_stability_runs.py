@@ -46,10 +46,16 @@ def guard_events(ctl: Controller) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("guarded", [True, False])
 async def test_a_learning_rate_spike_is_rolled_back(guarded: bool) -> None:
     after_spike = 60 if guarded else 30  # unguarded: enough to see the drop
-    spec = compile_recipe(recipe(f"steps={40 + after_spike}", f"stability.enabled={guarded}"))
+    # The reward-drop signal is armed at the spike: before it, the guard keeps good weights but
+    # does not judge a drop (a gain it could never reach). Whether the first 40 steps gain, and
+    # by more than their noise, depends on the tiny model's build (one measured here did not),
+    # and a rollback before the spike would test something else.
+    spec = compile_recipe(recipe(f"steps={40 + after_spike}", f"stability.enabled={guarded}",
+                                 "stability.reward_min_gain=1.0"))
     async with Controller(spec) as ctl:
         await ctl.run(steps=40)
         before = mean_reward(ctl.step_log, 31, 40)
+        ctl.guard.settings = ctl.guard.settings.model_copy(update={"reward_min_gain": 0.0})
         ctl.scale_lr(100.0)  # Adam at 0.1 on a 0.9M-parameter model: the policy is wrecked
         await ctl.run(steps=after_spike)
         log, events = ctl.step_log, guard_events(ctl)
@@ -59,20 +65,18 @@ async def test_a_learning_rate_spike_is_rolled_back(guarded: bool) -> None:
     assert wrecked < before - 0.1
     if not guarded:
         # A disabled guard does nothing. Whether the policy comes back by itself depends on
-        # the tiny model's build (on some it was in a trough before the spike and climbs past
-        # it), so only the guarded run's recovery is judged.
+        # the tiny model's build, so only the guarded run's recovery is judged.
         assert events == []
         assert all("stability" not in e for e in log)
         return
-    # The guard's answer to the spike (steps 41 on; an earlier action is not what is tested).
-    rollbacks = [e for e in events if e["action"] == "rollback" and e["step"] > 40]
+    assert not [e for e in events if e["action"] == "rollback" and e["step"] <= 40], events
+    rollbacks = [e for e in events if e["action"] == "rollback"]
     assert rollbacks, events
     assert rollbacks[0]["signal"] == "reward_drop"
+    # Weights kept before the spike, and the rate in force then, lowered.
     assert rollbacks[0]["rollback_to"] is not None
-    # Weights kept before the reward fell (on some builds the spike takes a few steps to show,
-    # and weights kept meanwhile still counted as good), and a rate below the spike's.
-    assert rollbacks[0]["rollback_to"] < rollbacks[0]["step"]
-    assert rollbacks[0]["lr_scale"] < 100
+    assert rollbacks[0]["rollback_to"] <= 41
+    assert rollbacks[0]["lr_scale"] == 0.5
     assert after > before - RECOVERED
     assert any("stability: reward" in e.get("stability", "") for e in log)  # on the line
 

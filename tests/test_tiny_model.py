@@ -14,12 +14,21 @@ import torch
 import flowrl.tiny_model
 from flowrl.recipe_file import load_recipe
 from flowrl.run import prepare_model
-from flowrl.tiny_model import MANIFEST, build_tiny_model, build_versions, synthetic_corpus
+from flowrl.tiny_model import (
+    KNOWN_EVERY,
+    MANIFEST,
+    answer_pairs,
+    build_tiny_model,
+    build_versions,
+    known_share,
+    synthetic_corpus,
+)
 
 torch.set_num_threads(2)
 
 # Small shapes for tests that build several models; the default shape is built once.
 SMALL: dict[str, Any] = {"vocab_size": 400, "hidden": 32, "layers": 1, "heads": 2, "kv_heads": 1}
+SMALL_SET = [f"model.tiny.{k}={v}" for k, v in SMALL.items()]
 
 
 @pytest.fixture(scope="session")
@@ -110,11 +119,14 @@ def test_model_cache_key_includes_library_versions(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    recipe = load_recipe("recipes/tiny_cpu.py", [
-        "model.tiny.hidden=32", "model.tiny.layers=1", "model.tiny.heads=2",
-        "model.tiny.kv_heads=1", "model.tiny.vocab_size=400", "model.tiny.pretrain_steps=0"])
+    recipe = load_recipe("recipes/tiny_cpu.py", [*SMALL_SET, "model.tiny.pretrain_steps=0"])
     here = prepare_model(recipe)
     assert prepare_model(recipe) == here
+    # Without warm-up steps a warm-up target changes nothing, nor does no target: one entry.
+    for until in ("null", "0.3"):
+        assert prepare_model(load_recipe("recipes/tiny_cpu.py", [
+            *SMALL_SET, "model.tiny.pretrain_steps=0", f"model.tiny.pretrain_until={until}"])
+        ) == here
     # Only the reported versions differ (the build itself is not what is under test here).
     other = {**build_versions(), "tokenizers": "0.20.0"}
     monkeypatch.setattr(flowrl.tiny_model, "build_versions", lambda: other)
@@ -189,3 +201,54 @@ def test_a_build_says_its_stages_and_an_interrupted_one_leaves_nothing_that_look
     with pytest.raises(KeyboardInterrupt):
         build_tiny_model(tmp_path / "cut", **SMALL, pretrain_steps=2, progress=ctrl_c)
     assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no model, no temporary directory
+
+
+def test_answer_pairs_are_the_distinct_lines_with_an_answer() -> None:
+    corpus = ["1+2=3", "a few words", "1+2=3", "4*2=8", "x=", "2+2= CALL add 2 2<|endoftext|>"]
+    assert answer_pairs(corpus) == [("1+2=", "3"), ("4*2=", "8")]
+
+
+@pytest.mark.timeout(120)
+def test_a_warm_up_with_a_target_stops_once_the_model_knows_that_share(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    corpus = [f"{a}+{b}={a + b}" for a in range(3) for b in range(3)]
+    said: list[dict[str, Any]] = []
+    out = build_tiny_model(tmp_path / "m", **SMALL, corpus=corpus, pretrain_steps=5000,
+                           pretrain_until=1.0,
+                           progress=lambda stage, f: said.append(f) if "known" in f else None)
+    # Checked every KNOWN_EVERY steps, and stopped at the first check that met the target.
+    assert [f["step"] for f in said] == [KNOWN_EVERY * (i + 1) for i in range(len(said))]
+    assert said[-1]["known"] == 1.0
+    assert all(f["known"] < 1.0 for f in said[:-1])
+    assert said[-1]["step"] < 5000
+    tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    pairs = answer_pairs(corpus)
+    assert known_share(model, tok, pairs) == 1.0  # what was saved is what was checked
+    # Greedy decoding agrees: each question's answer, then the end of text.
+    for question, answer in pairs:
+        ids = tok(question, return_tensors="pt").input_ids
+        with torch.no_grad():
+            got = model.generate(ids, max_new_tokens=3, do_sample=False,
+                                 pad_token_id=tok.pad_token_id)
+        assert tok.decode(got[0, ids.shape[1]:], skip_special_tokens=True) == answer
+    assert json.loads((out / MANIFEST).read_text())["pretrain_until"] == 1.0
+    untrained = build_tiny_model(tmp_path / "raw", **SMALL, corpus=corpus)
+    assert known_share(AutoModelForCausalLM.from_pretrained(untrained), tok, pairs) < 0.5
+    # A fixed-length warm-up's manifest is as before the target existed (caches stay valid).
+    fixed = build_tiny_model(tmp_path / "fixed", **SMALL, corpus=corpus, pretrain_steps=2)
+    assert "pretrain_until" not in json.loads((fixed / MANIFEST).read_text())
+
+
+def test_a_warm_up_target_needs_answers_and_without_steps_changes_nothing(
+        tmp_path: Path) -> None:
+    # No warm-up steps: nothing to end early, the very build (and cache entry) of no warm-up.
+    none = build_tiny_model(tmp_path / "none", **SMALL, pretrain_until=0.5)
+    assert "pretrain_until" not in json.loads((none / MANIFEST).read_text())
+    assert flowrl.tiny_model.is_built(none, **SMALL)
+    with pytest.raises(ValueError, match="question=answer"):
+        build_tiny_model(tmp_path / "x", **SMALL, corpus=["no answers here"], pretrain_steps=10,
+                         pretrain_until=0.5)
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        build_tiny_model(tmp_path / "x", **SMALL, pretrain_steps=10, pretrain_until=1.5)

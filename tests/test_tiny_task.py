@@ -77,6 +77,8 @@ def test_default_recipe_compiles_to_the_documented_job() -> None:
     recipe = load_recipe("recipes/tiny_cpu.py")
     assert recipe.max_staleness == 1
     assert recipe.model.tiny.corpus == "arithmetic"
+    # A warm-up to a target, not a number of steps (the recipe says why).
+    assert (recipe.model.tiny.pretrain_until, recipe.model.tiny.pretrain_steps) == (0.5, 4000)
     spec = recipe.to_pipeline()
     threads = {p.role: p.threads for p in spec.pools}
     assert threads["rollout"] == threads["train"] == 1

@@ -28,7 +28,14 @@ class TinyModelConfig(_Section):
     max_positions: int = Field(default=512, ge=16, le=32768)
     """Longest prompt + response the model accepts."""
     pretrain_steps: int = Field(default=0, ge=0, le=100_000)
-    """Language-modelling steps on the synthetic corpus before RL; 0 keeps random weights."""
+    """Language-modelling steps on the synthetic corpus before RL; 0 keeps random weights.
+    With `pretrain_until`, the most steps the warm-up runs."""
+    pretrain_until: float | None = Field(default=None, gt=0.0, le=1.0)
+    """End the warm-up once the model answers this share of the corpus's distinct
+    ``question=answer`` lines exactly (greedily; checked every 100 steps), instead of after a
+    fixed number of steps: how fast the model learns its facts depends on the CPU's kernels,
+    so a target gives models built on different CPUs about the same knowledge. None: run
+    `pretrain_steps`. Without warm-up steps (`pretrain_steps` 0) there is nothing to end."""
     seed: int = Field(default=0, ge=0)
     """Seed of the corpus, tokenizer and weights (the build is deterministic)."""
     corpus: Literal["mixed", "arithmetic", "tool_calls"] = "mixed"
