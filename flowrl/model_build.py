@@ -39,8 +39,9 @@ def cli_args(settings: dict[str, Any]) -> list[str]:
             for a in (f"--{names.get(k, k).replace('_', '-')}", str(v))]
 
 
-def _said(progress: Progress, line: str, what: str, steps: int) -> bool:
-    """Turn one line of the child's stderr into a progress line; whether it was progress."""
+def _said(progress: Progress, line: str, what: str, steps: int, *, at_most: bool = False) -> bool:
+    """Turn one line of the child's stderr into a progress line; whether it was progress.
+    ``at_most``: the warm-up has a target and may end before ``steps``."""
     try:
         record = json.loads(line)
     except ValueError:
@@ -52,7 +53,7 @@ def _said(progress: Progress, line: str, what: str, steps: int) -> bool:
         progress.update(f"tokenizer trained: {record['tokens']} tokens ({took})", force=True)
     elif stage == "model":
         millions = record["parameters"] / 1e6
-        warm = f"; {steps} warm-up steps next" if steps else ""
+        warm = f"; {'at most ' if at_most else ''}{steps} warm-up steps next" if steps else ""
         progress.update(f"{what} made: {millions:.2f}M parameters ({took}){warm}", force=True)
     elif stage == "warmup":
         step, total = record["step"], record["steps"]
@@ -92,7 +93,7 @@ async def build_in_child(out: Path, settings: dict[str, Any], *, what: str,
         assert proc.stdout is not None
         async for raw in proc.stderr:
             line = raw.decode(errors="replace").rstrip("\n")
-            if not _said(progress, line, what, steps) and line:
+            if not _said(progress, line, what, steps, at_most=until is not None) and line:
                 other = [*other[-_ERROR_LINES + 1:], line]
         await proc.stdout.read()
         code = await proc.wait()

@@ -1,6 +1,6 @@
 """The default job (``make demo``): GRPO teaches a tiny model small sums, on two CPU cores.
 
-    python -m flowrl.launch recipes/tiny_cpu.py                        # about 1 min
+    python -m flowrl.launch recipes/tiny_cpu.py                        # about 1 min (+1 to build)
     python -m flowrl.launch recipes/tiny_cpu.py --set max_staleness=0  # synchronous
 
 Model: a ~0.9M-parameter Qwen2 built locally (``flowrl.tiny_model``, byte-level tokenizer) and

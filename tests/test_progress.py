@@ -115,6 +115,9 @@ def test_a_build_childs_json_lines_become_progress_lines() -> None:
                          "model   tiny model made: 0.91M parameters (3.0 s); 30 warm-up steps "
                          "next"]
     # A warm-up with a target says what the model knows at each check, at once.
+    assert _said(p, json.dumps({"stage": "model", "parameters": 912_000}), "tiny model", 4000,
+                 at_most=True)
+    assert lines[-1].endswith("; at most 4000 warm-up steps next")
     assert _said(p, json.dumps({"stage": "warmup", "step": 100, "steps": 4000, "known": 0.25}),
                  "tiny model", 4000)
     assert lines[-1] == ("model   warm-up step 100 of at most 4000: 25% of the corpus's "
