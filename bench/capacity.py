@@ -37,10 +37,14 @@ task to each of its workers that loaded the version) stretched by the machine's 
 ``controller_rss_mb``: the controller process's resident memory after the 1,024-worker run, and
 ``controller_rss_growth_mb`` over what it held before starting.
 
-    python bench/capacity.py [--quick]
+    python bench/capacity.py [--quick] [--rollout-groups N]
 
 ``--quick`` runs 2 measured steps per shape instead of 8; on 2 shared cores most of its ~2 min
 is starting the 25 processes (each imports torch) of the 1,024-worker shape.
+
+``--rollout-groups N``: N groups per rollout task (default 1), so a task carries 4N samples:
+the controller's cost is mostly per task (a poll, its reply, a report), so this shows how the
+ceiling moves with the task's size (``rollout_groups_per_task`` in the output).
 
 ``--profile FILE`` runs only the 1,024-worker shape, 4 measured steps under cProfile (the event
 loop's thread), writes the stats to FILE (`pstats`) and prints the calls that count messages:
@@ -85,15 +89,17 @@ GROUPS_PER_STEP = 256
 SHAPES = ((64, 1), (256, 4), (1024, 8))
 
 
-def workload(workers: int, agents: int) -> tuple[PipelineSpec, tuple[str, ...]]:
+def workload(workers: int, agents: int,
+             rollout_groups: int = 1) -> tuple[PipelineSpec, tuple[str, ...]]:
     """``workers`` in all (1/16 reward, one trainer, the rest rollout); rollout and reward
     spread over ``agents`` nodes (the controller's own first), one process per pool and node;
-    the trainer on the controller's node."""
+    the trainer on the controller's node. ``rollout_groups``: groups per rollout task."""
     nodes = ("node0", *(f"n{i}" for i in range(1, agents)))
     reward = max(agents, workers // 16)
     rollout = workers - reward - 1
     return PipelineSpec(
-        stages=grpo_stages(group_size=GROUP, train_micro_groups=8, reward_micro_batch=32),
+        stages=grpo_stages(group_size=GROUP, train_micro_groups=8, reward_micro_batch=32,
+                           rollout_micro_groups=rollout_groups),
         pools=(PoolSpec("rollout", count=rollout, per_process=-(-rollout // agents),
                         nodes=nodes),
                PoolSpec("reward", count=reward, per_process=-(-reward // agents), nodes=nodes),
@@ -111,9 +117,9 @@ def loop_cpu(me: psutil.Process) -> float:
     return next(t.user_time + t.system_time for t in me.threads() if t.id == main)
 
 
-async def measure(workers: int, agents: int, steps: int,
+async def measure(workers: int, agents: int, steps: int, rollout_groups: int = 1,
                   profile: cProfile.Profile | None = None) -> dict[str, Any]:
-    spec, nodes = workload(workers, agents)
+    spec, nodes = workload(workers, agents, rollout_groups)
     me = psutil.Process()
     rss0 = me.memory_info().rss
     async with started_with_agents(spec, nodes) as ctl:
@@ -142,12 +148,12 @@ async def measure(workers: int, agents: int, steps: int,
         }
 
 
-async def main_async(quick: bool) -> dict[str, Any]:
+async def main_async(quick: bool, rollout_groups: int) -> dict[str, Any]:
     steps = 2 if quick else 8
     result: dict[str, Any] = {}
     runs = {}
     for workers, agents in SHAPES:
-        r = runs[workers] = await measure(workers, agents, steps)
+        r = runs[workers] = await measure(workers, agents, steps, rollout_groups)
         result[f"samples_per_s_{workers}w"] = round(r["samples_per_s"], 1)
         result[f"cpu_us_per_sample_{workers}w"] = round(r["cpu_us_per_sample"], 1)
         result[f"controller_cpu_share_{workers}w"] = round(r["cpu_share"], 3)
@@ -163,6 +169,7 @@ async def main_async(quick: bool) -> dict[str, Any]:
         "controller_rss_mb": round(big["rss"] / 2**20, 1),
         "controller_rss_growth_mb": round(big["rss_growth"] / 2**20, 1),
         "samples_per_step": GROUPS_PER_STEP * GROUP,
+        "rollout_groups_per_task": rollout_groups,
         "steps": steps,
         "quick": quick,
     })
@@ -192,9 +199,9 @@ def profiled_counts(path: str) -> dict[str, Any]:
             "profiled_s": round(sum(v[2] for v in stats.values()), 2), **counts}
 
 
-async def profile_async(path: str) -> dict[str, Any]:
+async def profile_async(path: str, rollout_groups: int) -> dict[str, Any]:
     prof = cProfile.Profile()
-    r = await measure(1024, 8, 4, prof)
+    r = await measure(1024, 8, 4, rollout_groups, prof)
     prof.dump_stats(path)
     return {"samples": 4 * GROUPS_PER_STEP * GROUP,
             "cpu_us_per_sample_1024w": round(r["cpu_us_per_sample"], 1),
@@ -205,10 +212,15 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--quick", action="store_true", help="fewer steps, same keys")
     p.add_argument("--profile", metavar="FILE", help="profile the 1,024-worker shape only")
+    p.add_argument("--rollout-groups", type=int, default=1, metavar="N",
+                   help="groups of 4 per rollout task (default 1: a task per group)")
     args = p.parse_args()
+    if not 1 <= args.rollout_groups <= GROUPS_PER_STEP:
+        p.error(f"--rollout-groups must be 1..{GROUPS_PER_STEP}")
     configure(level="warning")
     start = time.perf_counter()
-    run_and_print(profile_async(args.profile) if args.profile else main_async(args.quick))
+    run_and_print(profile_async(args.profile, args.rollout_groups) if args.profile
+                  else main_async(args.quick, args.rollout_groups))
     print(f"# {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
 
