@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from bench.capacity import GROUPS_PER_STEP, workload
-
 ROOT = Path(__file__).resolve().parents[1]
+# Loaded from its file, as it runs (``bench`` is not an installed package; the script puts the
+# repository root on the path itself).
+_SPEC = importlib.util.spec_from_file_location("bench_capacity", ROOT / "bench" / "capacity.py")
+assert _SPEC is not None
+assert _SPEC.loader is not None
+capacity = importlib.util.module_from_spec(_SPEC)
+sys.modules["bench_capacity"] = capacity
+_SPEC.loader.exec_module(capacity)
+GROUPS_PER_STEP, workload = capacity.GROUPS_PER_STEP, capacity.workload
 
 
 def test_the_workload_puts_that_many_groups_in_a_rollout_task() -> None:
