@@ -46,6 +46,14 @@ is starting the 25 processes (each imports torch) of the 1,024-worker shape.
 the controller's cost is mostly per task (a poll, its reply, a report), so this shows how the
 ceiling moves with the task's size (``rollout_groups_per_task`` in the output).
 
+``--episode-turns N``: each response is a multi-turn episode of 1 to N turns (uniform; the
+real episode rollout role on the simulated engine, `workers.sim_episode`: 8 tokens a turn, a
+tool call between turns that returns at once), so the controller's cost is also stated per turn:
+``turns_per_s_<n>w`` (turns of the rollout tasks reported during the run ÷ its wall time) and
+``cpu_us_per_turn_<n>w`` (``episode_turns`` in the output). An episode's turns and tool calls
+run inside its rollout task on the worker, so the controller's cost per turn is its cost per
+sample ÷ the mean turns.
+
 ``--profile FILE`` runs only the 1,024-worker shape, 4 measured steps under cProfile (the event
 loop's thread), writes the stats to FILE (`pstats`) and prints the calls that count messages:
 requests handled by kind, messages sent, function calls in all. Call counts do not depend on the
@@ -84,30 +92,44 @@ COST = {
     "weight_numel": 1024,
 }
 GROUP = 4
+#: the most turns ``--episode-turns`` takes (an episode's response stays small)
+MAX_TURNS = 16
 GROUPS_PER_STEP = 256
 #: (workers, node agents)
 SHAPES = ((64, 1), (256, 4), (1024, 8))
 
 
-def workload(workers: int, agents: int,
-             rollout_groups: int = 1) -> tuple[PipelineSpec, tuple[str, ...]]:
+def workload(workers: int, agents: int, rollout_groups: int = 1,
+             episode_turns: int = 0) -> tuple[PipelineSpec, tuple[str, ...]]:
     """``workers`` in all (1/16 reward, one trainer, the rest rollout); rollout and reward
     spread over ``agents`` nodes (the controller's own first), one process per pool and node;
-    the trainer on the controller's node. ``rollout_groups``: groups per rollout task."""
+    the trainer on the controller's node. ``rollout_groups``: groups per rollout task;
+    ``episode_turns``: each response a multi-turn episode of 1 to that many turns (episodes
+    score themselves: no reward stage, and those workers roll out too)."""
     nodes = ("node0", *(f"n{i}" for i in range(1, agents)))
-    reward = max(agents, workers // 16)
+    reward = 0 if episode_turns else max(agents, workers // 16)
     rollout = workers - reward - 1
+    pools = [PoolSpec("rollout", count=rollout, per_process=-(-rollout // agents), nodes=nodes),
+             PoolSpec("train", count=1, nodes=("node0",))]
+    if reward:
+        pools.insert(1, PoolSpec("reward", count=reward, per_process=-(-reward // agents),
+                                 nodes=nodes))
     return PipelineSpec(
         stages=grpo_stages(group_size=GROUP, train_micro_groups=8, reward_micro_batch=32,
-                           rollout_micro_groups=rollout_groups),
-        pools=(PoolSpec("rollout", count=rollout, per_process=-(-rollout // agents),
-                        nodes=nodes),
-               PoolSpec("reward", count=reward, per_process=-(-reward // agents), nodes=nodes),
-               PoolSpec("train", count=1, nodes=("node0",))),
+                           rollout_micro_groups=rollout_groups, episode=episode_turns > 0),
+        pools=tuple(pools),
         group_size=GROUP, groups_per_step=GROUPS_PER_STEP, max_staleness=2, engine="sim",
-        engine_config=COST, store_capacity_bytes=512 << 20, heartbeat_s=1.0,
+        engine_config={**COST, **(episodes(episode_turns) if episode_turns else {})},
+        store_capacity_bytes=512 << 20, heartbeat_s=1.0,
         heartbeat_timeout_s=60.0,
     ), nodes
+
+
+def episodes(turns: int) -> dict[str, Any]:
+    """Near-zero compute for multi-turn episodes too: 1 to ``turns`` turns of 8 tokens each
+    (`workers.sim_episode`), a tool call between turns that returns at once with 2 tokens."""
+    return {"episode_turns": turns, "tool_s": 0.0, "tool_tokens": 2,
+            "max_new_tokens": 8 * turns + 2 * (turns - 1)}
 
 
 def loop_cpu(me: psutil.Process) -> float:
@@ -118,14 +140,16 @@ def loop_cpu(me: psutil.Process) -> float:
 
 
 async def measure(workers: int, agents: int, steps: int, rollout_groups: int = 1,
-                  profile: cProfile.Profile | None = None) -> dict[str, Any]:
-    spec, nodes = workload(workers, agents, rollout_groups)
+                  profile: cProfile.Profile | None = None,
+                  episode_turns: int = 0) -> dict[str, Any]:
+    spec, nodes = workload(workers, agents, rollout_groups, episode_turns)
     me = psutil.Process()
     rss0 = me.memory_info().rss
     async with started_with_agents(spec, nodes) as ctl:
         await ctl.run(steps=1, timeout_s=300)  # warm-up: every worker polling, first version
         ctl.dispatch_us.clear()
         ctl.dispatch_pass_tasks.clear()
+        logged = len(ctl.step_log)
         cpu0, loop0 = me.cpu_times(), loop_cpu(me)
         if profile is not None:
             profile.enable()
@@ -139,8 +163,11 @@ async def measure(workers: int, agents: int, steps: int, rollout_groups: int = 1
         samples = out["samples"]
         if out["rows_trained_twice"]:  # exactly once holds at any load
             raise RuntimeError(f"{out['rows_trained_twice']} rows trained twice")
+        turns = sum(float(e.get("rollout_turns", 0.0)) for e in ctl.step_log[logged:])
         return {
             "samples_per_s": out["samples_per_s"], "cpu_us_per_sample": cpu / samples * 1e6,
+            "turns_per_s": turns / out["wall_s"],
+            "cpu_us_per_turn": cpu / turns * 1e6 if turns else None,
             "cpu_share": cpu / out["wall_s"], "loop_share": (loop1 - loop0) / cpu,
             "dispatch_us": list(ctl.dispatch_us),
             "pass_max": max(ctl.dispatch_pass_tasks, default=0),
@@ -148,16 +175,21 @@ async def measure(workers: int, agents: int, steps: int, rollout_groups: int = 1
         }
 
 
-async def main_async(quick: bool, rollout_groups: int) -> dict[str, Any]:
+async def main_async(quick: bool, rollout_groups: int, episode_turns: int = 0
+                     ) -> dict[str, Any]:
     steps = 2 if quick else 8
     result: dict[str, Any] = {}
     runs = {}
     for workers, agents in SHAPES:
-        r = runs[workers] = await measure(workers, agents, steps, rollout_groups)
+        r = runs[workers] = await measure(workers, agents, steps, rollout_groups,
+                                          episode_turns=episode_turns)
         result[f"samples_per_s_{workers}w"] = round(r["samples_per_s"], 1)
         result[f"cpu_us_per_sample_{workers}w"] = round(r["cpu_us_per_sample"], 1)
         result[f"controller_cpu_share_{workers}w"] = round(r["cpu_share"], 3)
         result[f"event_loop_cpu_share_{workers}w"] = round(r["loop_share"], 3)
+        if episode_turns:
+            result[f"turns_per_s_{workers}w"] = round(r["turns_per_s"], 1)
+            result[f"cpu_us_per_turn_{workers}w"] = round(r["cpu_us_per_turn"], 1)
     big = runs[1024]
     d = big["dispatch_us"]
     result.update({
@@ -170,6 +202,7 @@ async def main_async(quick: bool, rollout_groups: int) -> dict[str, Any]:
         "controller_rss_growth_mb": round(big["rss_growth"] / 2**20, 1),
         "samples_per_step": GROUPS_PER_STEP * GROUP,
         "rollout_groups_per_task": rollout_groups,
+        "episode_turns": episode_turns,
         "steps": steps,
         "quick": quick,
     })
@@ -199,9 +232,10 @@ def profiled_counts(path: str) -> dict[str, Any]:
             "profiled_s": round(sum(v[2] for v in stats.values()), 2), **counts}
 
 
-async def profile_async(path: str, rollout_groups: int) -> dict[str, Any]:
+async def profile_async(path: str, rollout_groups: int, episode_turns: int = 0
+                        ) -> dict[str, Any]:
     prof = cProfile.Profile()
-    r = await measure(1024, 8, 4, rollout_groups, prof)
+    r = await measure(1024, 8, 4, rollout_groups, prof, episode_turns)
     prof.dump_stats(path)
     return {"samples": 4 * GROUPS_PER_STEP * GROUP,
             "cpu_us_per_sample_1024w": round(r["cpu_us_per_sample"], 1),
@@ -214,13 +248,18 @@ def main() -> None:
     p.add_argument("--profile", metavar="FILE", help="profile the 1,024-worker shape only")
     p.add_argument("--rollout-groups", type=int, default=1, metavar="N",
                    help="groups of 4 per rollout task (default 1: a task per group)")
+    p.add_argument("--episode-turns", type=int, default=0, metavar="N",
+                   help="each response a multi-turn episode of 1..N turns (default 0: single)")
     args = p.parse_args()
     if not 1 <= args.rollout_groups <= GROUPS_PER_STEP:
         p.error(f"--rollout-groups must be 1..{GROUPS_PER_STEP}")
+    if not 0 <= args.episode_turns <= MAX_TURNS:
+        p.error(f"--episode-turns must be 0..{MAX_TURNS}")
     configure(level="warning")
     start = time.perf_counter()
-    run_and_print(profile_async(args.profile, args.rollout_groups) if args.profile
-                  else main_async(args.quick, args.rollout_groups))
+    turns = args.episode_turns
+    run_and_print(profile_async(args.profile, args.rollout_groups, turns) if args.profile
+                  else main_async(args.quick, args.rollout_groups, turns))
     print(f"# {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
 

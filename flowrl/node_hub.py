@@ -25,8 +25,8 @@ from flowrl.recipe import ClusterSettings
 from flowrl.worker_spec import ProcessSpec
 from transport.curve import CurveKeys
 from transport.endpoints import tcp_endpoint
-from transport.errors import MalformedMessage, TransportError
-from transport.handles import Handle
+from transport.errors import TransportError
+from transport.handles import handle_nodes
 from transport.key_file import HeldKeyFile, hold
 from transport.pubsub import DroppedSubscriber, Publisher
 from transport.rpc import Handler, RpcClient, RpcServer
@@ -157,11 +157,9 @@ class StoreRouter(RpcClient):
                    timeout: float | None = None) -> Any:  # noqa: ASYNC109 (RpcClient's)
         if op == "free":
             by_node: dict[str, list[Any]] = {}
-            for h in payload["handles"]:
-                try:
-                    node = Handle.from_wire(h).node
-                except MalformedMessage:  # the own store refuses it and says why
-                    node = self._node
+            handles = payload["handles"]
+            for h, named in zip(handles, handle_nodes(handles), strict=True):
+                node = named or self._node  # undecodable: the own store refuses it, saying why
                 if node != self._node and node not in self._peers:
                     continue  # a lost node's (`NodeHub.lose`): that memory is gone
                 by_node.setdefault(node, []).append(h)

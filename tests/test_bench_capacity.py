@@ -38,3 +38,24 @@ def test_a_rollout_group_count_out_of_range_is_refused() -> None:
                               cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
         assert proc.returncode == 2
         assert f"--rollout-groups must be 1..{GROUPS_PER_STEP}" in proc.stderr
+
+
+def test_the_workload_runs_multi_turn_episodes_when_asked() -> None:
+    spec, _ = workload(64, 1, 1, 3)
+    assert spec.engine_config["episode_turns"] == 3
+    assert spec.engine_config["tool_s"] == 0.0
+    assert {p.role: p.count for p in spec.pools} == {"rollout": 63, "train": 1}
+    assert [s.name for s in spec.stages] == ["rollout", "train"]  # episodes score themselves
+    assert "episode_turns" not in workload(64, 1)[0].engine_config
+
+
+@pytest.mark.timeout(240)
+async def test_episodes_are_counted_by_their_turns() -> None:
+    # A small shape through the real controller, agents and episode workers: every response
+    # is an episode of 1-3 turns, so there are more turns than samples and each costs less.
+    r = await capacity.measure(16, 1, 1, episode_turns=3)
+    per_sample, per_turn = r["cpu_us_per_sample"], r["cpu_us_per_turn"]
+    assert r["turns_per_s"] > r["samples_per_s"]
+    assert per_turn < per_sample
+    single = await capacity.measure(16, 1, 1)
+    assert single["cpu_us_per_turn"] is None  # single-turn: nothing counted as turns

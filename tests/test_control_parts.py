@@ -108,10 +108,21 @@ def test_a_train_report_produces_no_field() -> None:
         check(report(), train=True)
 
 
-def test_a_bad_handle_is_refused() -> None:
-    bad = handle_to_wire(Handle("node0", SEGMENT, 0, "float32", (3,)))._replace(data=b"\xc1")
+GOOD = handle_to_wire(Handle("node0", SEGMENT, 0, "float32", (3,)))
+
+
+@pytest.mark.parametrize("second", [
+    GOOD._replace(data=b"\xc1"),  # undecodable
+    handle_to_wire(Handle("node0", SEGMENT + ".tmp", 12, "float32", (3,))),  # unpublished
+    handle_to_wire(Handle("node0", SEGMENT, 13, "float32", (3,))),  # misaligned
+    GOOD._replace(code=GOOD.code + 1),  # another ext type
+])
+def test_a_bad_handle_is_refused(second: Any) -> None:
+    # Behind a good one, as the second row of a put: a field's handles are checked together.
     with pytest.raises(MalformedReport, match="field 'score'"):
-        check(report(fields={"reward": [1.0, 0.5], "score": [bad, bad]}))
+        check(report(fields={"reward": [1.0, 0.5], "score": [GOOD, second]}))
+    check(report(fields={"reward": [1.0, 0.5], "score": [
+        GOOD, handle_to_wire(Handle("node0", SEGMENT, 12, "float32", (5,)))]}))
 
 
 def ledger_with_groups(groups: int) -> tuple[StepLedger, Index, list[Task]]:

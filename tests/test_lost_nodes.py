@@ -7,7 +7,7 @@ from __future__ import annotations
 from flowrl.control.lost_nodes import LostNodes
 from flowrl.graph import StageGraph, StageSpec
 from flowrl.index import Index
-from transport.handles import Handle, handle_node, handle_to_wire
+from transport.handles import Handle, handle_node, handle_nodes, handle_to_wire
 
 
 def graph() -> StageGraph:
@@ -36,6 +36,15 @@ def test_handle_node_reads_a_handles_node_and_nothing_else() -> None:
     assert handle_node(on("a", 0)) == "a"
     assert handle_node(0.5) is None  # an inline value (a reward)
     assert handle_node([1, 2]) is None
+
+
+def test_handle_nodes_reads_each_node_whatever_the_form() -> None:
+    bad = handle_to_wire(Handle("c", "seg", 0, "int64", (4,)))._replace(data=b"\xc1")
+    assert handle_nodes([on("a", 0), on("b", 32)]) == ["a", "b"]  # decoded in one call
+    assert handle_nodes([on("a", 0), bad, on("b", 32)]) == ["a", None, "b"]
+    assert handle_nodes([["a", "seg", 0, "int64", [4]], on("b", 32), 0.5, [1]]) == [
+        "a", "b", None, None]
+    assert handle_nodes([]) == []
 
 
 def test_groups_with_data_on_the_lost_node_are_dropped_once_no_task_holds_them() -> None:

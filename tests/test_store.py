@@ -476,8 +476,16 @@ _SEG = "flowrl-run1-10-20-10-3"
 
 def _field_wire(count: int, width: int, dtype: str = "int64", start: int = 64) -> list[list[Any]]:
     """The wire form of one put's field of `count` rows of `width` elements."""
-    step = width * handles_mod.ITEMSIZE[dtype]
-    return [["n", _SEG, start + i * step, dtype, [width]] for i in range(count)]
+    return _put_wire([width] * count, dtype, start)
+
+
+def _put_wire(widths: list[int], dtype: str = "int64", start: int = 64) -> list[list[Any]]:
+    """The wire form of one put's field of rows of these widths, back to back."""
+    wire, offset = [], start
+    for width in widths:
+        wire.append(["n", _SEG, offset, dtype, [width]])
+        offset += width * handles_mod.ITEMSIZE[dtype]
+    return wire
 
 
 def test_rows_from_wire_checks_one_field_once() -> None:
@@ -498,6 +506,10 @@ def test_rows_from_wire_checks_one_field_once() -> None:
     varying = [["n", _SEG, 0, "int32", [3]], ["n", _SEG, 12, "int32", [5]]]
     assert rows_from_wire(varying).run == Run(0, 2, "n", _SEG, 0, 32)
     assert rows_from_wire(varying).lens == (3, 5)
+    # Rows of several widths, back to back, are checked column by column too.
+    assert all(type(h.shape) is tuple for h in rows_from_wire(varying))
+    assert rows_from_wire(_put_wire([3, 1, 4, 1, 5])).lens == (3, 1, 4, 1, 5)
+    assert rows_from_wire(_put_wire([3, 1, 4, 1, 5])).run == Run(0, 5, "n", _SEG, 64, 14 * 8)
     assert rows_from_wire([]).run is None
     assert rows_from_wire(rows) is rows
 
@@ -547,14 +559,16 @@ _MUTATIONS = st.sampled_from(
 @given(
     count=st.integers(1, 6),
     width=st.integers(0, 4),
+    varying=st.booleans(),
     dtype=st.sampled_from(["uint8", "int32", "float64"]),
     mutation=_MUTATIONS,
     where=st.integers(0, 5),
 )
 def test_rows_from_wire_agrees_with_handles_decoded_one_by_one(
-    count: int, width: int, dtype: str, mutation: str, where: int
+    count: int, width: int, varying: bool, dtype: str, mutation: str, where: int
 ) -> None:
-    wire = _field_wire(count, width, dtype)
+    # Varying: the widths of responses of several lengths (1 to 5 elements).
+    wire = _put_wire([1 + (width + 3 * i) % 5 if varying else width for i in range(count)], dtype)
     k, itemsize = where % count, handles_mod.ITEMSIZE[dtype]
     row = wire[k]
     if mutation == "swap":

@@ -42,6 +42,7 @@ __all__ = [
     "contiguous_runs",
     "dtype_name",
     "handle_node",
+    "handle_nodes",
     "handle_to_wire",
     "is_handle",
     "rows_from_wire",
@@ -161,7 +162,23 @@ def handle_node(value: Any) -> str | None:
     return node if type(node) is str else None
 
 
-def _unwrap_all(values: list[Any] | tuple[Any, ...]) -> list[Any]:
+def handle_nodes(values: Sequence[Any]) -> list[str | None]:
+    """The node named by each handle of ``values`` (ext forms, or lists as store frees carry
+    them), the ext forms decoded in one call; None where a value is not a handle or cannot be
+    decoded. Unvalidated: for routing a store operation, whose store checks each handle."""
+    if all(type(v) is msgpack.ExtType for v in values):
+        try:
+            decoded = _unwrap_all(values)
+        except MalformedMessage:  # one bad handle among them: find it one by one
+            return [handle_node(v) for v in values]
+    else:
+        decoded = [handle_node(v) if type(v) is msgpack.ExtType else v for v in values]
+        decoded = [[n] if type(n) is str else n for n in decoded]
+    return [f[0] if type(f) in _SEQUENCES and f and type(f[0]) is str else None
+            for f in decoded]
+
+
+def _unwrap_all(values: Sequence[Any]) -> list[Any]:
     """The fields of every handle of `values` (all in their ext form), decoded as one msgpack
     array in one call rather than one call per handle; MalformedMessage if undecodable. A
     handle whose bytes spill into the next one's can only misplace the sender's own handles,
@@ -293,10 +310,11 @@ def rows_from_wire(value: Any) -> Rows:
     """Validate a decoded list of handles (ext forms or lists), as `Handle.from_wire` does
     each, into `Rows`.
 
-    Equal-length 1-D rows of one field of one put, in order — what a put returns and a reader
-    asks for — are checked column by column (a few C-level passes) and rebuilt from the first
-    row's validated values (so a number equal to a valid one is taken as that value: an offset
-    of 64.0 as 64); anything else is validated row by row. MalformedMessage if bad.
+    1-D rows of one field of one put, in order — what a put returns and a reader asks for,
+    of one width or of several — are checked column by column (a few C-level passes) and
+    rebuilt from the first row's validated values and the checked offsets and widths (so a
+    number equal to a valid one is taken as that value: an offset of 64.0 as 64); anything
+    else is validated row by row. MalformedMessage if bad.
     """
     if type(value) not in (list, tuple, Rows):
         raise MalformedMessage(f"handles travel as a list, got {type(value).__name__}")
@@ -322,30 +340,39 @@ def _uniform_from_wire(value: list[Any] | tuple[Any, ...]) -> Rows | None:
     nodes, segments, offsets, dtypes, shapes = columns
     node, segment, start, dtype, shape = Handle.from_wire(value[0])
     count = len(value)
-    if len(shape) != 1 or not segment:
-        return None
-    width = shape[0]
-    step = width * ITEMSIZE[dtype]
     if (
-        not step
+        len(shape) != 1
+        or not segment
         or nodes.count(node) != count
         or segments.count(segment) != count
         or dtypes.count(dtype) != count
-        or shapes.count(shapes[0]) != count
-        or offsets != _progression(start, step, count)
     ):
         return None
-    # Every row equals the one validated above but for its offset, which is where it
-    # belongs: build the handles from validated values (ints, strs, a tuple shape).
-    columns_out = zip(
-        repeat(node),
-        repeat(segment),
-        range(start, start + step * count, step),
-        repeat(dtype),
-        repeat(shape),
-    )
+    itemsize = ITEMSIZE[dtype]
+    if shapes.count(shapes[0]) == count:  # equal rows: a put of one width
+        width = shape[0]
+        step = width * itemsize
+        if not step or offsets != _progression(start, step, count):
+            return None
+        lens: tuple[int, ...] = (width,) * count
+        starts: Iterable[int] = range(start, start + step * count, step)
+        shapes_out: Iterable[tuple[int, ...]] = repeat(shape)
+        end = start + step * count
+    else:  # rows of varying widths (responses of several lengths), back to back
+        if not set(map(type, shapes)) <= {list, tuple} or set(map(len, shapes)) != {1}:
+            return None
+        lens = tuple(itertools.chain.from_iterable(shapes))
+        if set(map(type, lens)) != {int} or min(lens) <= 0:
+            return None
+        ends = tuple(itertools.accumulate([n * itemsize for n in lens], initial=start))
+        if ends[:-1] != offsets:
+            return None
+        starts, end, shapes_out = ends[:-1], ends[-1], zip(lens)
+    # Every row equals the one validated above but for its offset and width, both checked
+    # here: build the handles from validated values (ints, strs, a tuple shape).
+    columns_out = zip(repeat(node), repeat(segment), starts, repeat(dtype), shapes_out)
     rows = tuple.__new__(Rows, map(tuple.__new__, repeat(Handle), columns_out))
-    return _settled(rows, Run(0, count, node, segment, start, step * count), (width,) * count)
+    return _settled(rows, Run(0, count, node, segment, start, end - start), lens)
 
 
 def contiguous_runs(handles: Sequence[Handle]) -> list[Run]:

@@ -14,10 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
+
 from flowrl.graph import StageSpec
 from flowrl.index import Task
 from transport.errors import MalformedMessage
-from transport.handles import Handle, is_handle
+from transport.handles import Handle, is_handle, rows_from_wire
 
 __all__ = ["MalformedReport", "TaskReport", "check_report", "parse_report"]
 
@@ -25,6 +27,7 @@ __all__ = ["MalformedReport", "TaskReport", "check_report", "parse_report"]
 _KEYS = frozenset({"worker_id", "token", "task_id", "fields", "lengths", "version", "metrics",
                    "weights", "failed"})
 _MAX_INT = 2**62
+_HANDLES = {msgpack.ExtType}
 #: the longest failure kind and error text a report may carry (a longer error is cut)
 _MAX_KIND, _MAX_ERROR = 64, 2000
 
@@ -113,6 +116,14 @@ def check_report(report: TaskReport, task: Task, stage: StageSpec, *, train: boo
     for name, values in report.fields.items():
         if len(values) != n:
             raise MalformedReport(f"field {name!r} has {len(values)} values for {n} rows")
+        if values and set(map(type, values)) == _HANDLES:
+            # A field of handles (most are): decoded and checked as one list, column by
+            # column where they are one put's rows, rather than one handle at a time.
+            try:
+                rows_from_wire(values)
+            except (MalformedMessage, TypeError, ValueError) as exc:
+                raise MalformedReport(f"field {name!r}: {exc}") from None
+            continue
         for value in values:
             _check_value(name, value)
     if report.lengths and len(report.lengths) != n:
