@@ -109,11 +109,11 @@ def workload(workers: int, agents: int, rollout_groups: int = 1,
     nodes = ("node0", *(f"n{i}" for i in range(1, agents)))
     reward = 0 if episode_turns else max(agents, workers // 16)
     rollout = workers - reward - 1
-    pools = [PoolSpec("rollout", count=rollout, per_process=-(-rollout // agents), nodes=nodes),
-             PoolSpec("train", count=1, nodes=("node0",))]
+    pools = [PoolSpec("rollout", count=rollout, per_process=-(-rollout // agents), nodes=nodes)]
     if reward:
-        pools.insert(1, PoolSpec("reward", count=reward, per_process=-(-reward // agents),
-                                 nodes=nodes))
+        pools.append(PoolSpec("reward", count=reward, per_process=-(-reward // agents),
+                              nodes=nodes))
+    pools.append(PoolSpec("train", count=1, nodes=("node0",)))
     return PipelineSpec(
         stages=grpo_stages(group_size=GROUP, train_micro_groups=8, reward_micro_batch=32,
                            rollout_micro_groups=rollout_groups, episode=episode_turns > 0),

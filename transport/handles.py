@@ -155,11 +155,9 @@ def handle_node(value: Any) -> str | None:
     if not is_handle(value):
         return None
     try:
-        fields = _unwrap(value)
+        return _node_of(_unwrap(value))
     except MalformedMessage:
         return None
-    node = fields[0] if type(fields) is list and fields else None
-    return node if type(node) is str else None
 
 
 def handle_nodes(values: Sequence[Any]) -> list[str | None]:
@@ -168,14 +166,16 @@ def handle_nodes(values: Sequence[Any]) -> list[str | None]:
     decoded. Unvalidated: for routing a store operation, whose store checks each handle."""
     if all(type(v) is msgpack.ExtType for v in values):
         try:
-            decoded = _unwrap_all(values)
-        except MalformedMessage:  # one bad handle among them: find it one by one
-            return [handle_node(v) for v in values]
-    else:
-        decoded = [handle_node(v) if type(v) is msgpack.ExtType else v for v in values]
-        decoded = [[n] if type(n) is str else n for n in decoded]
-    return [f[0] if type(f) in _SEQUENCES and f and type(f[0]) is str else None
-            for f in decoded]
+            return list(map(_node_of, _unwrap_all(values)))
+        except MalformedMessage:
+            pass  # one bad handle among them: each is read by itself below
+    return [handle_node(v) if type(v) is msgpack.ExtType else _node_of(v) for v in values]
+
+
+def _node_of(fields: Any) -> str | None:
+    """The node of a handle's decoded fields, unvalidated; None if it names none."""
+    node = fields[0] if type(fields) in _SEQUENCES and fields else None
+    return node if type(node) is str else None
 
 
 def _unwrap_all(values: Sequence[Any]) -> list[Any]:
@@ -235,25 +235,35 @@ def _find_single_run(handles: Sequence[Handle]) -> tuple[Run, Sequence[int]] | N
         or nodes.count(nodes[0]) != count
     ):
         return None
-    itemsize = ITEMSIZE[dtypes[0]]
     start = offsets[0]
-    lens: Sequence[int]
-    if len(shapes[0]) == 1 and shapes.count(shapes[0]) == count:  # equal lengths
-        width = shapes[0][0]
-        step = width * itemsize
+    packed = _packed(start, ITEMSIZE[dtypes[0]], shapes[0], offsets, shapes)
+    if packed is None:
+        return None
+    lens, bounds = packed
+    return Run(0, count, nodes[0], segments[0], start, bounds[-1] - start), lens
+
+
+def _packed(start: int, itemsize: int, first: Sequence[int], offsets: tuple[Any, ...],
+            shapes: tuple[Any, ...]) -> tuple[tuple[int, ...], Sequence[int]] | None:
+    """(row lengths, bounds) when 1-D rows of ``shapes`` lie back to back from ``start`` at
+    ``offsets``, none of them empty: ``bounds`` are each row's start, then the end. Else None.
+    ``first`` is row 0's shape, validated; the other shapes and the offsets may be wire values
+    (a number equal to a valid one counts as that one)."""
+    count = len(offsets)
+    if len(first) != 1:
+        return None
+    if shapes.count(shapes[0]) == count:  # one width: compared with a kept progression
+        step = first[0] * itemsize
         if not step or offsets != _progression(start, step, count):
             return None
-        lens = (width,) * count
-        end = start + count * step
-    else:
-        if set(map(len, shapes)) != {1}:
-            return None
-        lens = tuple(itertools.chain.from_iterable(shapes))
-        ends = list(itertools.accumulate([n * itemsize for n in lens], initial=start))
-        if ends[:-1] != list(offsets) or 0 in lens:
-            return None
-        end = ends[-1]
-    return Run(0, count, nodes[0], segments[0], start, end - start), lens
+        return (first[0],) * count, range(start, start + step * (count + 1), step)
+    if not set(map(type, shapes)) <= {list, tuple} or set(map(len, shapes)) != {1}:
+        return None
+    lens = tuple(itertools.chain.from_iterable(shapes))
+    if set(map(type, lens)) != {int} or min(lens) <= 0:
+        return None
+    bounds = tuple(itertools.accumulate([n * itemsize for n in lens], initial=start))
+    return (lens, bounds) if bounds[:-1] == offsets else None
 
 
 # Offsets of equal rows, by (start, step, count): a micro-batch layout repeats with every put,
@@ -341,38 +351,21 @@ def _uniform_from_wire(value: list[Any] | tuple[Any, ...]) -> Rows | None:
     node, segment, start, dtype, shape = Handle.from_wire(value[0])
     count = len(value)
     if (
-        len(shape) != 1
-        or not segment
+        not segment
         or nodes.count(node) != count
         or segments.count(segment) != count
         or dtypes.count(dtype) != count
     ):
         return None
-    itemsize = ITEMSIZE[dtype]
-    if shapes.count(shapes[0]) == count:  # equal rows: a put of one width
-        width = shape[0]
-        step = width * itemsize
-        if not step or offsets != _progression(start, step, count):
-            return None
-        lens: tuple[int, ...] = (width,) * count
-        starts: Iterable[int] = range(start, start + step * count, step)
-        shapes_out: Iterable[tuple[int, ...]] = repeat(shape)
-        end = start + step * count
-    else:  # rows of varying widths (responses of several lengths), back to back
-        if not set(map(type, shapes)) <= {list, tuple} or set(map(len, shapes)) != {1}:
-            return None
-        lens = tuple(itertools.chain.from_iterable(shapes))
-        if set(map(type, lens)) != {int} or min(lens) <= 0:
-            return None
-        ends = tuple(itertools.accumulate([n * itemsize for n in lens], initial=start))
-        if ends[:-1] != offsets:
-            return None
-        starts, end, shapes_out = ends[:-1], ends[-1], zip(lens)
+    packed = _packed(start, ITEMSIZE[dtype], shape, offsets, shapes)
+    if packed is None:
+        return None
+    lens, bounds = packed
     # Every row equals the one validated above but for its offset and width, both checked
-    # here: build the handles from validated values (ints, strs, a tuple shape).
-    columns_out = zip(repeat(node), repeat(segment), starts, repeat(dtype), shapes_out)
+    # by `_packed`: build the handles from validated values (ints, strs, tuple shapes).
+    columns_out = zip(repeat(node), repeat(segment), bounds[:-1], repeat(dtype), zip(lens))
     rows = tuple.__new__(Rows, map(tuple.__new__, repeat(Handle), columns_out))
-    return _settled(rows, Run(0, count, node, segment, start, end - start), lens)
+    return _settled(rows, Run(0, count, node, segment, start, bounds[-1] - start), lens)
 
 
 def contiguous_runs(handles: Sequence[Handle]) -> list[Run]:
