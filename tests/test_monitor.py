@@ -389,17 +389,19 @@ async def test_staleness_change_applies_to_the_next_steps(live: Live) -> None:
             assert r.status == 200
             assert (await r.json())["max_staleness"] == 0
         changed = await next_kind(events, "staleness", [])
-        # Micro-batches already dispatched for the current step may still be one version
-        # old; from the step after, every trained sample is on-policy.
+        # Micro-batches already handed out keep their rows: those of the current step, and
+        # the next step's first one, which the trainer may hold already (prefetch). Those may
+        # still be one version old; from the step after, every trained sample is on-policy.
         seen: list[dict[str, Any]] = []
-        while len([e for e in seen if e["kind"] == "step"]) < 4:
-            await next_kind(events, "step", seen)
-    steps = [e for e in seen if e["kind"] == "step"]
-    assert all(e["staleness_max"] == 0 for e in steps if e["step"] > changed["version"] + 1)
-    assert (await get_json(live, "status"))["max_staleness"] == 0
-    async with live.http.post(live.url + "staleness", json={"max_staleness": 1},
-                              headers=live.auth) as r:
-        assert r.status == 200
+        try:
+            while len([e for e in seen if e["kind"] == "step"]) < 5:
+                await next_kind(events, "step", seen)
+            assert (await get_json(live, "status"))["max_staleness"] == 0
+        finally:  # the module's later tests expect the run's own bound
+            live.ctl.set_max_staleness(1)
+    late = [e for e in seen if e["kind"] == "step" and e["step"] > changed["version"] + 2]
+    assert len(late) >= 2
+    assert all(e["staleness_max"] == 0 for e in late)
 
 
 @pytest.mark.timeout(30)
