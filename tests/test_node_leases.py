@@ -11,6 +11,7 @@ import dataclasses
 import math
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,27 @@ async def granted(ctl: Controller, tasks: int, holds: str | None = None) -> None
         leases.on_grant.remove(event.set)
 
 
+async def reported(ctl: Controller, holds: Callable[[dict[str, int]], bool]) -> None:
+    """Until, after an agent's report, ``holds`` is true of each node's open leased tasks (the
+    leases' own event, no sleep)."""
+    leases = ctl.node_leases
+    assert leases is not None
+    event = asyncio.Event()
+    leases.on_report.append(event.set)
+
+    def open_tasks() -> dict[str, int]:
+        return {n: sum(len(x.open) for x in leases.leases.of_node(n)) for n in ("a", "b")}
+
+    try:
+        while True:
+            event.clear()
+            await event.wait()
+            if holds(open_tasks()):
+                return
+    finally:
+        leases.on_report.remove(event.set)
+
+
 @pytest.mark.timeout(240)
 async def test_node_dispatch_trains_the_rows_central_dispatch_trains(tmp_path: Path) -> None:
     central, ctl0 = await run(tmp_path, spec(node_dispatch=False))
@@ -113,7 +135,12 @@ async def test_a_leased_worker_killed_mid_task_loses_no_row(tmp_path: Path) -> N
     killed: list[int] = []
 
     async def kill_one(ctl: Controller) -> None:
-        await granted(ctl, 4, holds="a")  # its one worker runs one of them (tasks of ~0.4 s)
+        await granted(ctl, 4, holds="a")
+        # Killed before its agent had a grant, the worker would hold nothing to give back. Its
+        # agent reports a completion while the worker runs the task it took next (it holds 2:
+        # capacity 1 + prefetch 1); node a holding 2 open tasks after a report (the next grant
+        # fills the slot just freed) means the worker holds one (tasks of ~0.4 s).
+        await reported(ctl, lambda open_tasks: open_tasks["a"] >= 2)
         reward = [w for w in ctl.registry.all() if w.role == "reward" and w.node == "a"]
         killed.append(reward[0].pid)
         os.kill(reward[0].pid, signal.SIGKILL)  # one machine: node a's process is ours to kill

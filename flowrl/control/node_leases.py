@@ -121,8 +121,10 @@ class NodeLeases:
         #: leases granted, and tasks in them
         self.granted = 0
         self.tasks_leased = 0
-        #: called after each grant (tests wait on it)
+        #: called after each grant, and after each report of an agent is taken (tests wait on
+        #: them)
         self.on_grant: list[Callable[[], None]] = []
+        self.on_report: list[Callable[[], None]] = []
 
     # ---- workers (the controller's hooks) ---------------------------------------------------
 
@@ -318,6 +320,8 @@ class NodeLeases:
         revoked = [lid for lid in reports.held
                    if self.leases.renew(node.name, ep, lid, now) is not Verdict.ACCEPTED]
         self._wake()
+        for callback in self.on_report:
+            callback()
         return {"revoked": revoked}
 
 
