@@ -11,10 +11,12 @@ trained samples, the idle share of each pool) and a recommendation.
 
 CPU contention. A plan that keeps more worker threads busy than the cores it has slows every
 task. Its demand is the busy worker threads it keeps on average (each pool's busy share times
-its workers times their threads); the recorded run's is measured on its trace, a plan's on a
-first replay at the recorded speed. When a plan's demand exceeds its cores (the recorded run's
-``cpus`` times ``nodes``) by more than the recorded run's did, it is replayed again with every
-time stretched by the ratio of the two overloads (``cpu x``; under 1.05 it is taken as 1).
+its workers times their threads), plus the controller's process: its CPU per trained sample
+(the trace header's ``controller``) times the samples per second; the recorded run's is
+measured on its trace, a plan's on a first replay at the recorded speed. When a plan's demand
+exceeds its cores (the recorded run's ``cpus`` times ``nodes``) by more than the recorded run's
+did, it is replayed again with every time stretched by the ratio of the two overloads (``cpu
+x``; under 1.05 it is taken as 1).
 The prediction is for the machine the trace was recorded on, under the load it had then.
 """
 
@@ -127,6 +129,24 @@ def demand(recipe: Recipe, busy: dict[str, float]) -> float:
     return sum(n * threads.get(r, 1) * busy.get(r, 0.0) for r, n in pools.items())
 
 
+def controller_cpu_per_sample(trace: RunTrace) -> float:
+    """The controller process's CPU seconds per trained sample in the recorded run (0.0 for a
+    trace that does not say)."""
+    ctl = trace.header.get("controller")
+    if not isinstance(ctl, dict) or not ctl.get("samples"):
+        return 0.0
+    return float(ctl["cpu_s"]) / int(ctl["samples"])
+
+
+def samples_per_s(trace: RunTrace) -> float:
+    """The recorded run's trained samples per second, over the span its tasks cover."""
+    if not trace.tasks or not trace.steps:
+        return 0.0
+    start = min(t.t - t.s for t in trace.tasks)
+    wall = trace.steps[-1].t - start
+    return sum(s.samples for s in trace.steps) / wall if wall > 0 else 0.0
+
+
 def cpu_stretch(recorded_demand: float, recorded_cores: int, planned_demand: float,
                 planned_cores: int) -> float:
     """How much slower each task runs in the plan than in the recorded run: the ratio of the
@@ -235,16 +255,17 @@ async def plan(trace_path: Path, knobs: Sequence[tuple[tuple[str, ...], list[Any
     steps = steps or max(1, len(trace.steps))
     out: list[Plan] = []
     cores = int(trace.header["cpus"])
-    recorded_demand = demand(recorded, busy_shares(trace))
+    per_sample = controller_cpu_per_sample(trace)
+    recorded_demand = demand(recorded, busy_shares(trace)) + per_sample * samples_per_s(trace)
     for combo in plans_of(knobs) or [{}]:
         nodes = int(combo.get(NODES, 1))
         if nodes < 1:
             raise ValueError(f"--set {NODES}: must be at least 1, got {nodes}")
         planned = sim_recipe(recorded, combo, trace_path, 1.0)
         summary, idle = await replay(planned, steps)
-        stretch = cpu_stretch(recorded_demand, cores,
-                              demand(planned, {r: 1 - v for r, v in idle.items()}),
-                              cores * nodes)
+        planned_demand = (demand(planned, {r: 1 - v for r, v in idle.items()})
+                          + per_sample * float(summary["samples_per_s"]))
+        stretch = cpu_stretch(recorded_demand, cores, planned_demand, cores * nodes)
         if stretch < MIN_STRETCH:
             stretch = 1.0
         else:

@@ -69,6 +69,8 @@ def test_a_trace_reads_back_what_was_written(tmp_path: Path) -> None:
     ("HEADER", '{"k": "task", "stage": "g", "role": "r", "worker": "w", "rows": 2, "t": 1, '
                '"s": 1, "len": [1]}', "line 2: malformed record (1 lengths for 2 rows)"),
     ("HEADER", '{"k": "pickle"}', "unknown record kind 'pickle'"),
+    (json.dumps({**small_trace()[0], "controller": {"cpu_s": -1, "wall_s": 2, "samples": 8}}),
+     "", "line 1: 'controller' must map 'cpu_s', 'wall_s' and 'samples' to non-negative"),
     ("HEADER", "{not json", "line 2: not JSON"),
 ])
 def test_a_malformed_trace_is_refused_naming_what_and_where(
@@ -93,7 +95,7 @@ def test_the_planner_refuses_a_malformed_trace_with_its_reason(
 def test_the_recorder_times_a_task_from_when_its_worker_could_start_it() -> None:
     rec = TraceRecorder(stage_roles={"rollout": "rollout", "train": "train"},
                         pools={"rollout": 1, "train": 1}, max_staleness=1, groups_per_step=1,
-                        group_size=2, rollout_role="rollout", now=100.0)
+                        group_size=2, rollout_role="rollout", now=100.0, cpu=5.0)
     rec.task("rollout-0", "rollout", 2, 101.0, [5, 7], False, now=102.0)
     # taken (prefetched) at 101.5 while the first ran: its own time starts at 102.0
     rec.task("rollout-0", "rollout", 2, 101.5, [1, 2], False, now=102.5)
@@ -113,6 +115,20 @@ def test_the_recorder_times_a_task_from_when_its_worker_could_start_it() -> None
     assert [r for r in rec.records if isinstance(r, SyncRecord)][-1].s == 0.5
     rec.served("rollout-0", 7, now=104.0)  # a version never published here: not timed
     assert len([r for r in rec.records if isinstance(r, SyncRecord)]) == 2
+    # The controller's CPU over the recording, and the samples it trained meanwhile.
+    assert rec.header(now=110.0, cpu=5.5)["controller"] == {"cpu_s": 0.5, "wall_s": 10.0,
+                                                             "samples": 4}
+
+
+def test_the_planner_counts_the_controllers_cpu_per_sample(tmp_path: Path) -> None:
+    head, records = small_trace()
+    old = read_trace(write_trace(tmp_path / "old.jsonl", head, records))
+    assert planner.controller_cpu_per_sample(old) == 0.0  # a trace that does not say
+    head["controller"] = {"cpu_s": 0.004, "wall_s": 2.0, "samples": 8}
+    trace = read_trace(write_trace(tmp_path / "t.jsonl", head, records))
+    assert planner.controller_cpu_per_sample(trace) == pytest.approx(0.0005)
+    # 8 samples from the first task's start (0.25 s) to the step's commit (0.9 s)
+    assert planner.samples_per_s(trace) == pytest.approx(8 / 0.65)
 
 
 def test_role_costs_fit_the_recorded_times_and_draw_repeatably() -> None:
