@@ -76,7 +76,7 @@ async def one_round(steps: int, tmp: Path) -> list[dict[str, Any]]:
                     "wall_s": m["wall_s"], "load_before": m["load_before"],
                     "task_time_ratio": round(m["task_s_per_row"] / base, 2),
                     "predicted_staleness": p.staleness, "predicted_idle": p.row()["idle"],
-                    "cpu_stretch": round(p.stretch, 3)})
+                    "cpu_stretch": p.row()["cpu_stretch"]})
     return out
 
 

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from flowrl import plan as planner
+from flowrl.contention import Busy
 from flowrl.control.trace_recorder import TraceRecorder
+from flowrl.events import Span
 from flowrl.recipe import (
     AlgorithmConfig,
     PlacementConfig,
@@ -127,8 +129,6 @@ def test_the_planner_counts_the_controllers_cpu_per_sample(tmp_path: Path) -> No
     head["controller"] = {"cpu_s": 0.004, "wall_s": 2.0, "samples": 8}
     trace = read_trace(write_trace(tmp_path / "t.jsonl", head, records))
     assert planner.controller_cpu_per_sample(trace) == pytest.approx(0.0005)
-    # 8 samples from the first task's start (0.25 s) to the step's commit (0.9 s)
-    assert planner.samples_per_s(trace) == pytest.approx(8 / 0.65)
 
 
 def test_role_costs_fit_the_recorded_times_and_draw_repeatably() -> None:
@@ -154,6 +154,23 @@ def test_role_costs_fit_the_recorded_times_and_draw_repeatably() -> None:
     assert draws[0] == draws[1]
     assert draws[0] in (pytest.approx(0.8), pytest.approx(1.6))
     assert costs.task_s("reward", 8, random.Random(0)) is None  # the model's costs then
+    # One stretch per role (the planner's contention model): a role not named keeps its times.
+    trace = RunTrace({}, [task(8, 0.4), TaskRecord("rollout", "rollout", "r", 8, 0.0, 0.2)],
+                     [SyncRecord("r", 1, 0.0, 0.5)])
+    by_role = TraceCosts(trace, stretch={"rollout": 1.5})
+    assert by_role.task_s("rollout", 8, random.Random(0)) == pytest.approx(0.3)
+    assert by_role.task_s("train", 8, random.Random(0)) == pytest.approx(0.4)
+    assert by_role.sync_s(random.Random(0)) == pytest.approx(0.75)  # a rollout worker's load
+
+
+def test_a_replays_spans_count_a_prefetched_task_from_when_the_one_before_ended() -> None:
+    recipe = Recipe(steps=1, rollout=RolloutConfig(threads=2))
+    spans = [Span("r-0", "rollout", "rollout", 1, 4, 10.0, 11.0),
+             Span("r-0", "rollout", "rollout", 2, 4, 10.5, 12.0),  # taken while 1 ran
+             Span("t-1", "train", "train", 3, 4, 10.5, 11.5)]
+    assert planner.replayed_busy(spans, recipe) == [
+        Busy("rollout", 10.0, 11.0, 2), Busy("rollout", 11.0, 12.0, 2),
+        Busy("train", 10.5, 11.5, 1)]
 
 
 def test_knob_values_and_their_combinations() -> None:
@@ -253,5 +270,5 @@ def test_a_replayed_trace_predicts_a_run_under_another_staleness(tmp_path: Path)
         print(f"not compared: {line}", file=sys.stderr)
     assert set(by[0].staleness) == {0}  # synchronous: every sample on-policy
     assert set(by[0].idle) == {"rollout", "reward", "train"}
-    assert by[0].stretch == 1.0  # the same workers on the same cores
+    assert by[0].stretch == {}  # simulated workers wait, they do not take the cores
     assert "recommended:" in planner.recommend(list(by.values()))
