@@ -248,9 +248,10 @@ async def _crowding(recorded: Recipe, knobs: dict[str, Any], trace_path: Path, s
 
 
 async def plan(trace_path: Path, knobs: Sequence[tuple[tuple[str, ...], list[Any]]], *,
-               steps: int | None = None) -> list[Plan]:
+               steps: int | None = None, contention: bool | None = None) -> list[Plan]:
     """Replay the trace once per combination of ``knobs``; raises `TraceError` for a trace
-    that cannot be replayed and `RecipeError` for a knob the recipe refuses."""
+    that cannot be replayed and `RecipeError` for a knob the recipe refuses. ``contention``:
+    whether to model CPU contention (default: unless the trace is of simulated workers)."""
     from flowrl.recipe import Recipe
     from flowrl.run_trace import TraceError, read_trace
 
@@ -265,7 +266,8 @@ async def plan(trace_path: Path, knobs: Sequence[tuple[tuple[str, ...], list[Any
     out: list[Plan] = []
     cores = int(trace.header["cpus"])
     per_sample = controller_cpu_per_sample(trace)
-    contended = recorded.rollout.engine != "sim"  # simulated workers wait, they do not compute
+    # simulated workers wait, they do not compute
+    contended = recorded.rollout.engine != "sim" if contention is None else contention
     before = await _crowding(recorded, {}, trace_path, steps, cores, per_sample) if contended \
         else {}
     for combo in plans_of(knobs) or [{}]:

@@ -272,3 +272,23 @@ def test_a_replayed_trace_predicts_a_run_under_another_staleness(tmp_path: Path)
     assert set(by[0].idle) == {"rollout", "reward", "train"}
     assert by[0].stretch == {}  # simulated workers wait, they do not take the cores
     assert "recommended:" in planner.recommend(list(by.values()))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_plan_that_crowds_the_cores_has_its_tasks_stretched(tmp_path: Path) -> None:
+    """The contention loop end to end: a trace whose header says 1 core, replayed with 4
+    rollout workers where it recorded 2. (Its simulated workers wait instead of computing, so
+    contention is asked for: the figures are the model's, which is the point here.)"""
+    path = tmp_path / "run.trace.jsonl"
+    asyncio.run(run_recipe(sim_recipe(1), monitor=False, record_trace=path))
+    lines = path.read_text().splitlines()
+    head = json.loads(lines[0])
+    head["cpus"] = 1
+    path.write_text("\n".join([json.dumps(head), *lines[1:]]) + "\n")
+    knobs = [planner.knob_values("rollout.workers=4")]
+    (crowded,) = asyncio.run(planner.plan(path, knobs, steps=6, contention=True))
+    # Two rollout workers already crowded the one core; four, busy together, crowd it more.
+    assert crowded.stretch["rollout"] > 1.2, crowded.row()
+    assert crowded.samples_per_s > 0
+    assert "rollout" in crowded.stretch_text()
