@@ -10,10 +10,11 @@ stated.
 
 Keys: ``rounds`` (per round, per setting: ``measured`` and ``predicted`` samples/s, ``error`` =
 predicted ÷ measured − 1, the prediction's staleness histogram, idle share per pool and CPU
-stretch, the real run's load average before it and its tasks' mean time, ``task_time_ratio``:
-that mean over the recorded run's, which says how much the machine's load moved between the
-runs), ``median_error`` per setting over the rounds, ``worst_error``. Every rate is trained
-samples per second of `Controller.run` wall time. ``--quick``: one round of 30 steps.
+stretch per role, the real run's load average before it and its tasks' mean time,
+``task_time_ratio``: that mean over the recorded run's, which says how much the machine's load
+moved between the runs), ``median_error`` per setting over the rounds, ``worst_error``. Every
+rate is trained samples per second of `Controller.run` wall time. ``--quick``: one round of 30
+steps.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ async def one_round(steps: int, tmp: Path) -> list[dict[str, Any]]:
                     "wall_s": m["wall_s"], "load_before": m["load_before"],
                     "task_time_ratio": round(m["task_s_per_row"] / base, 2),
                     "predicted_staleness": p.staleness, "predicted_idle": p.row()["idle"],
-                    "cpu_stretch": round(p.stretch, 3)})
+                    "cpu_stretch": p.row()["cpu_stretch"]})
     return out
 
 

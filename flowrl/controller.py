@@ -179,7 +179,7 @@ class Controller:
             stage_roles={s.name: s.role for s in self.graph.order},
             pools={p.role: p.count for p in spec.pools}, max_staleness=spec.max_staleness,
             groups_per_step=spec.groups_per_step, group_size=spec.group_size,
-            rollout_role=self.scheduler.source.role, now=time.time())
+            rollout_role=self.scheduler.source.role, now=time.time(), cpu=time.process_time())
         self.on_step.append(lambda e: self.trace.step(e, time.time()))
         #: called with each evaluation round's line (`flowrl.control.evaluation`)
         self.on_eval: list[Callable[[dict[str, Any]], None]] = []
@@ -469,7 +469,8 @@ class Controller:
         return [(w.worker_id, w.role) for w in self.registry.all()]
 
     def plan_trace(self) -> tuple[dict[str, Any], list[TraceRecord]]:
-        return self.trace.header(), list(self.trace.records)
+        return self.trace.header(now=time.time(), cpu=time.process_time()), list(
+            self.trace.records)
 
     def _log(self) -> Any:
         """The controller's logger with the context every line carries."""

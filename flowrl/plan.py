@@ -9,13 +9,19 @@ the trace (`flowrl.trace_costs`), once per combination of the ``--set`` values: 
 spread the workers over. Prints one line per plan (predicted samples/s, the staleness of the
 trained samples, the idle share of each pool) and a recommendation.
 
-CPU contention. A plan that keeps more worker threads busy than the cores it has slows every
-task. Its demand is the busy worker threads it keeps on average (each pool's busy share times
-its workers times their threads); the recorded run's is measured on its trace, a plan's on a
-first replay at the recorded speed. When a plan's demand exceeds its cores (the recorded run's
-``cpus`` times ``nodes``) by more than the recorded run's did, it is replayed again with every
-time stretched by the ratio of the two overloads (``cpu x``; under 1.05 it is taken as 1).
-The prediction is for the machine the trace was recorded on, under the load it had then.
+CPU contention (`flowrl.contention`). When more threads are busy than there are cores, each
+runs slower; what a role's tasks suffer is ``max(1, busy threads / cores)`` averaged over the
+time they run, which depends on when the pools are busy together, not only on how busy each is.
+It is computed on a replay of the recorded settings at the recorded speed (what the recorded
+times already hold) and on a replay of the plan, from their tasks' busy intervals, each worker's
+threads and the controller's process as a constant load (its CPU per trained sample, the trace
+header's ``controller``, times the samples per second); the plan is replayed again with each
+role's times stretched by the ratio of the two, until the stretches settle (``cpu x``; at most
+`MAX_REPLAYS` replays of a plan). Both are measured on replays so that what a replay's schedule
+differs from the real run's by cancels out. Cores are the recorded run's ``cpus`` times
+``nodes``. A trace recorded from simulated workers (whose tasks are waits, not computation) is
+replayed without it. The prediction is for the machine the trace was recorded on, under the
+load it had then.
 """
 
 from __future__ import annotations
@@ -30,8 +36,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from flowrl.contention import Busy, slowdowns, stretches
+
 if TYPE_CHECKING:
     from flowrl.controller import Controller
+    from flowrl.events import Span
     from flowrl.recipe import Recipe
     from flowrl.run_trace import RunTrace
 
@@ -42,8 +51,10 @@ NODES = "nodes"
 #: a plan within this share of the fastest one counts as as fast (the recommendation then
 #: prefers fresher samples)
 SAME_SPEED = 0.05
-#: a CPU stretch below this is noise in the busy shares, not worth a second replay
-MIN_STRETCH = 1.05
+#: stretches that move less than this share between two replays have settled
+SETTLED = 0.05
+#: replays of one plan at most (the first at the recorded speed)
+MAX_REPLAYS = 3
 
 
 @dataclass
@@ -51,7 +62,8 @@ class Plan:
     """One combination of knob values and what its replay measured."""
 
     knobs: dict[str, Any]
-    stretch: float = 1.0
+    #: each role's CPU stretch (a role not named: 1.0)
+    stretch: dict[str, float] = field(default_factory=dict)
     samples_per_s: float = 0.0
     staleness: dict[int, int] = field(default_factory=dict)
     idle: dict[str, float] = field(default_factory=dict)
@@ -60,7 +72,11 @@ class Plan:
         return {"knobs": self.knobs, "samples_per_s": round(self.samples_per_s, 3),
                 "staleness": {str(k): v for k, v in self.staleness.items()},
                 "idle": {r: round(v, 3) for r, v in self.idle.items()},
-                "cpu_stretch": round(self.stretch, 3)}
+                "cpu_stretch": {r: round(v, 3) for r, v in self.stretch.items()}}
+
+    def stretch_text(self) -> str:
+        said = [f"{r} {v:.2f}" for r, v in self.stretch.items() if round(v, 2) != 1.0]
+        return ", ".join(said) or "1.00"
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -99,20 +115,6 @@ def plans_of(knobs: Sequence[tuple[tuple[str, ...], list[Any]]]) -> list[dict[st
             for combo in itertools.product(*(values for _, values in knobs))]
 
 
-def busy_shares(trace: RunTrace) -> dict[str, float]:
-    """Each role's mean busy share per worker over the recorded run."""
-    if not trace.tasks:
-        return {}
-    start = min(t.t - t.s for t in trace.tasks)
-    wall = max(t.t for t in trace.tasks) - start
-    pools = trace.header["pools"]
-    out: dict[str, float] = {}
-    for role, count in pools.items():
-        busy = sum(t.s for t in trace.tasks_of(role))
-        out[role] = min(1.0, busy / (wall * count)) if wall > 0 else 0.0
-    return out
-
-
 def role_threads(recipe: Recipe) -> dict[str, int]:
     """Threads each worker of a role computes with."""
     return {"rollout": recipe.rollout.threads, "reward": recipe.reward.threads,
@@ -120,25 +122,30 @@ def role_threads(recipe: Recipe) -> dict[str, int]:
             "train": recipe.trainer.threads}
 
 
-def demand(recipe: Recipe, busy: dict[str, float]) -> float:
-    """Busy worker threads on average: ``busy`` is each role's busy share per worker."""
+def controller_cpu_per_sample(trace: RunTrace) -> float:
+    """The controller process's CPU seconds per trained sample in the recorded run (0.0 for a
+    trace that does not say)."""
+    ctl = trace.header.get("controller")
+    if not isinstance(ctl, dict) or not ctl.get("samples"):
+        return 0.0
+    return float(ctl["cpu_s"]) / int(ctl["samples"])
+
+
+def replayed_busy(spans: Sequence[Span], recipe: Recipe) -> list[Busy]:
+    """A replay's task spans as busy intervals: a worker's task that it took while it ran the
+    one before (prefetch) counts from when that one ended."""
     threads = role_threads(recipe)
-    pools = {p.role: p.count for p in recipe.to_pipeline().pools}
-    return sum(n * threads.get(r, 1) * busy.get(r, 0.0) for r, n in pools.items())
-
-
-def cpu_stretch(recorded_demand: float, recorded_cores: int, planned_demand: float,
-                planned_cores: int) -> float:
-    """How much slower each task runs in the plan than in the recorded run: the ratio of the
-    two overloads (1 when the plan's cores keep up with its demand as well as the recorded
-    run's did)."""
-    before = max(1.0, recorded_demand / recorded_cores)
-    after = max(1.0, planned_demand / planned_cores)
-    return max(1.0, after / before)
+    out: list[Busy] = []
+    free: dict[str, float] = {}
+    for s in sorted(spans, key=lambda s: s.start):
+        start = max(s.start, free.get(s.worker, s.start))
+        free[s.worker] = max(s.end, free.get(s.worker, s.end))
+        out.append(Busy(s.role, start, s.end, threads.get(s.role, 1)))
+    return out
 
 
 def sim_recipe(recorded: Recipe, knobs: dict[str, Any], trace_path: Path,
-               stretch: float) -> Recipe:
+               stretch: dict[str, float]) -> Recipe:
     """The recorded recipe with ``knobs`` applied, run by simulated workers drawing from the
     trace: nothing written, no evaluation, no trackers."""
     from flowrl.recipe_file import apply_overrides
@@ -146,30 +153,41 @@ def sim_recipe(recorded: Recipe, knobs: dict[str, Any], trace_path: Path,
     overrides: list[tuple[tuple[str, ...], Any]] = [
         (tuple(k.split(".")), v) for k, v in knobs.items() if k != NODES]
     overrides += [(("rollout", "engine"), "sim"), (("sim", "trace"), str(trace_path)),
-                  (("sim", "trace_stretch"), stretch), (("output",), None),
+                  (("sim", "trace_stretch"), dict(stretch) or 1.0), (("output",), None),
                   (("checkpoint_every",), 0), (("keep_last",), None), (("eval",), None),
                   (("tracking",), [])]
     return apply_overrides(recorded, overrides, file="--set")
 
 
-async def replay(recipe: Recipe, steps: int) -> tuple[dict[str, Any], dict[str, float]]:
-    """Run ``recipe`` (simulated) for ``steps`` steps: its summary and each pool's idle
-    share."""
+@dataclass
+class Replay:
+    summary: dict[str, Any]
+    #: each pool's share of worker time spent without a task
+    idle: dict[str, float]
+    #: the tasks' spans in the measured run
+    spans: list[Span]
+
+
+async def replay(recipe: Recipe, steps: int) -> Replay:
+    """Run ``recipe`` (simulated) for ``steps`` steps."""
+    import time
+
     from flowrl.run import run_recipe
 
     held: list[Controller] = []
     summary = await run_recipe(recipe, steps=steps, monitor=False, on_start=held.append)
-    return summary, idle_shares(held[0], summary["wall_s"])
-
-
-def idle_shares(ctl: Controller, wall: float) -> dict[str, float]:
-    """Each pool's share of worker time spent without a task over the last ``wall`` s."""
-    import time
-
     end = time.time()
-    start = end - wall
+    start = end - summary["wall_s"]
+    spans = [s for s in held[0].events.spans if s.end > start]
+    return Replay(summary, idle_shares(held[0], spans, start, end), spans)
+
+
+def idle_shares(ctl: Controller, spans: Sequence[Span], start: float,
+                end: float) -> dict[str, float]:
+    """Each pool's share of worker time spent without a task from ``start`` to ``end``."""
+    wall = end - start
     busy: dict[str, float] = {}
-    for s in ctl.events.spans:
+    for s in spans:
         overlap = min(s.end, end) - max(s.start, start)
         if overlap > 0:
             busy[s.role] = busy.get(s.role, 0.0) + overlap
@@ -212,16 +230,28 @@ def table(plans: Sequence[Plan]) -> str:
         stale = " ".join(f"{k}:{v / total:.0%}" for k, v in p.staleness.items()) or "-"
         rows.append([*(str(p.knobs.get(n, "-")) for n in names), f"{p.samples_per_s:.1f}",
                      stale, *(f"{p.idle[r]:.0%}" if r in p.idle else "-" for r in roles),
-                     f"{p.stretch:.2f}"])
+                     p.stretch_text()])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
                      for r in rows)
 
 
+async def _crowding(recorded: Recipe, knobs: dict[str, Any], trace_path: Path, steps: int,
+                    cores: int, per_sample: float) -> dict[str, float]:
+    """Each role's slowdown (`flowrl.contention`) in a replay at the recorded speed: for the
+    recorded settings, what the recorded times already hold. Measured on a replay like a plan's,
+    so that what a replay's schedule differs from the run's by cancels out."""
+    planned = sim_recipe(recorded, knobs, trace_path, {})
+    run = await replay(planned, steps)
+    return slowdowns(replayed_busy(run.spans, planned), cores,
+                     per_sample * float(run.summary["samples_per_s"]))
+
+
 async def plan(trace_path: Path, knobs: Sequence[tuple[tuple[str, ...], list[Any]]], *,
-               steps: int | None = None) -> list[Plan]:
+               steps: int | None = None, contention: bool | None = None) -> list[Plan]:
     """Replay the trace once per combination of ``knobs``; raises `TraceError` for a trace
-    that cannot be replayed and `RecipeError` for a knob the recipe refuses."""
+    that cannot be replayed and `RecipeError` for a knob the recipe refuses. ``contention``:
+    whether to model CPU contention (default: unless the trace is of simulated workers)."""
     from flowrl.recipe import Recipe
     from flowrl.run_trace import TraceError, read_trace
 
@@ -235,23 +265,29 @@ async def plan(trace_path: Path, knobs: Sequence[tuple[tuple[str, ...], list[Any
     steps = steps or max(1, len(trace.steps))
     out: list[Plan] = []
     cores = int(trace.header["cpus"])
-    recorded_demand = demand(recorded, busy_shares(trace))
+    per_sample = controller_cpu_per_sample(trace)
+    # simulated workers wait, they do not compute
+    contended = recorded.rollout.engine != "sim" if contention is None else contention
+    before = await _crowding(recorded, {}, trace_path, steps, cores, per_sample) if contended \
+        else {}
     for combo in plans_of(knobs) or [{}]:
         nodes = int(combo.get(NODES, 1))
         if nodes < 1:
             raise ValueError(f"--set {NODES}: must be at least 1, got {nodes}")
-        planned = sim_recipe(recorded, combo, trace_path, 1.0)
-        summary, idle = await replay(planned, steps)
-        stretch = cpu_stretch(recorded_demand, cores,
-                              demand(planned, {r: 1 - v for r, v in idle.items()}),
-                              cores * nodes)
-        if stretch < MIN_STRETCH:
-            stretch = 1.0
-        else:
-            summary, idle = await replay(sim_recipe(recorded, combo, trace_path, stretch),
-                                         steps)
-        out.append(Plan(combo, stretch, float(summary["samples_per_s"]),
-                        {int(k): int(v) for k, v in summary["staleness"].items()}, idle))
+        stretch: dict[str, float] = {}
+        run = await replay(sim_recipe(recorded, combo, trace_path, stretch), steps)
+        for _ in range(MAX_REPLAYS - 1 if contended else 0):
+            after = slowdowns(replayed_busy(run.spans, sim_recipe(recorded, combo, trace_path,
+                                                                  stretch)),
+                              cores * nodes, per_sample * float(run.summary["samples_per_s"]))
+            want = {r: round(x, 3) for r, x in stretches(after, before).items()}
+            if all(abs(x / stretch.get(r, 1.0) - 1) < SETTLED for r, x in want.items()):
+                break
+            stretch = want
+            run = await replay(sim_recipe(recorded, combo, trace_path, stretch), steps)
+        out.append(Plan(combo, stretch, float(run.summary["samples_per_s"]),
+                        {int(k): int(v) for k, v in run.summary["staleness"].items()},
+                        run.idle))
     return out
 
 

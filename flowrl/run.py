@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -280,7 +281,8 @@ def save_trace(recorder: TraceRecorder, path: Path) -> None:
     """Write what ``recorder`` kept to ``path``; a failed write is logged, the run's own
     outcome stands."""
     try:
-        write_trace(path, recorder.header(), list(recorder.records))
+        write_trace(path, recorder.header(now=time.time(), cpu=time.process_time()),
+                    list(recorder.records))
     except OSError as exc:
         log.error("trace not saved", path=str(path), error=repr(exc))
     else:

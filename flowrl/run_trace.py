@@ -6,7 +6,10 @@ A JSON-lines file, no pickle. Its first line is the header::
      "cpus": 2, "max_staleness": 1, "groups_per_step": 16, "group_size": 8}
 
 (``recipe``: the recipe's fields as given, without the monitor token; None when the controller
-did not start from a recipe). Each further line is one record, by its ``k``:
+did not start from a recipe). An optional ``controller`` map says what the controller's process
+took while recording: ``{"cpu_s": ..., "wall_s": ..., "samples": ...}``, its CPU seconds (all its
+threads) over that many wall seconds, in which it trained that many samples; the planner counts
+that CPU with the workers' (``flowrl.plan``). Each further line is one record, by its ``k``:
 
 - ``task``: a finished task: ``stage``, ``role``, ``worker``, ``rows``, ``t`` (when it ended,
   seconds since the run's start), ``s`` (seconds the worker spent on it: from when it took the
@@ -100,14 +103,18 @@ class RunTrace:
 
 
 def header(*, recipe: dict[str, Any] | None, pools: dict[str, int], max_staleness: int,
-           groups_per_step: int, group_size: int, cpus: int | None = None) -> dict[str, Any]:
+           groups_per_step: int, group_size: int, cpus: int | None = None,
+           controller: dict[str, float] | None = None) -> dict[str, Any]:
     """A version-1 header (``cpus``: this machine's usable cores when not given)."""
     if cpus is None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
             os.cpu_count() or 1)
-    return {"format": FORMAT, "version": VERSION, "recipe": recipe, "pools": dict(pools),
+    head = {"format": FORMAT, "version": VERSION, "recipe": recipe, "pools": dict(pools),
             "cpus": cpus, "max_staleness": max_staleness, "groups_per_step": groups_per_step,
             "group_size": group_size}
+    if controller is not None:
+        head["controller"] = dict(controller)
+    return head
 
 
 def trace_lines(head: dict[str, Any],
@@ -161,6 +168,12 @@ def read_trace(path: str | os.PathLike[str]) -> RunTrace:
         raise TraceError(f"{name}: line 1: 'max_staleness' must be a non-negative integer")
     if head.get("recipe") is not None and not isinstance(head["recipe"], dict):
         raise TraceError(f"{name}: line 1: 'recipe' must be a map or null")
+    if "controller" in head:
+        try:
+            _controller(head["controller"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TraceError(f"{name}: line 1: 'controller' must map 'cpu_s', 'wall_s' and "
+                             f"'samples' to non-negative numbers ({exc})") from None
     trace = RunTrace(head)
     for no, text in enumerate(lines[1:], start=2):
         if not text.strip():
@@ -203,6 +216,14 @@ def _str(rec: dict[str, Any], key: str) -> str:
     if type(v) is not str or not v:
         raise ValueError(f"{key!r} must be a non-empty string")
     return v
+
+
+def _controller(v: Any) -> None:
+    if not isinstance(v, dict):
+        raise TypeError("not a map")
+    for key in ("cpu_s", "wall_s"):
+        _num(v, key)
+    _int(v, "samples")
 
 
 def _add(trace: RunTrace, rec: Any) -> None:

@@ -10,14 +10,17 @@ ends' own (they also run the optimizer step and write the weights). Response len
 loads are drawn from the recorded ones. All draws go through the caller's random generator, so
 a seeded replay is repeatable.
 
-``stretch`` multiplies every time: the planner's account of CPU contention when a changed plan
-runs more busy processes on the same cores than the recorded run did.
+``stretch`` multiplies every time, one factor or one per role (`flowrl.contention`): the
+planner's account of CPU contention when a changed plan keeps more threads busy at once on the
+same cores than the recorded run did. A weight load is a rollout worker's, stretched as its
+tasks are.
 """
 
 from __future__ import annotations
 
 import collections
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from flowrl.run_trace import RunTrace, TaskRecord
@@ -82,7 +85,7 @@ def _line(xs: list[int], ys: list[float]) -> tuple[float, float]:
 
 
 class TraceCosts:
-    def __init__(self, trace: RunTrace, *, stretch: float = 1.0) -> None:
+    def __init__(self, trace: RunTrace, *, stretch: float | Mapping[str, float] = 1.0) -> None:
         self.stretch = stretch
         roles = {t.role for t in trace.tasks}
         self.roles: dict[str, RoleCost] = {}
@@ -99,7 +102,12 @@ class TraceCosts:
         cost = self.roles.get(role)
         if cost is None:
             return None
-        return cost.draw(rows, rng, step_end=step_end) * self.stretch
+        return cost.draw(rows, rng, step_end=step_end) * self.stretch_of(role)
+
+    def stretch_of(self, role: str) -> float:
+        if isinstance(self.stretch, Mapping):
+            return self.stretch.get(role, 1.0)
+        return self.stretch
 
     def length(self, rng: random.Random) -> int | None:
         """A response length; None when the trace has none."""
@@ -107,4 +115,4 @@ class TraceCosts:
 
     def sync_s(self, rng: random.Random) -> float | None:
         """A weight load's seconds; None when the trace has none."""
-        return rng.choice(self.syncs) * self.stretch if self.syncs else None
+        return rng.choice(self.syncs) * self.stretch_of("rollout") if self.syncs else None

@@ -298,8 +298,9 @@ def engine_spec(config: EngineSpec | Mapping[str, Any]) -> EngineSpec:
     return config if isinstance(config, EngineSpec) else EngineSpec.model_validate(config)
 
 
-#: a cost (a number), or the trace file to draw costs from (a path, or None)
-_SimValue = int | float | str | None
+#: a cost (a number), the trace file to draw costs from (a path, or None), or per-role
+#: factors (``trace_stretch``)
+_SimValue = int | float | str | dict[str, float] | None
 
 
 class ColocatedSpec(_Spec):

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from flowrl import plan as planner
+from flowrl.contention import Busy
 from flowrl.control.trace_recorder import TraceRecorder
+from flowrl.events import Span
 from flowrl.recipe import (
     AlgorithmConfig,
     PlacementConfig,
@@ -69,6 +71,8 @@ def test_a_trace_reads_back_what_was_written(tmp_path: Path) -> None:
     ("HEADER", '{"k": "task", "stage": "g", "role": "r", "worker": "w", "rows": 2, "t": 1, '
                '"s": 1, "len": [1]}', "line 2: malformed record (1 lengths for 2 rows)"),
     ("HEADER", '{"k": "pickle"}', "unknown record kind 'pickle'"),
+    (json.dumps({**small_trace()[0], "controller": {"cpu_s": -1, "wall_s": 2, "samples": 8}}),
+     "", "line 1: 'controller' must map 'cpu_s', 'wall_s' and 'samples' to non-negative"),
     ("HEADER", "{not json", "line 2: not JSON"),
 ])
 def test_a_malformed_trace_is_refused_naming_what_and_where(
@@ -93,7 +97,7 @@ def test_the_planner_refuses_a_malformed_trace_with_its_reason(
 def test_the_recorder_times_a_task_from_when_its_worker_could_start_it() -> None:
     rec = TraceRecorder(stage_roles={"rollout": "rollout", "train": "train"},
                         pools={"rollout": 1, "train": 1}, max_staleness=1, groups_per_step=1,
-                        group_size=2, rollout_role="rollout", now=100.0)
+                        group_size=2, rollout_role="rollout", now=100.0, cpu=5.0)
     rec.task("rollout-0", "rollout", 2, 101.0, [5, 7], False, now=102.0)
     # taken (prefetched) at 101.5 while the first ran: its own time starts at 102.0
     rec.task("rollout-0", "rollout", 2, 101.5, [1, 2], False, now=102.5)
@@ -113,6 +117,18 @@ def test_the_recorder_times_a_task_from_when_its_worker_could_start_it() -> None
     assert [r for r in rec.records if isinstance(r, SyncRecord)][-1].s == 0.5
     rec.served("rollout-0", 7, now=104.0)  # a version never published here: not timed
     assert len([r for r in rec.records if isinstance(r, SyncRecord)]) == 2
+    # The controller's CPU over the recording, and the samples it trained meanwhile.
+    assert rec.header(now=110.0, cpu=5.5)["controller"] == {"cpu_s": 0.5, "wall_s": 10.0,
+                                                             "samples": 4}
+
+
+def test_the_planner_counts_the_controllers_cpu_per_sample(tmp_path: Path) -> None:
+    head, records = small_trace()
+    old = read_trace(write_trace(tmp_path / "old.jsonl", head, records))
+    assert planner.controller_cpu_per_sample(old) == 0.0  # a trace that does not say
+    head["controller"] = {"cpu_s": 0.004, "wall_s": 2.0, "samples": 8}
+    trace = read_trace(write_trace(tmp_path / "t.jsonl", head, records))
+    assert planner.controller_cpu_per_sample(trace) == pytest.approx(0.0005)
 
 
 def test_role_costs_fit_the_recorded_times_and_draw_repeatably() -> None:
@@ -138,6 +154,23 @@ def test_role_costs_fit_the_recorded_times_and_draw_repeatably() -> None:
     assert draws[0] == draws[1]
     assert draws[0] in (pytest.approx(0.8), pytest.approx(1.6))
     assert costs.task_s("reward", 8, random.Random(0)) is None  # the model's costs then
+    # One stretch per role (the planner's contention model): a role not named keeps its times.
+    trace = RunTrace({}, [task(8, 0.4), TaskRecord("rollout", "rollout", "r", 8, 0.0, 0.2)],
+                     [SyncRecord("r", 1, 0.0, 0.5)])
+    by_role = TraceCosts(trace, stretch={"rollout": 1.5})
+    assert by_role.task_s("rollout", 8, random.Random(0)) == pytest.approx(0.3)
+    assert by_role.task_s("train", 8, random.Random(0)) == pytest.approx(0.4)
+    assert by_role.sync_s(random.Random(0)) == pytest.approx(0.75)  # a rollout worker's load
+
+
+def test_a_replays_spans_count_a_prefetched_task_from_when_the_one_before_ended() -> None:
+    recipe = Recipe(steps=1, rollout=RolloutConfig(threads=2))
+    spans = [Span("r-0", "rollout", "rollout", 1, 4, 10.0, 11.0),
+             Span("r-0", "rollout", "rollout", 2, 4, 10.5, 12.0),  # taken while 1 ran
+             Span("t-1", "train", "train", 3, 4, 10.5, 11.5)]
+    assert planner.replayed_busy(spans, recipe) == [
+        Busy("rollout", 10.0, 11.0, 2), Busy("rollout", 11.0, 12.0, 2),
+        Busy("train", 10.5, 11.5, 1)]
 
 
 def test_knob_values_and_their_combinations() -> None:
@@ -237,5 +270,25 @@ def test_a_replayed_trace_predicts_a_run_under_another_staleness(tmp_path: Path)
         print(f"not compared: {line}", file=sys.stderr)
     assert set(by[0].staleness) == {0}  # synchronous: every sample on-policy
     assert set(by[0].idle) == {"rollout", "reward", "train"}
-    assert by[0].stretch == 1.0  # the same workers on the same cores
+    assert by[0].stretch == {}  # simulated workers wait, they do not take the cores
     assert "recommended:" in planner.recommend(list(by.values()))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_plan_that_crowds_the_cores_has_its_tasks_stretched(tmp_path: Path) -> None:
+    """The contention loop end to end: a trace whose header says 1 core, replayed with 4
+    rollout workers where it recorded 2. (Its simulated workers wait instead of computing, so
+    contention is asked for: the figures are the model's, which is the point here.)"""
+    path = tmp_path / "run.trace.jsonl"
+    asyncio.run(run_recipe(sim_recipe(1), monitor=False, record_trace=path))
+    lines = path.read_text().splitlines()
+    head = json.loads(lines[0])
+    head["cpus"] = 1
+    path.write_text("\n".join([json.dumps(head), *lines[1:]]) + "\n")
+    knobs = [planner.knob_values("rollout.workers=4")]
+    (crowded,) = asyncio.run(planner.plan(path, knobs, steps=6, contention=True))
+    # Two rollout workers already crowded the one core; four, busy together, crowd it more.
+    assert crowded.stretch["rollout"] > 1.2, crowded.row()
+    assert crowded.samples_per_s > 0
+    assert "rollout" in crowded.stretch_text()

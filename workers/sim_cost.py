@@ -38,11 +38,15 @@ class SimCost:
     #: a recorded run's trace to draw times and lengths from (None: the model above)
     trace: str | None = None
     #: multiplies every time drawn from the trace (CPU contention the recorded run did not have)
-    trace_stretch: float = 1.0
+    trace_stretch: float | dict[str, float] = 1.0
 
     def replay(self) -> TraceCosts | None:
         """The trace's costs, read once per process; None without a trace."""
-        return None if self.trace is None else _trace_costs(self.trace, self.trace_stretch)
+        if self.trace is None:
+            return None
+        stretch = self.trace_stretch
+        return _trace_costs(self.trace, tuple(sorted(stretch.items()))
+                            if isinstance(stretch, dict) else stretch)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SimCost:
@@ -54,5 +58,6 @@ class SimCost:
 
 
 @functools.cache
-def _trace_costs(path: str, stretch: float) -> TraceCosts:
-    return TraceCosts(read_trace(path), stretch=stretch)
+def _trace_costs(path: str, stretch: float | tuple[tuple[str, float], ...]) -> TraceCosts:
+    return TraceCosts(read_trace(path),
+                      stretch=dict(stretch) if isinstance(stretch, tuple) else stretch)

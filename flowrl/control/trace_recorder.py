@@ -4,9 +4,12 @@ Fed from what the controller handles anyway: a task's report (its worker, rows, 
 lengths it carries), a step's commit and a worker's ``served``, so recording asks nothing new of
 the workers. A worker may hold a task in its queue while it runs the one before (prefetch), so a
 task's time is counted from when the worker took it or finished its previous task, whichever is
-later. The newest ``keep`` records are kept (bounded memory on a long run).
+later. The newest ``keep`` records are kept (bounded memory on a long run). The header also says
+how much CPU the controller's process took over the run, per trained sample (the planner counts
+it with the workers' when it judges a plan's CPU contention).
 
-Pure: no sockets; callers pass ``now`` (wall-clock seconds).
+Pure: no sockets; callers pass ``now`` (wall-clock seconds) and ``cpu`` (the process's CPU
+seconds, `time.process_time`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ __all__ = ["TraceRecorder"]
 class TraceRecorder:
     def __init__(self, *, stage_roles: Mapping[str, str], pools: Mapping[str, int],
                  max_staleness: int, groups_per_step: int, group_size: int,
-                 rollout_role: str, now: float, keep: int = 200_000) -> None:
+                 rollout_role: str, now: float, cpu: float, keep: int = 200_000) -> None:
         self.stage_roles = dict(stage_roles)
         self.pools = dict(pools)
         self.max_staleness = max_staleness
@@ -33,6 +36,9 @@ class TraceRecorder:
         #: the recipe's fields as given (set by whoever started the run from a recipe)
         self.recipe: dict[str, Any] | None = None
         self.t0 = now
+        self.cpu0 = cpu
+        #: samples trained while recording (every step's, kept records or not)
+        self.samples = 0
         self.records: collections.deque[TraceRecord] = (
             collections.deque(maxlen=keep))
         self._last_end: dict[str, float] = {}
@@ -52,7 +58,9 @@ class TraceRecorder:
         """A step's line (an ``on_step`` callback): its version is published now."""
         version = int(entry["step"])
         self._published[version] = now
-        self.records.append(StepRecord(version, now - self.t0, int(entry.get("samples", 0))))
+        samples = int(entry.get("samples", 0))
+        self.samples += samples
+        self.records.append(StepRecord(version, now - self.t0, samples))
 
     def served(self, worker: str, version: int, now: float) -> None:
         """``worker`` loaded ``version``: it could start once the version was published and
@@ -66,6 +74,9 @@ class TraceRecorder:
         for v in [v for v in self._published if v < version - 8]:
             del self._published[v]
 
-    def header(self) -> dict[str, Any]:
+    def header(self, *, now: float, cpu: float) -> dict[str, Any]:
+        controller = {"cpu_s": round(max(0.0, cpu - self.cpu0), 6),
+                      "wall_s": round(max(0.0, now - self.t0), 6), "samples": self.samples}
         return header(recipe=self.recipe, pools=self.pools, max_staleness=self.max_staleness,
-                      groups_per_step=self.groups_per_step, group_size=self.group_size)
+                      groups_per_step=self.groups_per_step, group_size=self.group_size,
+                      controller=controller)

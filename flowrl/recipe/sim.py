@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Annotated
 
 from pydantic import Field, model_validator
 
@@ -61,8 +62,10 @@ class SimConfig(_Section):
     trace: str | None = None
     """A recorded run's trace file (``--record-trace``): task times, response lengths and weight
     loads are drawn from it instead of the costs above (``python -m flowrl.plan`` sets it)."""
-    trace_stretch: float = Field(default=1.0, gt=0.0, le=1000.0)
-    """Multiplies every time drawn from ``trace`` (the planner's CPU-contention factor)."""
+    trace_stretch: (Annotated[float, Field(gt=0.0, le=1000.0)]
+                    | dict[str, Annotated[float, Field(gt=0.0, le=1000.0)]]) = 1.0
+    """Multiplies every time drawn from ``trace`` (the planner's CPU-contention factor): one
+    factor, or one per role (a role not named keeps its times)."""
 
     @model_validator(mode="after")
     def _episode_fields(self) -> SimConfig:
