@@ -5,7 +5,8 @@ What a role's tasks suffer is that factor averaged over the time they were busy,
 on *when* the pools are busy together, not only on how busy each is on average: two rollout
 workers that start together after every commit slow each other and the trainer far more than
 their mean busy shares say (bench/README.md, the planner). The planner (`flowrl.plan`) computes
-it on the recorded run and on a replay of a plan, and stretches each role's times by the ratio.
+it on a replay of the recorded settings and on a replay of a plan, and stretches each role's
+times by the ratio.
 
 ``background`` is CPU demand that is not a task (the controller's process), counted as that
 many busy threads all the time.
