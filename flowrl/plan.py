@@ -175,8 +175,16 @@ async def replay(recipe: Recipe, steps: int) -> Replay:
     from flowrl.run import run_recipe
 
     held: list[Controller] = []
-    summary = await run_recipe(recipe, steps=steps, monitor=False, on_start=held.append)
-    end = time.time()
+    commits: list[float] = []
+
+    def started(ctl: Controller) -> None:
+        held.append(ctl)
+        ctl.on_step.append(lambda _: commits.append(time.time()))
+
+    summary = await run_recipe(recipe, steps=steps, monitor=False, on_start=started)
+    # The measured run ends at its last commit, not when run_recipe returns: closing the
+    # workers takes a while on busy cores, and a window ending then misses the first tasks.
+    end = commits[-1] if commits else time.time()
     start = end - summary["wall_s"]
     spans = [s for s in held[0].events.spans if s.end > start]
     return Replay(summary, idle_shares(held[0], spans, start, end), spans)
