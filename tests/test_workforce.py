@@ -24,6 +24,7 @@ from flowrl import (
 from flowrl.control.workforce import Workforce
 from flowrl.events import EventBus
 from flowrl.registry import Registry, WorkerInfo
+from transport.endpoints import new_run_id, remove_run_dir
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
 
@@ -37,7 +38,7 @@ def two_ranks(failed: asyncio.Queue[str]) -> Workforce:
         placement=PlacementConfig(max_restarts=0),
     ).to_pipeline()
     return Workforce(
-        spec, run_id="r", node="node0", registry=Registry(5.0), events=EventBus(),
+        spec, run_id=new_run_id(), node="node0", registry=Registry(5.0), events=EventBus(),
         hub=None, rendezvous=None, train_role="train", ranked=True,
         worker_gone=lambda worker_id, why: None, fail_run=failed.put_nowait,
         stopping=lambda: False)
@@ -87,3 +88,4 @@ async def test_a_rank_that_dies_before_registering_takes_the_group_down() -> Non
         assert "max_restarts is 0" in error
     finally:
         await wf.supervisor.stop_all(0.0, signals=(signal.SIGKILL,))
+        remove_run_dir(wf.run_id)  # the workers' spec files (a controller's close removes it)
