@@ -161,6 +161,8 @@ def sim_recipe(recorded: Recipe, knobs: dict[str, Any], trace_path: Path,
 
 @dataclass
 class Replay:
+    #: the simulated recipe it ran
+    recipe: Recipe
     summary: dict[str, Any]
     #: each pool's share of worker time spent without a task
     idle: dict[str, float]
@@ -187,7 +189,14 @@ async def replay(recipe: Recipe, steps: int) -> Replay:
     end = commits[-1] if commits else time.time()
     start = end - summary["wall_s"]
     spans = [s for s in held[0].events.spans if s.end > start]
-    return Replay(summary, idle_shares(held[0], spans, start, end), spans)
+    return Replay(recipe, summary, idle_shares(held[0], spans, start, end), spans)
+
+
+def crowding(run: Replay, cores: int, per_sample: float) -> dict[str, float]:
+    """Each role's slowdown (`flowrl.contention`) in ``run``: its tasks' busy intervals, and
+    the controller's ``per_sample`` CPU at the replay's rate as a constant load."""
+    return slowdowns(replayed_busy(run.spans, run.recipe), cores,
+                     per_sample * float(run.summary["samples_per_s"]))
 
 
 def idle_shares(ctl: Controller, spans: Sequence[Span], start: float,
@@ -244,17 +253,6 @@ def table(plans: Sequence[Plan]) -> str:
                      for r in rows)
 
 
-async def _crowding(recorded: Recipe, knobs: dict[str, Any], trace_path: Path, steps: int,
-                    cores: int, per_sample: float) -> dict[str, float]:
-    """Each role's slowdown (`flowrl.contention`) in a replay at the recorded speed: for the
-    recorded settings, what the recorded times already hold. Measured on a replay like a plan's,
-    so that what a replay's schedule differs from the run's by cancels out."""
-    planned = sim_recipe(recorded, knobs, trace_path, {})
-    run = await replay(planned, steps)
-    return slowdowns(replayed_busy(run.spans, planned), cores,
-                     per_sample * float(run.summary["samples_per_s"]))
-
-
 async def plan(trace_path: Path, knobs: Sequence[tuple[tuple[str, ...], list[Any]]], *,
                steps: int | None = None, contention: bool | None = None) -> list[Plan]:
     """Replay the trace once per combination of ``knobs``; raises `TraceError` for a trace
@@ -276,8 +274,10 @@ async def plan(trace_path: Path, knobs: Sequence[tuple[tuple[str, ...], list[Any
     per_sample = controller_cpu_per_sample(trace)
     # simulated workers wait, they do not compute
     contended = recorded.rollout.engine != "sim" if contention is None else contention
-    before = await _crowding(recorded, {}, trace_path, steps, cores, per_sample) if contended \
-        else {}
+    # What the recorded times already hold, measured on a replay of the recorded settings like
+    # a plan's, so that what a replay's schedule differs from the run's by cancels out.
+    before = crowding(await replay(sim_recipe(recorded, {}, trace_path, {}), steps), cores,
+                      per_sample) if contended else {}
     for combo in plans_of(knobs) or [{}]:
         nodes = int(combo.get(NODES, 1))
         if nodes < 1:
@@ -285,9 +285,7 @@ async def plan(trace_path: Path, knobs: Sequence[tuple[tuple[str, ...], list[Any
         stretch: dict[str, float] = {}
         run = await replay(sim_recipe(recorded, combo, trace_path, stretch), steps)
         for _ in range(MAX_REPLAYS - 1 if contended else 0):
-            after = slowdowns(replayed_busy(run.spans, sim_recipe(recorded, combo, trace_path,
-                                                                  stretch)),
-                              cores * nodes, per_sample * float(run.summary["samples_per_s"]))
+            after = crowding(run, cores * nodes, per_sample)
             want = {r: round(x, 3) for r, x in stretches(after, before).items()}
             if all(abs(x / stretch.get(r, 1.0) - 1) < SETTLED for r, x in want.items()):
                 break
