@@ -147,6 +147,7 @@ class Controller:
         self._paused = False
         self._drained_sent = False
         self._changed = asyncio.Event()
+        self._waiters = 0  # `wait_for` calls waiting now: only they need a wake per task
         self._stop = asyncio.Event()
         self._steps_target = 0
         self._steps_done = asyncio.Event()
@@ -366,6 +367,9 @@ class Controller:
                     await self.wait_for(lambda: ev.idle)
         finally:
             self._running = False
+            # `wait_for` callers asking whether the run ended (a timeout, a failure) wake up:
+            # nothing else changes when only the deadline passes.
+            self._changed_now()
         if self._fatal is not None:
             raise self._fatal
         wall = time.perf_counter() - self._counters.started_at
@@ -377,11 +381,16 @@ class Controller:
                 "staleness": self.gate.histogram(), **eval_summary(self.eval_log)}
 
     async def wait_for(self, predicate: Callable[[], bool]) -> None:
-        """Wait until ``predicate()`` holds; re-checked after every step and worker event."""
+        """Wait until ``predicate()`` holds; re-checked after every task, step, worker event
+        and the end of `run`."""
         while not predicate():
             if self._fatal is not None:
                 raise self._fatal
-            await self._changed.wait()
+            self._waiters += 1
+            try:
+                await self._changed.wait()
+            finally:
+                self._waiters -= 1
 
     # ---- control (also the monitor's POST endpoints) -----------------------------------------
 
@@ -699,6 +708,8 @@ class Controller:
             self.events.span(Span(a.worker, info.role if info else "", a.task.stage, a.task.id,
                                   len(a.task.rows), a.started_at, time.time()))
         self._check_drained()
+        if self._waiters:
+            self._changed_now()
 
     def _abort_step(self, lost: list[Task]) -> None:
         """The trainer lost its accumulated gradients: redo every micro-batch of the step."""

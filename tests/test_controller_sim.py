@@ -77,6 +77,21 @@ async def test_a_freeze_made_before_the_controller_is_left_as_it_was() -> None:
 
 
 @pytest.mark.timeout(90)
+async def test_a_run_that_times_out_wakes_whoever_waits_for_its_end() -> None:
+    """``wait_for(lambda: running.done())`` returns when only the run's deadline passed: no
+    step and no worker event happens then, so the end of `run` itself must wake it."""
+    async with Controller(spec(1)) as ctl:
+        ctl.pause()  # nothing is dispatched: the run cannot finish before its deadline
+        running = asyncio.ensure_future(ctl.run(steps=1, timeout_s=0.5))
+        async with asyncio.timeout(20):
+            await ctl.wait_for(running.done)
+        with pytest.raises(TimeoutError):
+            await running
+        ctl.resume()
+        assert (await ctl.run(steps=1, timeout_s=60))["version"] == 1
+
+
+@pytest.mark.timeout(90)
 async def test_a_killed_rollout_process_loses_nothing() -> None:
     two_procs = spec(1, rollout=2)
     two_procs = dataclasses.replace(

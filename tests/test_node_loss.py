@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import signal
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -51,6 +52,35 @@ def idle_on_a(ctl: Controller) -> list[int]:
     return [g for g in on_a(ctl) if not ctl.index.group_in_flight(g)]
 
 
+def state(ctl: Controller) -> str:
+    """What a failed wait says about the run."""
+    return (f"version {ctl.version}, paused {ctl.paused}, in flight "
+            f"{sorted(a.task.stage for a in ctl.assignments)}, groups on a {on_a(ctl)}, "
+            f"errors {ctl.errors}")
+
+
+async def drained_with_data_on_a(ctl: Controller, running: asyncio.Future[Any]) -> None:
+    """Pause as soon as node a holds data (re-checked after every task: whether a step's
+    groups went there depends on how fast node a's workers served the new weights) until the
+    drained run has some of it waiting, unread."""
+    while not running.done():
+        await ctl.wait_for(lambda: bool(on_a(ctl)) or running.done())
+        ctl.pause()
+        await ctl.wait_for(lambda: not ctl.assignments)
+        if idle_on_a(ctl):
+            return
+        ctl.resume()
+        await next_task(ctl, running)
+
+
+async def next_task(ctl: Controller, running: asyncio.Future[Any]) -> None:
+    """Until one more task ended (or the run did)."""
+    def done() -> int:
+        return sum(w.done + w.failed for w in ctl.registry.all())
+    before = done()
+    await ctl.wait_for(lambda: done() > before or running.done())
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("how", ["killed", "stopped"])
 async def test_a_lost_node_is_left_behind_its_lost_groups_redone_and_no_row_trained_twice(
@@ -70,17 +100,13 @@ async def test_a_lost_node_is_left_behind_its_lost_groups_redone_and_no_row_trai
             running = asyncio.ensure_future(ctl.run(steps=8, timeout_s=150))
             # Drained, with node a's data waiting in the index and no task reading it: what
             # is dropped at the loss is then known exactly.
-            for _ in range(20):
-                await ctl.wait_for(lambda: ctl.version >= 1 or running.done())
-                ctl.pause()
-                await ctl.wait_for(lambda: not ctl.assignments)
-                if idle_on_a(ctl):
-                    break
-                ctl.resume()
-                version = ctl.version
-                await ctl.wait_for(lambda v=version: ctl.version > v or running.done())
+            try:
+                async with asyncio.timeout(100):
+                    await drained_with_data_on_a(ctl, running)
+            except TimeoutError:
+                pytest.fail(f"no drained state came up in 100 s: {state(ctl)}")
             held, idle = on_a(ctl), idle_on_a(ctl)
-            assert idle, "no drained state with node a's data waiting came up"
+            assert idle, f"no drained state with node a's data waiting came up: {state(ctl)}"
             if how == "killed":
                 agent.send_signal(signal.SIGKILL)
             else:
