@@ -37,7 +37,7 @@ task to each of its workers that loaded the version) stretched by the machine's 
 ``controller_rss_mb``: the controller process's resident memory after the 1,024-worker run, and
 ``controller_rss_growth_mb`` over what it held before starting.
 
-    python bench/capacity.py [--quick] [--rollout-groups N]
+    python bench/capacity.py [--quick] [--rollout-groups N] [--workers-nice N]
 
 ``--quick`` runs 2 measured steps per shape instead of 8; on 2 shared cores most of its ~2 min
 is starting the 25 processes (each imports torch) of the 1,024-worker shape.
@@ -54,6 +54,13 @@ tool call between turns that returns at once), so the controller's cost is also 
 run inside its rollout task on the worker, so the controller's cost per turn is its cost per
 sample ÷ the mean turns.
 
+``--workers-nice N``: every process of the run but the controller's (node agents and
+workers) runs at niceness N (0: as started). On a cluster the workers run on other machines and
+the controller's core is its own; here they share 2 cores, and a dispatch pass of a few ms of
+CPU is preempted for tens by 25 worker processes. At N = 10 the kernel gives the controller
+~10 times their share whenever it is runnable, which is the closer model of a core of its own
+for the dispatch latency (``workers_nice`` in the output).
+
 ``--profile FILE`` runs only the 1,024-worker shape, 4 measured steps under cProfile (the event
 loop's thread), writes the stats to FILE (`pstats`) and prints the calls that count messages:
 requests handled by kind, messages sent, function calls in all. Call counts do not depend on the
@@ -63,6 +70,7 @@ load; times do.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import math
 import pstats
@@ -139,13 +147,23 @@ def loop_cpu(me: psutil.Process) -> float:
     return next(t.user_time + t.system_time for t in me.threads() if t.id == main)
 
 
+def renice_children(me: psutil.Process, nice: int) -> None:
+    """Every process under ``me`` (node agents, workers) at niceness ``nice``; a worker
+    restarted later inherits its agent's."""
+    for p in me.children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.nice(nice)
+
+
 async def measure(workers: int, agents: int, steps: int, rollout_groups: int = 1,
                   profile: cProfile.Profile | None = None,
-                  episode_turns: int = 0) -> dict[str, Any]:
+                  episode_turns: int = 0, workers_nice: int = 0) -> dict[str, Any]:
     spec, nodes = workload(workers, agents, rollout_groups, episode_turns)
     me = psutil.Process()
     rss0 = me.memory_info().rss
     async with started_with_agents(spec, nodes) as ctl:
+        if workers_nice:
+            renice_children(me, workers_nice)
         await ctl.run(steps=1, timeout_s=300)  # warm-up: every worker polling, first version
         ctl.dispatch_us.clear()
         ctl.dispatch_pass_tasks.clear()
@@ -175,14 +193,15 @@ async def measure(workers: int, agents: int, steps: int, rollout_groups: int = 1
         }
 
 
-async def main_async(quick: bool, rollout_groups: int, episode_turns: int = 0
-                     ) -> dict[str, Any]:
+async def main_async(quick: bool, rollout_groups: int, episode_turns: int = 0,
+                     workers_nice: int = 0) -> dict[str, Any]:
     steps = 2 if quick else 8
     result: dict[str, Any] = {}
     runs = {}
     for workers, agents in SHAPES:
         r = runs[workers] = await measure(workers, agents, steps, rollout_groups,
-                                          episode_turns=episode_turns)
+                                          episode_turns=episode_turns,
+                                          workers_nice=workers_nice)
         result[f"samples_per_s_{workers}w"] = round(r["samples_per_s"], 1)
         result[f"cpu_us_per_sample_{workers}w"] = round(r["cpu_us_per_sample"], 1)
         result[f"controller_cpu_share_{workers}w"] = round(r["cpu_share"], 3)
@@ -203,6 +222,7 @@ async def main_async(quick: bool, rollout_groups: int, episode_turns: int = 0
         "samples_per_step": GROUPS_PER_STEP * GROUP,
         "rollout_groups_per_task": rollout_groups,
         "episode_turns": episode_turns,
+        "workers_nice": workers_nice,
         "steps": steps,
         "quick": quick,
     })
@@ -232,10 +252,10 @@ def profiled_counts(path: str) -> dict[str, Any]:
             "profiled_s": round(sum(v[2] for v in stats.values()), 2), **counts}
 
 
-async def profile_async(path: str, rollout_groups: int, episode_turns: int = 0
-                        ) -> dict[str, Any]:
+async def profile_async(path: str, rollout_groups: int, episode_turns: int = 0,
+                        workers_nice: int = 0) -> dict[str, Any]:
     prof = cProfile.Profile()
-    r = await measure(1024, 8, 4, rollout_groups, prof, episode_turns)
+    r = await measure(1024, 8, 4, rollout_groups, prof, episode_turns, workers_nice)
     prof.dump_stats(path)
     return {"samples": 4 * GROUPS_PER_STEP * GROUP,
             "cpu_us_per_sample_1024w": round(r["cpu_us_per_sample"], 1),
@@ -250,16 +270,21 @@ def main() -> None:
                    help="groups of 4 per rollout task (default 1: a task per group)")
     p.add_argument("--episode-turns", type=int, default=0, metavar="N",
                    help="each response a multi-turn episode of 1..N turns (default 0: single)")
+    p.add_argument("--workers-nice", type=int, default=0, metavar="N",
+                   help="niceness of the node agents and workers (default 0: as started)")
     args = p.parse_args()
     if not 1 <= args.rollout_groups <= GROUPS_PER_STEP:
         p.error(f"--rollout-groups must be 1..{GROUPS_PER_STEP}")
     if not 0 <= args.episode_turns <= MAX_TURNS:
         p.error(f"--episode-turns must be 0..{MAX_TURNS}")
+    if not 0 <= args.workers_nice <= 19:
+        p.error("--workers-nice must be 0..19")
     configure(level="warning")
     start = time.perf_counter()
     turns = args.episode_turns
-    run_and_print(profile_async(args.profile, args.rollout_groups, turns) if args.profile
-                  else main_async(args.quick, args.rollout_groups, turns))
+    nice = args.workers_nice
+    run_and_print(profile_async(args.profile, args.rollout_groups, turns, nice) if args.profile
+                  else main_async(args.quick, args.rollout_groups, turns, nice))
     print(f"# {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
 

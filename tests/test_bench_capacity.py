@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +39,37 @@ def test_a_rollout_group_count_out_of_range_is_refused() -> None:
                               cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
         assert proc.returncode == 2
         assert f"--rollout-groups must be 1..{GROUPS_PER_STEP}" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_niceness_out_of_range_is_refused() -> None:
+    proc = subprocess.run([sys.executable, "bench/capacity.py", "--workers-nice", "20"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2
+    assert "--workers-nice must be 0..19" in proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_every_process_under_the_controller_is_reniced() -> None:
+    me = psutil.Process()
+    own = me.nice()
+    # a child with a child of its own, as a node agent and its worker process
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys\n"
+         "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+         "print(p.pid, flush=True)\np.wait()"], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    try:
+        child = psutil.Process(int(parent.stdout.readline()))
+        capacity.renice_children(me, 7)
+        assert (psutil.Process(parent.pid).nice(), child.nice()) == (7, 7)
+        assert me.nice() == own
+    finally:
+        for p in psutil.Process(parent.pid).children(recursive=True):
+            p.kill()
+        parent.kill()
+        parent.wait(timeout=30)
+        parent.stdout.close()
 
 
 def test_the_workload_runs_multi_turn_episodes_when_asked() -> None:
