@@ -140,8 +140,11 @@ class WorkerConfig:
     #: tasks this worker runs concurrently (each is one outstanding long poll).
     capacity: int = 1
     heartbeat_s: float = 1.0
-    #: how long one ``get_task`` long poll waits before asking again.
-    poll_s: float = 5.0
+    #: how long one ``get_task`` long poll waits before asking again. An idle worker's poll
+    #: that ends empty is pure cost to the controller (a request and its reply), paid per idle
+    #: worker per ``poll_s``: at a thousand workers, 5 s cost ~200 requests a second.
+    #: Liveness rides on heartbeats and a report on the next poll, so a long wait loses nothing.
+    poll_s: float = 30.0
     rpc_timeout_s: float = 30.0
     #: the run's curve keys (a run across nodes), used on tcp links to the controller.
     curve: CurveKeys | None = None
