@@ -66,6 +66,30 @@ def test_a_reward_collapse_rolls_back_to_the_kept_weights_and_lowers_the_rate() 
     assert len(acted) == 1  # the drop is judged afresh from the restored policy
 
 
+def started_high(step: int) -> dict[str, Any]:
+    """A run that starts near its best (the default job's warmed-up model): 0.85 to 1.0."""
+    return {**healthy(step), "reward_mean": min(1.0, 0.85 + 0.005 * step)}
+
+
+def test_a_run_that_started_near_its_best_is_still_rolled_back_when_it_collapses() -> None:
+    # It can gain 0.15 at most, less than ``reward_min_gain`` (0.2): the drop is judged
+    # against where it started instead.
+    guard = StabilityGuard(StabilityConfig())
+    lines = [started_high(s) for s in range(1, 81)]
+    assert feed(guard, lines) == []  # a healthy run is left alone
+    lines += [{**started_high(s), "reward_mean": 0.3} for s in range(81, 101)]
+    acted = feed(StabilityGuard(StabilityConfig()), lines)
+    assert acted[0][1:] == ("reward_drop", "rollback")
+    assert 85 <= acted[0][0] <= 95
+
+
+def test_a_dip_within_the_minimum_gain_of_the_start_is_left_alone() -> None:
+    lines = [started_high(s) for s in range(1, 61)]
+    # its first moving mean (after the warm-up) is ~0.93: 0.8 is within 0.2 of it
+    lines += [{**started_high(s), "reward_mean": 0.8} for s in range(61, 101)]
+    assert feed(StabilityGuard(StabilityConfig()), lines) == []
+
+
 def test_a_collapse_with_nothing_kept_only_lowers_the_rate() -> None:
     guard = StabilityGuard(StabilityConfig())
     lines = [healthy(s) for s in range(1, 81)]

@@ -11,7 +11,9 @@ Signals (each judged only when the step reports it; a threshold of None turns it
   is above ``flat_groups_max`` while the reward is below its best (stuck, not solved);
 - ``clip_frac``: the share of clipped tokens is above ``clip_frac_max`` (updates too large);
 - ``reward_drop``: the reward's moving mean lost more than ``reward_drop`` of what the run had
-  gained over its best (a collapse), once it had gained at least ``reward_min_gain``.
+  gained over its best (a collapse), once it had gained at least ``reward_min_gain``; before
+  that (a run that started near its best has little to gain), a fall of ``reward_min_gain``
+  below its first moving mean is one.
 
 A signal acts once it has been past its threshold for ``window`` consecutive steps, and not
 again for ``cooldown_steps``; nothing is judged during the first ``warmup_steps``. Actions:
@@ -208,10 +210,9 @@ class StabilityGuard:
                     or self._first_reward is None):
                 return None
             gain = self._best_reward - self._first_reward
-            floor = self._best_reward - s.reward_drop * gain
-            if gain >= s.reward_min_gain and mean_reward < floor:
-                return mean_reward, floor
-            return None
+            floor = (self._best_reward - s.reward_drop * gain if gain >= s.reward_min_gain
+                     else self._first_reward - s.reward_min_gain)
+            return (mean_reward, floor) if mean_reward < floor else None
         if value is None:
             return None
         if sig == "mismatch_kl" and s.mismatch_kl_max is not None:

@@ -48,7 +48,8 @@ class StabilityConfig(_Section):
     reward_drop: float | None = Field(default=0.5, gt=0.0, le=1.0)
     """Share of the run's reward gain (best moving mean less the first) it may lose."""
     reward_min_gain: float = Field(default=0.2, ge=0.0)
-    """A reward drop is judged only once the run has gained this much."""
+    """A reward drop is judged against the run's gain once it has gained this much; until
+    then, a fall of this much below its first moving mean is a drop."""
     actions: StabilityActions = Field(default_factory=StabilityActions)
     """What each signal does: warn, tighten_staleness, lower_lr or rollback."""
     lr_factor: float = Field(default=0.5, gt=0.0, lt=1.0)
