@@ -146,6 +146,10 @@ def rank_main(rank: int, store: str, model: str, buckets: Sequence[int], repeats
                   "seconds": {k: statistics.median(v[1:]) for k, v in times.items()},
                   "equal": equal, "buckets_made": made}
         Path(f"{out}.{rank}").write_text(json.dumps(result))
+        # Both ranks done with every collective before either tears gloo down: a rank whose
+        # peer closed the pairs under its last gather's loose ends aborted at exit (once in a
+        # test run: "terminate called without an active exception", exit -6).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
