@@ -6,14 +6,18 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 TORCH   ?= torch==2.13.0
 STAMP   := $(VENV)/.installed
+# Both venvs install this project editable, which writes its metadata into the source tree: CI
+# builds them at once, so the two installs take turns.
+LOCK    := .install.lock
 
-.PHONY: setup chromium model test lint types layers pytest demo bench clean test-vllm test-gpu
+.PHONY: setup setup-vllm chromium model test lint types layers pytest demo bench clean test-vllm \
+	test-gpu
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[dev]' $(TORCH)
+	flock $(LOCK) $(BIN)/pip install -q -e '.[dev]' $(TORCH)
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -58,9 +62,11 @@ $(VSTAMP): pyproject.toml
 	$(VBIN)/pip install -q --upgrade pip
 	$(VBIN)/pip install -q $(TORCH)
 	$(VBIN)/pip install -q $(VLLM) $(TORCH)
-	$(VBIN)/pip install -q -e . pytest pytest-asyncio pytest-timeout $(TORCH)
+	flock $(LOCK) $(VBIN)/pip install -q -e . pytest pytest-asyncio pytest-timeout $(TORCH)
 	$(VBIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VSTAMP)
+
+setup-vllm: $(VSTAMP)
 
 test-vllm: $(VSTAMP)
 	$(VBIN)/pytest -q tests/vllm

@@ -49,6 +49,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psutil
+import torch  # noqa: F401  (the fuzzer builds tensor frames: loaded before any RSS baseline)
 import zmq
 import zmq.asyncio
 

@@ -269,7 +269,7 @@ class Controller:
         handlers = self.api.handlers()
         # Long polls have a budget of their own: they can never starve heartbeats.
         self._server = RpcServer(ipc_endpoint(self.run_id, "ctl"), handlers,
-                                 long_polls=m.LONG_POLLS)
+                                 long_polls=m.LONG_POLLS, tensors=False)
         endpoints = self.workforce.endpoints
         endpoints.controller = await self._server.start()
         hub = self._hub

@@ -426,7 +426,8 @@ class AgentLink:
 
     async def run(self) -> None:
         """Serve until cancelled (the agent stops)."""
-        server = RpcServer(self.endpoint, self.api.handlers(), long_polls={m.OP_GET_TASK})
+        server = RpcServer(self.endpoint, self.api.handlers(), long_polls={m.OP_GET_TASK},
+                           tensors=False)
         await server.start()
         try:
             async with asyncio.TaskGroup() as tg:

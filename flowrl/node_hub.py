@@ -254,7 +254,7 @@ class NodeHub:
         self._server = RpcServer(tcp_endpoint(self.config.host, self.config.port), ops,
                                  long_polls={OP_POLL, *(m.LONG_POLLS & ops.keys())},
                                  curve=self.keys, allow_remote=True,
-                                 on_refused=self._refused)
+                                 on_refused=self._refused, tensors=False)
         try:
             self.endpoint = await self._server.start()
         except BaseException:

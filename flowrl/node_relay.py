@@ -77,7 +77,8 @@ class NodeRelay:
                                curve=curve)
         self._pub = Publisher(ipc_endpoint(run_id, f"relay-{node}"), on_drop=self._dropped)
         self._server = RpcServer(ipc_endpoint(run_id, f"served-{node}"),
-                                 {m.OP_SERVED: self._served, m.OP_HEARTBEAT: self._heartbeat})
+                                 {m.OP_SERVED: self._served, m.OP_HEARTBEAT: self._heartbeat},
+                                 tensors=False)
         self._heartbeat_s = heartbeat_s
         # Heartbeats heard since the last were passed on, as (worker id, token): a process
         # that sends another's id with a wrong token cannot replace the right one.

@@ -275,6 +275,15 @@ def test_malformed_input_raises_malformed_message(frames: list[Any]) -> None:
         decode(frames)
 
 
+def test_an_endpoint_taking_no_tensors_refuses_a_message_holding_one() -> None:
+    for value in (torch.zeros(2), np.zeros(2, dtype=np.float32), torch.empty(0)):
+        frames = encode({"op": "x", "nested": [{"t": value}]})
+        assert decode(frames)["op"] == "x"  # the default takes them
+        with pytest.raises(MalformedMessage, match="takes none"):
+            decode(frames, tensors=False)
+    assert decode(encode({"op": "x", "n": [1.5]}), tensors=False) == {"op": "x", "n": [1.5]}
+
+
 def test_size_limits() -> None:
     frames = encode(torch.zeros(1000, dtype=torch.uint8))
     assert decode(frames, max_bytes=frames_nbytes(frames)).shape == (1000,)

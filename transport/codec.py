@@ -28,15 +28,20 @@ Guarantees:
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Sequence
-from typing import Any, Final, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import msgpack
 import numpy as np
-import torch
 import zmq
 
 from transport.errors import MalformedMessage, MessageTooLarge
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from transport.lazy_torch import torch
 
 __all__ = ["DTYPES", "HANDLE_EXT", "MAX_MESSAGE_BYTES", "decode", "encode", "frames_nbytes"]
 
@@ -55,35 +60,41 @@ _tuple_new: Final = tuple.__new__
 
 
 class _DType(NamedTuple):
-    name: str
-    torch: torch.dtype
+    name: str  # torch's own name of the dtype
     numpy: np.dtype[Any] | None  # numpy has no bfloat16
     itemsize: int
+
+    @property
+    def torch(self) -> torch.dtype:
+        dtype: torch.dtype = getattr(torch, self.name)
+        return dtype
 
 
 DTYPES: Final[dict[str, _DType]] = {
     d.name: d
     for d in (
-        _DType("bool", torch.bool, np.dtype(np.bool_), 1),
-        _DType("uint8", torch.uint8, np.dtype(np.uint8), 1),
-        _DType("int8", torch.int8, np.dtype(np.int8), 1),
-        _DType("int16", torch.int16, np.dtype(np.int16), 2),
-        _DType("int32", torch.int32, np.dtype(np.int32), 4),
-        _DType("int64", torch.int64, np.dtype(np.int64), 8),
-        _DType("float16", torch.float16, np.dtype(np.float16), 2),
-        _DType("bfloat16", torch.bfloat16, None, 2),
-        _DType("float32", torch.float32, np.dtype(np.float32), 4),
-        _DType("float64", torch.float64, np.dtype(np.float64), 8),
+        _DType("bool", np.dtype(np.bool_), 1),
+        _DType("uint8", np.dtype(np.uint8), 1),
+        _DType("int8", np.dtype(np.int8), 1),
+        _DType("int16", np.dtype(np.int16), 2),
+        _DType("int32", np.dtype(np.int32), 4),
+        _DType("int64", np.dtype(np.int64), 8),
+        _DType("float16", np.dtype(np.float16), 2),
+        _DType("bfloat16", None, 2),
+        _DType("float32", np.dtype(np.float32), 4),
+        _DType("float64", np.dtype(np.float64), 8),
     )
 }
 """Every dtype the wire carries, by wire name."""
 
-_BY_TORCH: Final = {d.torch: d for d in DTYPES.values()}
+_BY_TORCH: dict[torch.dtype, _DType] = {}  # filled when the first tensor is encoded
 # Keyed by dtype equality: a byte-swapped dtype is not equal to the native one, so it is refused.
 _BY_NUMPY: Final = {d.numpy: d for d in DTYPES.values() if d.numpy is not None}
 
 
 def _torch_frame(t: torch.Tensor) -> tuple[list[Any], memoryview | bytes]:
+    if not _BY_TORCH:
+        _BY_TORCH.update((d.torch, d) for d in DTYPES.values())
     dt = _BY_TORCH.get(t.dtype)
     if dt is None:
         raise TypeError(f"cannot encode a tensor of dtype {t.dtype}")
@@ -122,7 +133,9 @@ def encode(obj: Any) -> list[bytes | memoryview]:
     frames: list[bytes | memoryview] = [b""]
 
     def default(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
+        # A process that never imported torch holds no tensor (and need not import it here).
+        torch_module = sys.modules.get("torch")
+        if torch_module is not None and isinstance(value, torch_module.Tensor):
             desc, buf = _torch_frame(value)
         elif isinstance(value, np.ndarray):
             desc, buf = _numpy_frame(value)
@@ -168,7 +181,7 @@ def _is_int(value: Any) -> bool:
 
 
 def _tensor_hook(
-    views: list[memoryview], max_bytes: int
+    views: list[memoryview], max_bytes: int, tensors: bool
 ) -> tuple[Callable[[int, bytes], Any], set[int]]:
     used: set[int] = set()
 
@@ -179,6 +192,8 @@ def _tensor_hook(
             return _tuple_new(msgpack.ExtType, (code, data))
         if code != _EXT_TENSOR:
             raise MalformedMessage(f"unknown ext type {code}")
+        if not tensors:
+            raise MalformedMessage("a tensor where this endpoint takes none")
         desc = msgpack.unpackb(data)
         if not (isinstance(desc, list) and len(desc) == 4):
             raise MalformedMessage("tensor descriptor is not [kind, dtype, shape, frame]")
@@ -210,8 +225,11 @@ def _tensor_hook(
     return hook, used
 
 
-def decode(frames: Sequence[Frame], *, max_bytes: int = MAX_MESSAGE_BYTES) -> Any:
+def decode(frames: Sequence[Frame], *, max_bytes: int = MAX_MESSAGE_BYTES,
+           tensors: bool = True) -> Any:
     """Decode frames made by `encode`; tensors are views over the frames where possible.
+    ``tensors=False``: a tensor or array in the message makes it malformed (for endpoints whose
+    requests carry none, so that no hostile message makes their process load torch).
 
     Raises MessageTooLarge when the frames or a declared tensor exceed `max_bytes`, and
     MalformedMessage for anything else that is not a valid message.
@@ -223,7 +241,7 @@ def decode(frames: Sequence[Frame], *, max_bytes: int = MAX_MESSAGE_BYTES) -> An
         total = sum(v.nbytes for v in views)
         if total > max_bytes:
             raise MessageTooLarge(f"message of {total} bytes exceeds the {max_bytes}-byte limit")
-        hook, used = _tensor_hook(views, max_bytes)
+        hook, used = _tensor_hook(views, max_bytes, tensors)
         obj = msgpack.unpackb(views[0], ext_hook=hook, strict_map_key=False)
         if len(used) != len(views) - 1:
             raise MalformedMessage(

@@ -22,16 +22,21 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import msgpack
-import torch
 
 from transport import shm
+from transport.codec import DTYPES as WIRE_DTYPES
 from transport.codec import HANDLE_EXT
 from transport.errors import MalformedMessage
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from transport.lazy_torch import torch
 
 __all__ = [
     "DTYPES",
@@ -50,30 +55,47 @@ __all__ = [
     "to_wire",
 ]
 
-DTYPES: dict[str, torch.dtype] = {
-    "bool": torch.bool,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-}
-"""Every dtype the store holds, by wire name (the same names as `transport.codec`)."""
+ITEMSIZE: dict[str, int] = {d.name: d.itemsize for d in WIRE_DTYPES.values()}
+"""Bytes per element of every dtype the store holds, by wire name (`transport.codec.DTYPES`)."""
 
-ITEMSIZE: dict[str, int] = {k: torch.empty((), dtype=v).element_size() for k, v in DTYPES.items()}
-_NAMES = {v: k for k, v in DTYPES.items()}
+
+class _TorchDtypes(Mapping[str, "torch.dtype"]):
+    """The torch dtype of each wire name, looked up on first use (without importing torch
+    before a tensor is made: `transport.lazy_torch`)."""
+
+    def __init__(self) -> None:
+        self._found: dict[str, torch.dtype] = {}
+        self._names: dict[torch.dtype, str] = {}
+
+    def __getitem__(self, name: str) -> torch.dtype:
+        found = self._found.get(name)
+        if found is None:
+            found = self._found[name] = WIRE_DTYPES[name].torch
+        return found
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(WIRE_DTYPES)
+
+    def __len__(self) -> int:
+        return len(WIRE_DTYPES)
+
+    def name(self, dtype: torch.dtype) -> str:
+        if not self._names:
+            self._names.update((d.torch, d.name) for d in WIRE_DTYPES.values())
+        try:
+            return self._names[dtype]
+        except KeyError:
+            raise TypeError(f"unsupported dtype {dtype}") from None
+
+
+DTYPES: Final = _TorchDtypes()
+"""Every dtype the store holds: wire name -> torch dtype."""
+
 _MAX_NDIM = 8
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    try:
-        return _NAMES[dtype]
-    except KeyError:
-        raise TypeError(f"unsupported dtype {dtype}") from None
+    return DTYPES.name(dtype)
 
 
 class Handle(NamedTuple):

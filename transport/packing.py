@@ -17,13 +17,16 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from typing import TypeAlias
-
-import torch
+from typing import TYPE_CHECKING, TypeAlias
 
 from transport import shm
 from transport.handles import DTYPES, ITEMSIZE, Handle, dtype_name
 from transport.reading import MappingCache
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from transport.lazy_torch import torch
 
 __all__ = [
     "FieldData",
@@ -39,7 +42,7 @@ __all__ = [
 
 _ALIGN = 64  # each field buffer starts on a cache line, so every dtype view is aligned
 
-FieldData: TypeAlias = Sequence[torch.Tensor] | tuple[torch.Tensor, torch.Tensor] | torch.Tensor
+FieldData: TypeAlias = "Sequence[torch.Tensor] | tuple[torch.Tensor, torch.Tensor] | torch.Tensor"
 """A field of one micro-batch: a list of per-row tensors (any shapes, one dtype), a
 ``(padded, lengths)`` tuple (row i is ``padded[i, :lengths[i]]``), or one tensor whose rows are
 its slices along dim 0. A tuple is always read as a (padded, lengths) pair."""

@@ -20,13 +20,16 @@ import os
 import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, NamedTuple
 
 from transport import shm
 from transport.errors import UnknownSegment
 from transport.handles import DTYPES, ITEMSIZE, Handle, Run, contiguous_runs, single_run
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from transport.lazy_torch import torch
 
 __all__ = [
     "DEFAULT_CACHE_BYTES",

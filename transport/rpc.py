@@ -130,15 +130,17 @@ class RpcServer(Service):
         curve: CurveKeys | None = None,
         authenticator: RequestAuth | None = None,
         on_refused: Callable[[str], None] | None = None,
+        tensors: bool = True,
     ) -> None:
-        """`curve`: serve encrypted and admit only the run's clients (needed to bind a
-        non-loopback address, with `allow_remote`). `on_refused`: with `curve`, called with
-        the reason, in words, of every client handshake that fails (a client whose keys are
-        not the run's). `authenticator`: serve only requests
-        it admits; without `curve`, the requests and replies travel in clear (it also
-        allows a non-loopback bind, with `allow_remote`). `long_polls`: the operations of
-        `handlers` that wait for work to appear, served on their own budgets (module
-        docstring); the per-peer default admits a worker of the largest legal capacity."""
+        """`tensors=False`: a request holding a tensor or array is malformed (for servers
+        whose requests carry none). `curve`: serve encrypted and admit only the run's clients
+        (needed to bind a non-loopback address, with `allow_remote`). `on_refused`: with
+        `curve`, called with the reason, in words, of every client handshake that fails (a
+        client whose keys are not the run's). `authenticator`: serve only requests it admits;
+        without `curve`, the requests and replies travel in clear (it also allows a
+        non-loopback bind, with `allow_remote`). `long_polls`: the operations of `handlers`
+        that wait for work to appear, served on their own budgets (module docstring); the
+        per-peer default admits a worker of the largest legal capacity."""
         unknown = set(long_polls) - set(handlers)
         if unknown:
             raise ValueError(f"long polls without a handler: {sorted(unknown)}")
@@ -156,6 +158,7 @@ class RpcServer(Service):
         self._handlers = dict(handlers)
         self._ctx = ctx
         self._max_bytes = max_bytes
+        self._tensors = tensors
         self._max_in_flight = max_in_flight
         self._long_polls = frozenset(long_polls)
         self._max_long_polls = max_long_polls
@@ -258,7 +261,7 @@ class RpcServer(Service):
                 return
             frames = [frames[0], *frames[2:]]
         try:
-            msg = decode(frames[1:], max_bytes=self._max_bytes)
+            msg = decode(frames[1:], max_bytes=self._max_bytes, tensors=self._tensors)
         except MalformedMessage as exc:
             self._reject(peer, _peek_request_id(frames[1:]), exc)
             return

@@ -41,8 +41,7 @@ import itertools
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from transport import shm
 from transport.errors import ClosedError, UnknownSegment
@@ -65,6 +64,11 @@ from transport.reading import (
     padded_from_runs,
     views_from_runs,
 )
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from transport.lazy_torch import torch
 
 __all__ = [
     "DTYPES",

@@ -8,9 +8,8 @@ import asyncio
 import contextlib
 import os
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
 import zmq
 
 from transport import shm
@@ -38,6 +37,11 @@ from transport.reading import (
 from transport.request_auth import RequestAuth
 from transport.rpc import RpcClient
 from transport.store_server import RESERVE_POLL_S
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from transport.lazy_torch import torch
 
 __all__ = ["StoreClient"]
 

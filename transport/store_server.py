@@ -38,9 +38,8 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import zmq
 
 from transport import shm
@@ -52,6 +51,11 @@ from transport.packing import Grant
 from transport.request_auth import AuthStats, RequestAuth
 from transport.rpc import RpcServer, RpcServerStats
 from transport.store import SampleStore
+
+if TYPE_CHECKING:
+    import torch
+else:
+    from transport.lazy_torch import torch
 
 __all__ = ["StoreServer"]
 
@@ -117,6 +121,7 @@ class StoreServer:
                 ctx=ctx,
                 allow_remote=allow_remote,
                 authenticator=self._plain_auth,
+                tensors=False,
             )
         self._rpc = RpcServer(
             endpoint,
@@ -133,6 +138,7 @@ class StoreServer:
             ctx=ctx,
             allow_remote=allow_remote,
             curve=curve,
+            tensors=False,
         )
 
     async def start(self) -> str:

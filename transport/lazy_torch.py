@@ -1,0 +1,35 @@
+"""torch, imported the first time one of its names is used.
+
+A node agent keeps its node's store (segments, reference counts, frees) and relays messages: it
+handles no tensor unless another node reads through it. Importing torch costs a process ~1.8 s
+of CPU and ~200 MB of resident memory, most of an agent's start. The transport modules
+therefore name torch through `torch` below; mypy sees the real module
+(``if TYPE_CHECKING: import torch``).
+
+Only attribute access imports: nothing in the transport layer calls it at import time, and
+`flowrl.node` is checked to load without torch (tests/test_lazy_torch.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+__all__ = ["torch"]
+
+
+class _Torch:
+    __slots__ = ("_module",)
+
+    def __init__(self) -> None:
+        self._module: ModuleType | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        module = self._module
+        if module is None:
+            module = self._module = importlib.import_module("torch")
+        return getattr(module, name)
+
+
+torch: Any = _Torch()
