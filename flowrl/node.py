@@ -58,7 +58,7 @@ from flowrl.lifecycle import PARENT_ENV, die_with_parent, run_main, stop_signals
 
 if __name__ == "__main__" and PARENT_ENV in os.environ:
     # Started by a flowrl process (the controller, a Ray agent's actor): armed first thing,
-    # as the imports below take seconds (torch) and a parent killed meanwhile must not leave
+    # as the imports below take a while and a parent killed meanwhile must not leave
     # this process behind.
     die_with_parent()
 
