@@ -62,14 +62,17 @@ $(VSTAMP): pyproject.toml
 	$(VBIN)/pip install -q --upgrade pip
 	$(VBIN)/pip install -q $(TORCH)
 	$(VBIN)/pip install -q $(VLLM) $(TORCH)
-	flock $(LOCK) $(VBIN)/pip install -q -e . pytest pytest-asyncio pytest-timeout $(TORCH)
+	flock $(LOCK) $(VBIN)/pip install -q -e . pytest pytest-asyncio pytest-timeout pytest-xdist \
+		$(TORCH)
 	$(VBIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VSTAMP)
 
 setup-vllm: $(VSTAMP)
 
+# Two processes, a test module each: most of the time is three real runs, each waiting on its
+# workers' starts (vLLM's import and engine start) more than computing.
 test-vllm: $(VSTAMP)
-	$(VBIN)/pytest -q tests/vllm
+	$(VBIN)/pytest -q -n 2 --dist loadfile tests/vllm
 
 # On a CUDA or Ascend machine: the device readiness check (vLLM, NCCL/HCCL ranks, FSDP2 in
 # bfloat16, bucketed resharding, colocated mode), one JSON line, non-zero if a section failed.
