@@ -205,12 +205,32 @@ class Registry:
     # ---- the indexes ------------------------------------------------------------------------
 
     def _moved(self, info: WorkerInfo, version: int) -> None:
-        """``info`` serves ``version`` from now on (its ``version`` is about to be set)."""
-        self._count(info, info.version, -1)
-        self._count(info, version, 1)
+        """``info`` serves ``version`` from now on (its ``version`` is about to be set).
+
+        Every rollout worker moves once a version, so this is `_count` and `_take`/`_put`
+        written out in one frame (a `served` report's largest cost in the controller)."""
+        old, role, wid = info.version, info.role, info.worker_id
+        counts = self._versions.setdefault(role, {})
+        n = counts.get(old, 0) - 1
+        if n:
+            counts[old] = n
+        else:
+            del counts[old]
+        counts[version] = counts.get(version, 0) + 1
         for index in (self._open, self._idle):
-            if _take(index, info):
-                _put(index, info, version)
+            buckets = index.get(role)
+            if buckets is None:
+                continue
+            bucket = buckets.get(old)
+            if bucket is None or bucket.pop(wid, None) is None:
+                continue
+            if not bucket:
+                del buckets[old]
+            to = buckets.get(version)
+            if to is None:
+                buckets[version] = {wid: info}
+            else:
+                to[wid] = info
 
     def _count(self, info: WorkerInfo, version: int, delta: int) -> None:
         counts = self._versions.setdefault(info.role, {})

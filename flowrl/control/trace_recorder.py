@@ -58,6 +58,9 @@ class TraceRecorder:
         """A step's line (an ``on_step`` callback): its version is published now."""
         version = int(entry["step"])
         self._published[version] = now
+        # Versions every worker has long loaded are no longer needed to time a sync.
+        for v in [v for v in self._published if v < version - 8]:
+            del self._published[v]
         samples = int(entry.get("samples", 0))
         self.samples += samples
         self.records.append(StepRecord(version, now - self.t0, samples))
@@ -70,9 +73,6 @@ class TraceRecorder:
             return
         begun = max(published, self._last_end.get(worker, 0.0))
         self.records.append(SyncRecord(worker, version, now - self.t0, max(0.0, now - begun)))
-        # Versions every worker has loaded are no longer needed to time a sync.
-        for v in [v for v in self._published if v < version - 8]:
-            del self._published[v]
 
     def header(self, *, now: float, cpu: float) -> dict[str, Any]:
         controller = {"cpu_s": round(max(0.0, cpu - self.cpu0), 6),
