@@ -43,7 +43,8 @@ if TYPE_CHECKING:
 else:
     from transport.lazy_torch import torch
 
-__all__ = ["DTYPES", "HANDLE_EXT", "MAX_MESSAGE_BYTES", "decode", "encode", "frames_nbytes"]
+__all__ = ["DTYPES", "HANDLE_EXT", "MAX_MESSAGE_BYTES", "decode", "encode", "frames_nbytes",
+           "wire_dtype"]
 
 MAX_MESSAGE_BYTES: Final = 1 << 30
 """Default cap on one message: the sum of its frames (and of the sizes its header declares)."""
@@ -92,10 +93,15 @@ _BY_TORCH: dict[torch.dtype, _DType] = {}  # filled when the first tensor is enc
 _BY_NUMPY: Final = {d.numpy: d for d in DTYPES.values() if d.numpy is not None}
 
 
-def _torch_frame(t: torch.Tensor) -> tuple[list[Any], memoryview | bytes]:
+def wire_dtype(dtype: torch.dtype) -> _DType | None:
+    """The wire dtype of a torch dtype (None: the wire does not carry it)."""
     if not _BY_TORCH:
         _BY_TORCH.update((d.torch, d) for d in DTYPES.values())
-    dt = _BY_TORCH.get(t.dtype)
+    return _BY_TORCH.get(dtype)
+
+
+def _torch_frame(t: torch.Tensor) -> tuple[list[Any], memoryview | bytes]:
+    dt = wire_dtype(t.dtype)
     if dt is None:
         raise TypeError(f"cannot encode a tensor of dtype {t.dtype}")
     t = t.detach()

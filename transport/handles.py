@@ -30,7 +30,7 @@ import msgpack
 
 from transport import shm
 from transport.codec import DTYPES as WIRE_DTYPES
-from transport.codec import HANDLE_EXT
+from transport.codec import HANDLE_EXT, wire_dtype
 from transport.errors import MalformedMessage
 
 if TYPE_CHECKING:
@@ -65,7 +65,6 @@ class _TorchDtypes(Mapping[str, "torch.dtype"]):
 
     def __init__(self) -> None:
         self._found: dict[str, torch.dtype] = {}
-        self._names: dict[torch.dtype, str] = {}
 
     def __getitem__(self, name: str) -> torch.dtype:
         found = self._found.get(name)
@@ -79,14 +78,6 @@ class _TorchDtypes(Mapping[str, "torch.dtype"]):
     def __len__(self) -> int:
         return len(WIRE_DTYPES)
 
-    def name(self, dtype: torch.dtype) -> str:
-        if not self._names:
-            self._names.update((d.torch, d.name) for d in WIRE_DTYPES.values())
-        try:
-            return self._names[dtype]
-        except KeyError:
-            raise TypeError(f"unsupported dtype {dtype}") from None
-
 
 DTYPES: Final = _TorchDtypes()
 """Every dtype the store holds: wire name -> torch dtype."""
@@ -95,7 +86,10 @@ _MAX_NDIM = 8
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    return DTYPES.name(dtype)
+    found = wire_dtype(dtype)
+    if found is None:
+        raise TypeError(f"unsupported dtype {dtype}")
+    return found.name
 
 
 class Handle(NamedTuple):
