@@ -208,6 +208,8 @@ class RewardSpec(_Spec):
     concurrency: int
     model: RewardModelSpec | None = None
     judge: JudgeSpec | None = None
+    #: the highest score the reward gives (`flowrl.recipe.reward.RewardConfig.max_score`).
+    max_score: float | None = None
 
     @model_validator(mode="after")
     def _one_source(self) -> RewardSpec:

@@ -73,6 +73,7 @@ recipe = Recipe(
     rollout=RolloutConfig(dtype="auto", temperature=1.0, max_new_tokens=1024,
                           stop=("\nQuestion:",)),
     # Batched: one call (one reward thread) per reward task instead of one per response.
-    reward=RewardConfig(fn="workers.roles.builtin_rewards:gsm8k_numeric_batch", batched=True),
+    reward=RewardConfig(fn="workers.roles.builtin_rewards:gsm8k_numeric_batch", batched=True,
+                        max_score=1.0),
     trainer=TrainerConfig(lr=1e-6, groups_per_step=16, micro_batch_groups=2, warmup_steps=10),
 )

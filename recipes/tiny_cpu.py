@@ -58,8 +58,9 @@ recipe = Recipe(
     # Two groups per generate call: ~1.4x the samples/s of one (bench/README.md).
     rollout=RolloutConfig(temperature=1.0, max_new_tokens=4, groups_per_task=2, threads=1),
     # Batched: one call per reward task (one thread) instead of one per response.
+    # The reward's maximum tells the stability guard a solved task from a stuck one.
     reward=RewardConfig(fn="workers.roles.builtin_rewards:numeric_partial_credit_batch",
-                        batched=True),
+                        batched=True, max_score=1.0),
     trainer=TrainerConfig(lr=1e-3, lr_schedule="cosine", min_lr_ratio=0.1, groups_per_step=16,
                           micro_batch_groups=8, threads=1),
 )

@@ -79,6 +79,9 @@ def test_minimal_recipe_compiles_to_the_grpo_pipeline() -> None:
     assert (spec.max_failure_share, spec.max_failure_steps) == (0.5, 3)
     assert Recipe(steps=3, reward={"max_failure_share": 1.0, "max_failure_steps": 7}
                   ).to_pipeline().max_failure_steps == 7
+    # The reward's maximum reaches the trainer (the guard's solved groups); none by default.
+    assert Recipe(steps=3).engine_spec().reward.max_score is None
+    assert Recipe(steps=3, reward={"max_score": 1.0}).engine_spec().reward.max_score == 1.0
     train = spec.graph().stage("train")
     assert train.consumes_version_bound
     assert train.group_level
@@ -284,6 +287,7 @@ def test_fields_are_documented() -> None:
         ("reward={'judge': {'default': float('nan')}}", "reward.judge.default"),
         ("reward={'max_failure_share': 1.5}", "reward.max_failure_share"),
         ("reward={'max_failure_steps': 0}", "reward.max_failure_steps"),
+        ("reward={'max_score': float('nan')}", "reward.max_score"),
         # colocated placement: a rollout engine on a node without a trainer, and what the
         # trainer's module cannot serve in place
         ("placement={'mode': 'colocated', 'roles': {'train': ('node0',), 'rollout': "

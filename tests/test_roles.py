@@ -389,6 +389,29 @@ async def test_streamed_accumulation_equals_the_concatenated_batch(
     assert abs(sum(naive) / 2 - want["loss"]) > 1e-4
 
 
+async def test_the_trainer_counts_flat_groups_at_the_rewards_maximum_as_solved(
+    model_dir: Path,
+) -> None:
+    # Four groups of 3 over two micro-batches: all at the maximum, all at 0 (flat, stuck), a
+    # spread one, and one at the maximum in the second micro-batch.
+    first, second = synthetic_groups([3, 3, 3], seed=4), synthetic_groups([3], seed=5)
+    first["reward"] = [1.0] * 3 + [0.0] * 3 + [0.0, 0.5, 1.0]
+    second["reward"] = [1.0] * 3
+    engine = TorchTrainerEngine(model_dir, lr=1e-3, device="cpu")
+    metrics = []
+    for max_score in (1.0, None):
+        role = TrainerRole(engine, TrainSettings(max_score=max_score), pad_token_id=PAD)
+        await role.run(task(9, [0] * 3 + [1] * 3 + [2] * 3, stage="train",
+                            params={"step": 0, "step_end": False}), first)
+        end = await role.run(task(3, [3] * 3, stage="train",
+                                  params={"step": 0, "step_end": True}), second)
+        metrics.append(end.metrics)
+    assert metrics[0]["flat_groups"] == 0.75
+    assert metrics[0]["solved_groups"] == 0.5
+    assert metrics[1]["flat_groups"] == 0.75
+    assert "solved_groups" not in metrics[1]  # the maximum is not known
+
+
 async def test_a_redone_step_drops_the_gradients_of_its_failed_attempt(model_dir: Path) -> None:
     # Attempt 0 accumulated one micro-batch, then the step was given back (another of its
     # micro-batches failed); attempt 1 redoes the step with the same groups.
@@ -504,6 +527,11 @@ def test_the_recipes_objective_reaches_the_trainer(model_dir: Path) -> None:
     assert (s.policy_loss, s.clip_low, s.clip_high, s.loss_agg) == (
         "gspo", 3e-4, 4e-4, "seq-mean-token-mean")
     assert (s.correction, s.mask_bounds) == ("mis", (0.25, 4.0))
+    assert s.max_score is None
+    config["reward"]["max_score"] = 1.0  # `reward.max_score`, as `RewardConfig.spec` says it
+    scored = make_hf_role("train", config, seed=0)
+    assert isinstance(scored, TrainerRole)
+    assert scored.settings.max_score == 1.0
     # Given bounds hold at any staleness; the default ("auto") only while rows may be stale.
     assert s.correction_at(0) == RolloutCorrection("mis", bounds=(0.25, 4.0))
     auto = TrainSettings(correction="icepop", mask_bounds="auto")

@@ -136,6 +136,38 @@ def test_flat_groups_warn_while_stuck_not_once_solved() -> None:
     assert feed(StabilityGuard(StabilityConfig()), solved) == []
 
 
+def near_the_top(step: int, solved: float | None) -> dict[str, Any]:
+    """A run that starts close to the reward's maximum (0.85) and solves its task by step 40:
+    the reward never rises by ``reward_min_gain``, and at the end every group is flat and
+    the policy deterministic. ``solved``: the share of groups that all scored the maximum, as
+    the trainer reports it with ``reward.max_score`` known (None: not known)."""
+    done = step > 40
+    line = {"step": step, "reward_mean": 1.0 if done else 0.85 + 0.003 * step,
+            "train_entropy": 0.01 if done else 1.0, "train_mismatch_kl": 0.01,
+            "train_flat_groups": 1.0 if done else 0.5, "train_clip_frac": 0.0}
+    if solved is not None:
+        line["train_solved_groups"] = solved if done else 0.4
+    return line
+
+
+def test_a_run_solved_near_the_top_is_told_from_a_stuck_one_by_its_solved_groups() -> None:
+    # Without the maximum, the history cannot tell: a rise of 0.15 is under reward_min_gain.
+    lines = [near_the_top(s, None) for s in range(1, 121)]
+    assert {a[1] for a in feed(StabilityGuard(StabilityConfig()), lines)} == {
+        "entropy", "flat_groups"}
+    # With it, every flat group solved: nothing to say.
+    lines = [near_the_top(s, 1.0) for s in range(1, 121)]
+    assert feed(StabilityGuard(StabilityConfig()), lines) == []
+    # The same flat, deterministic policy scoring below the maximum is stuck: both warn.
+    lines = [near_the_top(s, 0.0) for s in range(1, 121)]
+    assert {a[1:] for a in feed(StabilityGuard(StabilityConfig()), lines)} == {
+        ("entropy", "warn"), ("flat_groups", "warn")}
+    # Flat groups partly solved: only those below the maximum count against the threshold.
+    guard = StabilityGuard(StabilityConfig())
+    assert guard._past_threshold("flat_groups", 1.0, 1.0, solved=0.06) is None
+    assert guard._past_threshold("flat_groups", 1.0, 1.0, solved=0.01) == (0.99, 0.95)
+
+
 def test_each_signal_takes_the_action_its_recipe_names_and_none_can_be_turned_off() -> None:
     lines = [healthy(s) for s in range(1, 21)]
     lines += [{**healthy(s), "train_clip_frac": 0.9} for s in range(21, 31)]

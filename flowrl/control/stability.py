@@ -8,7 +8,14 @@ Signals (each judged only when the step reports it; a threshold of None turns it
 - ``entropy``: the policy's entropy fell below ``entropy_min_ratio`` of its mean over the
   warm-up steps (it stopped exploring) while the reward is below its best (not solved);
 - ``flat_groups``: the share of groups whose responses all scored alike (no learning signal)
-  is above ``flat_groups_max`` while the reward is below its best (stuck, not solved);
+  is above ``flat_groups_max`` while the reward is below its best (stuck, not solved).
+
+Whether the reward is "below its best" is judged from its history: below its best moving mean,
+or never risen by ``reward_min_gain``. A run that starts close to the reward's maximum never
+rises that much, so once solved it would look stuck. With the maximum known
+(``reward.max_score``, so the step reports ``train_solved_groups``: groups that all scored it)
+the two signals judge the groups themselves: ``flat_groups`` counts only the flat groups below
+the maximum, and the entropy counts while fewer than `SOLVED_SHARE` of the groups are solved.
 - ``clip_frac``: the share of clipped tokens is above ``clip_frac_max`` (updates too large);
 - ``reward_drop``: the reward's moving mean lost more than ``reward_drop`` of what the run had
   gained over its best (a collapse), once it had gained at least ``reward_min_gain``; before
@@ -57,6 +64,9 @@ METRIC: dict[Signal, str] = {"mismatch_kl": "train_mismatch_kl", "entropy": "tra
                              "reward_drop": "reward_mean"}
 #: the learning rate is never lowered below this share of the recipe's
 MIN_LR_SCALE = 1.0 / 64
+#: with the reward's maximum known, a low entropy is a solved policy's while at least this
+#: share of the step's groups all scored the maximum
+SOLVED_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -158,9 +168,10 @@ class StabilityGuard:
             if self._first_reward is None:
                 self._first_reward = mean_reward
             self._best_reward = max(self._best_reward or mean_reward, mean_reward)
+        solved = _number(metrics.get("train_solved_groups"))
         actions: list[GuardAction] = []
         for sig in SIGNALS:
-            verdict = self._past_threshold(sig, values[sig], mean_reward)
+            verdict = self._past_threshold(sig, values[sig], mean_reward, solved)
             if verdict is None:
                 self._past[sig] = 0
                 continue
@@ -201,9 +212,11 @@ class StabilityGuard:
         gain = (self._best_reward or 0.0) - (self._first_reward or 0.0)
         return max(0.0, gain) * (s.reward_drop or 0.5) / 2
 
-    def _past_threshold(self, sig: Signal, value: float | None,
-                        mean_reward: float | None) -> tuple[float, float] | None:
-        """(value, threshold) when ``sig`` is past its threshold at this step, else None."""
+    def _past_threshold(self, sig: Signal, value: float | None, mean_reward: float | None,
+                        solved: float | None = None) -> tuple[float, float] | None:
+        """(value, threshold) when ``sig`` is past its threshold at this step, else None.
+        ``solved``: the step's share of groups that all scored the reward's maximum (None: the
+        maximum is not known)."""
         s = self.settings
         if sig == "reward_drop":
             if (s.reward_drop is None or mean_reward is None or self._best_reward is None
@@ -224,6 +237,11 @@ class StabilityGuard:
         stuck = (mean_reward is None or self._best_reward is None
                  or mean_reward < self._best_reward - self._tolerance()
                  or self._best_reward - (self._first_reward or 0.0) < s.reward_min_gain)
+        if solved is not None:  # the groups say it: flat at the maximum is solved
+            if sig == "flat_groups" and s.flat_groups_max is not None:
+                below = max(0.0, value - solved)
+                return (below, s.flat_groups_max) if below > s.flat_groups_max else None
+            stuck = stuck and solved < SOLVED_SHARE
         if sig == "entropy" and s.entropy_min_ratio is not None and self._entropy_start:
             floor = s.entropy_min_ratio * statistics.fmean(self._entropy_start)
             return (value, floor) if value < floor and stuck else None

@@ -207,6 +207,12 @@ class RewardConfig(_Section):
     A judge's verdict without a score is counted but never stops the run."""
     max_failure_steps: int = Field(default=3, ge=1, le=1_000_000)
     """Consecutive steps over `max_failure_share` that stop the run."""
+    max_score: float | None = Field(default=None, allow_inf_nan=False)
+    """The highest score the reward gives (1.0 for the built-in rewards), if it has one. The
+    stability guard then tells a solved run from a stuck one: a group whose responses all
+    scored it is solved, so the guard's ``flat_groups`` and ``entropy`` signals do not count
+    it (the step log's ``train_solved_groups``). None: the guard judges from the reward's
+    history alone, and may warn about a run that solved its task early."""
 
     @model_validator(mode="before")
     @classmethod
@@ -251,7 +257,7 @@ class RewardConfig(_Section):
         resolves it)."""
         return RewardSpec(
             fn=self.ref, batched=self.batched, timeout_s=self.timeout_s,
-            concurrency=self.concurrency,
+            concurrency=self.concurrency, max_score=self.max_score,
             model=None if self.model is None else RewardModelSpec(
                 **self.model.model_dump(exclude={"tiny"})),
             judge=None if self.judge is None else JudgeSpec(**self.judge.model_dump()))

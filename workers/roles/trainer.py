@@ -43,6 +43,8 @@ sampling policy to the trainer's on the sampled tokens: engine mismatch plus sta
 any), ``tokens``, ``seqs``, ``skipped`` (1 when a non-finite gradient skipped the update),
 ``flat_groups`` (the share of the step's groups whose rewards are all equal: they carry no
 group-relative signal, and a share near 1 means the policy has stopped exploring),
+``solved_groups`` (with ``reward.max_score`` known: the share of groups whose responses all
+scored it; solved, not stuck, though they are flat too),
 ``token_staleness`` (rows that record each token's policy version, such as episodes: the mean
 number of versions between a trained token's and the trainer's).
 
@@ -106,6 +108,10 @@ __all__ = [
 
 log = structlog.get_logger("flowrl.trainer")
 
+#: how far below ``max_score`` a reward still counts as the maximum (float rewards summed from
+#: parts, a judge's parsed score)
+_SCORE_EPS = 1e-6
+
 AdvantageName = Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo"]
 
 
@@ -145,6 +151,9 @@ class TrainSettings:
     max_new_tokens: int | None = None
     output: Path | None = None
     checkpoint_every: int = 0
+    #: the highest score the reward gives (``reward.max_score``; None: not known): a flat group
+    #: at it is solved rather than stuck (``solved_groups``).
+    max_score: float | None = None
     #: the run's last step: the final model is written there (and a checkpoint, when they are
     #: on).
     steps: int | None = None
@@ -191,6 +200,7 @@ class TrainSettings:
             temperature=spec.sampling.temperature, max_new_tokens=spec.sampling.max_new_tokens,
             output=None if spec.output is None else Path(spec.output),
             checkpoint_every=spec.checkpoint_every, steps=spec.steps,
+            max_score=spec.reward.max_score,
         )
 
     def correction_at(self, max_staleness: int | None) -> RolloutCorrection | None:
@@ -332,6 +342,7 @@ class _Step:
     mismatch_kl: float = 0.0  # Σ KL(sampling policy ‖ trainer) · tokens
     groups: int = 0
     flat_groups: int = 0  # groups whose rewards are all equal (no group-relative signal)
+    solved_groups: int = 0  # flat groups at the reward's maximum (`TrainSettings.max_score`)
     token_lag: float = 0.0  # Σ (trainer version − the version that generated the token)
     lag_tokens: int = 0  # tokens whose generating version is known
 
@@ -420,6 +431,10 @@ class TrainerRole:
             st.lag_tokens += tokens
         kept = filter_groups(batch.rewards, batch.group_ids)
         st.flat_groups += int(kept.dropped_groups.numel())
+        if s.max_score is not None and kept.dropped_groups.numel():
+            # A flat group's rows all scored alike: any row at the maximum makes it solved.
+            at_max = batch.group_ids[batch.rewards >= s.max_score - _SCORE_EPS]
+            st.solved_groups += int(torch.isin(kept.dropped_groups, at_max).sum())
         st.groups += int(kept.dropped_groups.numel() + kept.kept_groups.numel())
         return {"tokens": float(tokens), "reward_mean": float(batch.rewards.mean()),
                 "micro_batches": float(st.micro_batches)}
@@ -551,6 +566,8 @@ class TrainerRole:
             "micro_batches": float(st.micro_batches),
             "flat_groups": st.flat_groups / max(1, st.groups),
         }
+        if s.max_score is not None:
+            metrics["solved_groups"] = st.solved_groups / max(1, st.groups)
         if s.keeps_batches:
             metrics["updates"] = stats["updates"]
         if s.kl_in_reward:  # the mean per-token KL(π_old‖π_ref) the rewards were charged
