@@ -27,12 +27,12 @@ Requests (worker -> controller, over the controller's ROUTER socket):
   serves that policy version. Interruptible generation (``rollout.partial``) loads it while
   tasks run: ``interrupted`` counts those tasks, ``continued`` their running sequences that
   continue under it.
-- ``node_served`` ``{node, token, served: [{worker_id, token, version, interrupted?,
-  continued?}], dropped: [{name, reason, connected}]}`` -> ``{ok, served}``: a node agent's
+- ``node_served`` ``{node, token, served: [[worker_id, token, version(, interrupted,
+  continued)]], dropped: [{name, reason, connected}]}`` -> ``{ok, served}``: a node agent's
   gathering of its workers' ``served`` reports (each entry is checked as the worker's own
   request would be), and the workers its broadcast relay dropped (`flowrl.node_relay`);
   ``token`` is the node's. Workers on a node agent send ``served`` to it, not here.
-- ``node_heartbeat`` ``{node, token, workers: [{worker_id, token}]}`` -> ``{ok, unknown}``: the
+- ``node_heartbeat`` ``{node, token, workers: [[worker_id, token]]}`` -> ``{ok, unknown}``: the
   heartbeats a node agent heard from its workers since its last (each entry checked as the
   worker's own heartbeat would be); ``unknown`` names those the controller no longer knows,
   whose next heartbeat the agent answers ``{ok: False}``. Workers on a node agent send

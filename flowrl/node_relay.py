@@ -23,6 +23,12 @@ agent (`flowrl.node`, either kind) runs a `NodeRelay`:
   is in flight at a time; what arrives meanwhile goes in the next, so the first report of a
   version travels at once and the rest of the node's follow in one or a few messages.
 
+Gathered entries travel as arrays, not maps: ``[worker id, token, version]`` (then
+``interrupted, continued`` when the worker said them) in ``node_served``, ``[worker id,
+token]`` in ``node_heartbeat``. Each rollout worker reports each version and every worker
+heartbeats, so at a thousand workers these are the controller's most numerous entries; an
+array decodes and reads in about half the time of a map with its keys.
+
 The controller checks each gathered entry as it checked the worker's own request (the worker's
 token, that the worker is registered on that node), and the whole request carries the node's
 token (`flowrl.node_hub.NODE_TOKEN_ENV` for the agent beside the controller, the ``node_join``
@@ -86,7 +92,7 @@ class NodeRelay:
         # Workers the controller no longer knows: their next heartbeat is answered ok False.
         self._forgotten: set[str] = set()
         # Each worker's latest report, by worker id, and the drops: sent with the next request.
-        self._pending: dict[str, dict[str, Any]] = {}
+        self._pending: dict[str, list[Any]] = {}
         self._drops: list[dict[str, Any]] = []
         self._wake = asyncio.Event()
         self.broadcast = ""
@@ -126,8 +132,9 @@ class NodeRelay:
         if not (isinstance(p, dict) and type(p.get("worker_id")) is str
                 and type(p.get("token")) is bytes and type(p.get("version")) is int):
             raise ValueError("served needs 'worker_id', 'token' and 'version'")
-        entry = {k: p[k] for k in ("worker_id", "token", "version", "interrupted", "continued")
-                 if k in p}
+        entry: list[Any] = [p["worker_id"], p["token"], p["version"]]
+        if "interrupted" in p or "continued" in p:
+            entry += [p.get("interrupted", 0), p.get("continued", 0)]
         if p["worker_id"] not in self._pending and len(self._pending) >= m.MAX_NODE_SERVED:
             raise ValueError("too many served reports waiting")  # only a flood gets here
         self._pending[p["worker_id"]] = entry
@@ -157,7 +164,7 @@ class NodeRelay:
             for i in range(0, len(beats), m.MAX_NODE_SERVED):
                 chunk = beats[i:i + m.MAX_NODE_SERVED]
                 payload = {"node": self.node, "token": self._token,
-                           "workers": [{"worker_id": w, "token": t} for w, t in chunk]}
+                           "workers": [[w, t] for w, t in chunk]}
                 try:
                     reply = await self._send(m.OP_NODE_HEARTBEAT, payload)
                 except TransportError as exc:
@@ -184,7 +191,7 @@ class NodeRelay:
             while self._pending or self._drops:
                 entries = list(self._pending.values())[:m.MAX_NODE_SERVED]
                 for e in entries:
-                    del self._pending[e["worker_id"]]
+                    del self._pending[e[0]]
                 drops, self._drops = self._drops, []
                 payload: dict[str, Any] = {"node": self.node, "token": self._token,
                                            "served": entries, "dropped": drops}
@@ -194,7 +201,7 @@ class NodeRelay:
                     # Unanswered (taking a report twice is harmless): sent again with the next,
                     # unless a worker reported a later version meanwhile.
                     for e in entries:
-                        self._pending.setdefault(e["worker_id"], e)
+                        self._pending.setdefault(e[0], e)
                     self._drops[:0] = drops
                     continue
                 except TransportError as exc:  # refused: logged, as a worker's own would be

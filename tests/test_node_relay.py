@@ -113,15 +113,14 @@ async def test_a_worker_gone_before_its_node_reports_is_not_counted_as_serving()
             await ctl.wait_for(lambda: not ctl.registry.by_pid(pid))
         assert ctl.registry.versions("rollout") == set()
         report = {"node": ctl.node, "token": ctl._own_node_token, "dropped": [],
-                  "served": [{"worker_id": w, "token": t, "version": 5}
-                             for w, t in tokens.items()]}
+                  "served": [[w, t, 5] for w, t in tokens.items()]}
         async with RpcClient(ctl.workforce.endpoints.controller) as rpc:
             reply = await rpc.call(m.OP_NODE_SERVED, report)
             assert reply == {"ok": True, "served": 0}
             assert ctl.registry.versions("rollout") == set()  # none of them counts
             # Their heartbeats, passed on late, renew nothing: the agent is told they are gone.
             beats = {"node": ctl.node, "token": ctl._own_node_token,
-                     "workers": [{"worker_id": w, "token": t} for w, t in tokens.items()]}
+                     "workers": [[w, t] for w, t in tokens.items()]}
             reply = await rpc.call(m.OP_NODE_HEARTBEAT, beats)
             assert sorted(reply["unknown"]) == sorted(tokens)
             # Only the node's agent reports for it: another token is refused outright.

@@ -123,12 +123,17 @@ async def flood(upstream: Publisher) -> None:
 
 
 def served(worker: str, version: int) -> dict[str, Any]:
-    """A worker's ``served`` report, as the relay passes it on."""
+    """A worker's ``served`` report, as it sends it to the relay."""
     return {"worker_id": worker, "token": f"token-{worker}".encode(), "version": version}
 
 
-def by_worker(entries: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {e["worker_id"]: e for e in entries}
+def entry(worker: str, version: int) -> list[Any]:
+    """`served`'s report as the relay passes it on: an array (`flowrl.node_relay`)."""
+    return [worker, f"token-{worker}".encode(), version]
+
+
+def by_worker(entries: list[list[Any]]) -> dict[str, list[Any]]:
+    return {e[0]: e for e in entries}
 
 
 def observe_drops(relay: NodeRelay) -> asyncio.Queue[DroppedSubscriber]:
@@ -191,7 +196,7 @@ async def test_a_worker_that_stops_reading_is_dropped_and_reported_in_the_next_n
         async with RpcClient(relay.served, ctx=zmq_ctx, timeout=STEP) as workers:
             assert await workers.call(m.OP_SERVED, served("rollout-0", 1)) == {"ok": True}
         call = await script.next()
-        assert (call.payload["served"], call.payload["dropped"]) == ([served("rollout-0", 1)], [])
+        assert (call.payload["served"], call.payload["dropped"]) == ([entry("rollout-0", 1)], [])
         call.reply({"ok": True, "served": 1})
 
 
@@ -230,7 +235,7 @@ async def test_an_unanswered_node_served_is_sent_again_with_what_came_meanwhile(
         second = await script.next()
         assert second.payload["dropped"] == [a, b]
         assert by_worker(second.payload["served"]) == {
-            "w1": served("w1", 1), "w2": served("w2", 1)}
+            "w1": entry("w1", 1), "w2": entry("w2", 1)}
         # Meanwhile w1 serves a later version and w3 reports for the first time.
         await report("w1", 2)
         await report("w3", 1)
@@ -239,13 +244,13 @@ async def test_an_unanswered_node_served_is_sent_again_with_what_came_meanwhile(
         assert third.payload["dropped"] == [a, b]
         # w2's entry is kept, w1's is the later one, w3's is added.
         assert by_worker(third.payload["served"]) == {
-            "w1": served("w1", 2), "w2": served("w2", 1), "w3": served("w3", 1)}
+            "w1": entry("w1", 2), "w2": entry("w2", 1), "w3": entry("w3", 1)}
         third.reply({"ok": True, "served": 3})
 
         # Answered: nothing of it is sent again; the next carries only what came since.
         await report("w4", 1)
         fourth = await script.next()
-        assert (fourth.payload["served"], fourth.payload["dropped"]) == ([served("w4", 1)], [])
+        assert (fourth.payload["served"], fourth.payload["dropped"]) == ([entry("w4", 1)], [])
         fourth.reply({"ok": True, "served": 1})
         assert script.calls.empty()
 
@@ -262,13 +267,13 @@ async def test_a_refused_node_served_is_logged_not_resent_and_none_ends_the_repo
 
         await report("w1", 1)
         refused = await script.next()
-        assert refused.payload["served"] == [served("w1", 1)]
+        assert refused.payload["served"] == [entry("w1", 1)]
         with structlog.testing.capture_logs() as logs:
             refused.fail(RemoteError("ValueError", "node n0 reported without its token"))
             # The next node_served carries only the report made after the refusal.
             await report("w2", 1)
             after = await script.next()
-        assert after.payload["served"] == [served("w2", 1)]
+        assert after.payload["served"] == [entry("w2", 1)]
         warnings = [e for e in logs if e["event"] == "node_served refused"]
         assert len(warnings) == 1, logs
         assert warnings[0]["log_level"] == "warning"

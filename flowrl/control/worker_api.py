@@ -225,21 +225,25 @@ class WorkerApi:
             raise ValueError(f"'served' and 'dropped' must be lists of at most "
                              f"{m.MAX_NODE_SERVED}")
         served: list[tuple[WorkerInfo, int, int, int]] = []
-        for e in entries:
-            wid = e.get("worker_id") if isinstance(e, dict) else None
-            info = self.registry.get(wid) if type(wid) is str else None
+        get = self.registry.get
+        for e in entries:  # [worker id, token, version(, interrupted, continued)]
+            n = len(e) if type(e) is list else 0
+            wid = e[0] if n in (3, 5) else None
+            info = get(wid) if type(wid) is str else None
             if info is None or info.node != node:
-                continue  # gone meanwhile (or never this node's)
-            if not _carries(e, info.token):
+                continue  # gone meanwhile (or never this node's), or not an entry
+            token = e[1]
+            if type(token) is not bytes or not hmac.compare_digest(token, info.token):
                 log.warning("ignored a served report without its worker's token",
                             worker=wid, node=node)
                 continue
-            try:
-                version = _int(e, "version", 0, 2**62)
-                interrupted, continued = (_int(e, key, 0, 2**31) if key in e else 0
-                                          for key in ("interrupted", "continued"))
-            except ValueError as exc:
-                log.warning("ignored a malformed served report", worker=wid, error=str(exc))
+            version = e[2]
+            interrupted, continued = (e[3], e[4]) if n == 5 else (0, 0)
+            if not (type(version) is int and 0 <= version <= 2**62
+                    and type(interrupted) is int and 0 <= interrupted <= 2**31
+                    and type(continued) is int and 0 <= continued <= 2**31):
+                log.warning("ignored a malformed served report", worker=wid,
+                            entry=repr(e[2:])[:200])
                 continue
             served.append((info, version, interrupted, continued))
         if served:
@@ -263,16 +267,19 @@ class WorkerApi:
             raise ValueError(f"'workers' must be a list of at most {m.MAX_NODE_SERVED}")
         now = self._now()
         unknown: list[str] = []
-        for e in entries:
-            wid = e.get("worker_id") if isinstance(e, dict) else None
+        get, heartbeat = self.registry.get, self.registry.heartbeat
+        for e in entries:  # [worker id, token]
+            wid = e[0] if type(e) is list and len(e) == 2 else None
             if type(wid) is not str:
                 continue
-            info = self.registry.get(wid)
+            info = get(wid)
             if info is None:
                 unknown.append(wid)
                 continue
-            if info.node == node and _carries(e, info.token):
-                self.registry.heartbeat(wid, now)
+            token = e[1]
+            if (info.node == node and type(token) is bytes
+                    and hmac.compare_digest(token, info.token)):
+                heartbeat(wid, now)
         return {"ok": True, "unknown": unknown}
 
     def _node(self, p: Any, op: str) -> str:
