@@ -80,6 +80,9 @@ class Registry:
         # version bound, and the oldest version still served, without a look at the workers.
         self._versions: dict[str, dict[int, int]] = {}
         self._ids = itertools.count()
+        # Workers by the process hosting them (name, pid, node): pairing a registration with
+        # its process's other worker looks at that process only, not at every worker.
+        self._processes: dict[tuple[str, int, str], dict[str, WorkerInfo]] = {}
 
     def register(
         self, *, name: str, role: str, node: str, pid: int, capacity: int, version: int,
@@ -89,10 +92,11 @@ class Registry:
         info = WorkerInfo(worker_id, name, role, node, pid, max(1, capacity), version,
                           deadline=now + self.heartbeat_timeout_s,
                           token=secrets.token_bytes(16))
-        for other in self._workers.values():  # one process, named for it (`process`)
-            if (other.process == info.process and other.pid == pid and other.node == node
-                    and other.role != role):
+        mates = self._processes.setdefault((info.process, pid, node), {})
+        for other in mates.values():  # one process, named for it (`process`)
+            if other.role != role:
                 info.partner, other.partner = other, info
+        mates[worker_id] = info
         self._workers[worker_id] = info
         self._by_role.setdefault(role, {})[worker_id] = info
         self._count(info, info.version, 1)
@@ -121,6 +125,11 @@ class Registry:
         if info is not None:
             if info.partner is not None:
                 info.partner.partner = None
+            key = (info.process, info.pid, info.node)
+            mates = self._processes[key]
+            del mates[worker_id]
+            if not mates:
+                del self._processes[key]
             self._by_role[info.role].pop(worker_id, None)
             _take(self._open, info)
             _take(self._idle, info)

@@ -152,6 +152,10 @@ def test_colocated_workers_take_turns_and_separate_ones_do_not() -> None:
     reg.remove(train.worker_id)
     assert rollout.partner is None
     assert reg.least_loaded("rollout") is not None
+    # The process's worker registering again (its role restarted in place) pairs up again.
+    again = reg.register(name="train.0.0", role="train", node="node0", pid=7, capacity=1,
+                         version=0, now=0.0)
+    assert (again.partner, rollout.partner) == (rollout, again)
 
 
 def test_simulated_workers_of_one_role_in_one_process_are_not_partners() -> None:
