@@ -78,6 +78,7 @@ from flowrl.logs import bind, configure
 from flowrl.node_dispatch import AgentLink
 from flowrl.node_hub import (
     CALL_SLACK_S,
+    NODE_PROTOCOL,
     NODE_TOKEN_ENV,
     OP_EXIT,
     OP_JOIN,
@@ -252,7 +253,8 @@ class _Agent:
 
     async def run(self) -> None:
         _stop_on_signals(self.stop)
-        join = await self._call(OP_JOIN, {"node": self.node, "pid": os.getpid()})
+        join = await self._call(OP_JOIN, {"node": self.node, "pid": os.getpid(),
+                                          "protocol": NODE_PROTOCOL})
         if join is None:
             if self.stop.is_set():
                 return  # stopped before the controller ever answered

@@ -40,6 +40,10 @@ OP_READY: Final = "node_ready"
 OP_POLL: Final = "node_poll"
 OP_EXIT: Final = "node_exit"
 OP_STOPPED: Final = "node_stopped"
+#: what an agent and the controller say to each other, numbered: raised with every change of
+#: it (2: gathered ``served`` and heartbeat entries as arrays). A joining agent says its
+#: number, and one of another is refused with a message naming both.
+NODE_PROTOCOL: Final = 2
 #: the environment variable that hands the agent beside the controller its node token (hex);
 #: the other agents get theirs in the ``node_join`` reply (`flowrl.node_relay`).
 NODE_TOKEN_ENV: Final = "FLOWRL_NODE_TOKEN"
@@ -350,6 +354,13 @@ class NodeHub:
 
     async def _join(self, payload: Any, peer: bytes) -> dict[str, Any]:
         remote = self._node(payload)
+        protocol = payload.get("protocol", 1)
+        if protocol != NODE_PROTOCOL:
+            error = (f"node {remote.name!r}'s agent speaks node protocol {protocol!r} and this "
+                     f"controller {NODE_PROTOCOL}: run the same version of flowrl on every "
+                     "node")
+            log.error("node refused", node=remote.name, error=error)
+            raise ValueError(error)
         if remote.pid:
             raise ValueError(f"node {remote.name!r} has already joined")
         remote.pid = int(payload.get("pid", 0)) or -1

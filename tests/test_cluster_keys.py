@@ -24,7 +24,7 @@ import structlog
 import zmq
 
 from flowrl.node import agent_keys
-from flowrl.node_hub import ClusterConfig, NodeHub
+from flowrl.node_hub import NODE_PROTOCOL, ClusterConfig, NodeHub
 from transport.curve import ENV, CurveKeys
 from transport.key_file import KeyFileInUse, hold
 
@@ -245,3 +245,21 @@ def test_every_unusable_key_source_is_one_line_naming_it(tmp_path: Path) -> None
         agent_keys(None, ctl, {})
     assert agent_keys(None, ctl, keys.to_env()) == keys
     assert agent_keys(None, "ipc:///tmp/flowrl-x/ctl.sock", {}) is None
+
+
+async def test_an_agent_of_another_flowrl_version_is_refused_naming_both(tmp_path: Path) -> None:
+    h = hub(tmp_path / "run.keys")
+    async with running(h):
+        # Agents say their node protocol when they join (every multi-node test joins one that
+        # speaks this one); one of an older flowrl says none, which is protocol 1.
+        for payload, said in (({"node": "a", "pid": 5}, "1"),
+                              ({"node": "a", "pid": 5, "protocol": NODE_PROTOCOL + 1},
+                               str(NODE_PROTOCOL + 1))):
+            refusal = (f"speaks node protocol {said} and this controller {NODE_PROTOCOL}: "
+                       "run the same version")
+            with structlog.testing.capture_logs() as logs, pytest.raises(ValueError,
+                                                                         match=refusal):
+                await h._join(payload, b"")
+            assert [e["event"] for e in logs] == ["node refused"]
+        joined = await h._join({"node": "a", "pid": 5, "protocol": NODE_PROTOCOL}, b"")
+        assert joined["run_id"] == "keystest"
