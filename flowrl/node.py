@@ -93,7 +93,13 @@ from flowrl.worker_spec import Endpoints, ProcessSpec, WorkerSpec
 from transport.curve import ENV as KEYS_ENV
 from transport.curve import CurveKeys, for_endpoint
 from transport.endpoints import ipc_endpoint, tcp_endpoint
-from transport.errors import DeadlineExceeded, KeysRefused, SharedMemoryTooSmall, TransportError
+from transport.errors import (
+    DeadlineExceeded,
+    KeysRefused,
+    RemoteError,
+    SharedMemoryTooSmall,
+    TransportError,
+)
 from transport.rpc import RpcClient
 from transport.store import SampleStore
 from transport.store_server import StoreServer
@@ -102,7 +108,8 @@ __all__ = ["main"]
 
 log = structlog.get_logger("flowrl.node")
 
-#: exit code of an agent that cannot use its keys (the operator's to fix, like a recipe error).
+#: exit code of an agent that cannot use its keys, or that the controller refused (not this
+#: run's node, another flowrl version): the operator's to fix, like a recipe error.
 EXIT_KEYS = 2
 _GET_KEYS = ("copy the key file the controller wrote for this run (placement.cluster.keys_file; "
              "the controller logs it as keys_file when it starts) to this node and pass it with "
@@ -253,8 +260,11 @@ class _Agent:
 
     async def run(self) -> None:
         _stop_on_signals(self.stop)
-        join = await self._call(OP_JOIN, {"node": self.node, "pid": os.getpid(),
-                                          "protocol": NODE_PROTOCOL})
+        try:
+            join = await self._call(OP_JOIN, {"node": self.node, "pid": os.getpid(),
+                                              "protocol": NODE_PROTOCOL})
+        except RemoteError as exc:  # not this run's node, joined already, another version
+            raise JoinRefused(exc.message) from None
         if join is None:
             if self.stop.is_set():
                 return  # stopped before the controller ever answered
@@ -404,11 +414,18 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         _run_agent(agent())
+    except JoinRefused as exc:
+        log.error(f"the controller at {args.controller} refused this agent: {exc}")
+        raise SystemExit(EXIT_KEYS) from None
     except KeysRefused as exc:
         held = f"the keys in {args.keys}" if args.keys is not None else f"${KEYS_ENV}"
         log.error(f"the controller at {exc.endpoint} refused {held} ({exc.reason}): they are "
                   f"not this run's keys; {_GET_KEYS}")
         raise SystemExit(EXIT_KEYS) from None
+
+
+class JoinRefused(Exception):
+    """The controller answered the agent's ``node_join`` with a refusal (its message)."""
 
 
 def _run_agent(main: Coroutine[Any, Any, None]) -> None:

@@ -263,3 +263,19 @@ async def test_an_agent_of_another_flowrl_version_is_refused_naming_both(tmp_pat
             assert [e["event"] for e in logs] == ["node refused"]
         joined = await h._join({"node": "a", "pid": 5, "protocol": NODE_PROTOCOL}, b"")
         assert joined["run_id"] == "keystest"
+
+
+async def test_a_real_agent_refused_at_its_join_says_why_in_one_line_with_exit_code_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # This controller speaks a newer node protocol than the agent's flowrl (a real agent
+    # process): refused at its join, it exits at once, saying both versions in one line.
+    monkeypatch.setattr("flowrl.node_hub.NODE_PROTOCOL", NODE_PROTOCOL + 1)
+    path = tmp_path / "run.keys"
+    async with running(hub(path)) as endpoint:
+        proc = await agent(endpoint, "--keys", str(path))
+        line = one_error_line(await output(proc, START_S))
+    assert proc.returncode == 2
+    assert line.startswith(f"the controller at {endpoint} refused this agent: node 'a'"), line
+    assert (f"speaks node protocol {NODE_PROTOCOL} and this controller {NODE_PROTOCOL + 1}: "
+            "run the same version of flowrl on every node") in line, line
