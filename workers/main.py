@@ -32,6 +32,7 @@ from flowrl.logs import bind, configure
 from flowrl.worker_launch import read_spec
 from flowrl.worker_spec import EngineSpec, ProcessSpec, WorkerSpec
 from transport.errors import TransportError
+from transport.process_limits import SocketRoomError, make_room
 from transport.rpc import RpcClient
 from transport.store_client import StoreClient
 from workers.runtime import Role, WeightSyncError, Worker, WorkerConfig
@@ -86,6 +87,21 @@ def worker_configs(spec: WorkerSpec) -> list[WorkerConfig]:
             for i, (role, capacity) in enumerate(roles)]
 
 
+#: sockets a worker may hold: the controller's endpoint, its node relay's, broadcasts, and its
+#: agent's under node dispatch
+SOCKETS_PER_WORKER = 4
+#: and its process: the store client's, a start-failure report's, spares
+SOCKETS_PER_PROCESS = 8
+
+
+def sockets_needed(spec: WorkerSpec) -> int:
+    """The most ZeroMQ sockets the process of ``spec`` holds at once."""
+    p = spec.process
+    workers = p.count + (p.colocated is not None)
+    return (SOCKETS_PER_WORKER * workers + SOCKETS_PER_PROCESS
+            + len(spec.endpoints.peers))  # a store client per node it reads from
+
+
 def store_client(spec: WorkerSpec) -> StoreClient:
     """The process's client of its node's store (and, for reads, other nodes')."""
     from transport.curve import CurveKeys
@@ -137,6 +153,12 @@ async def report_start_failure(spec: WorkerSpec, exc: BaseException) -> None:
 
 
 async def serve(spec: WorkerSpec) -> None:
+    try:  # before any socket: ZeroMQ takes the count when its context starts
+        make_room(sockets_needed(spec), what=f"worker process {spec.process.name} "
+                                             f"({spec.process.count} workers)")
+    except SocketRoomError as exc:
+        await report_start_failure(spec, exc)
+        raise
     store = store_client(spec)
     roles: list[Role] = []
     try:
