@@ -8,7 +8,12 @@ Signals (each judged only when the step reports it; a threshold of None turns it
 - ``entropy``: the policy's entropy fell below ``entropy_min_ratio`` of its mean over the
   warm-up steps (it stopped exploring) while the reward is below its best (not solved);
 - ``flat_groups``: the share of groups whose responses all scored alike (no learning signal)
-  is above ``flat_groups_max`` while the reward is below its best (stuck, not solved).
+  is above ``flat_groups_max`` while the reward is below its best (stuck, not solved);
+- ``clip_frac``: the share of clipped tokens is above ``clip_frac_max`` (updates too large);
+- ``reward_drop``: the reward's moving mean lost more than ``reward_drop`` of what the run had
+  gained over its best (a collapse), once it had gained at least ``reward_min_gain``; before
+  that (a run that started near its best has little to gain), a fall of ``reward_min_gain``
+  below its first moving mean is one.
 
 Whether the reward is "below its best" is judged from its history: below its best moving mean,
 or never risen by ``reward_min_gain``. A run that starts close to the reward's maximum never
@@ -16,11 +21,6 @@ rises that much, so once solved it would look stuck. With the maximum known
 (``reward.max_score``, so the step reports ``train_solved_groups``: groups that all scored it)
 the two signals judge the groups themselves: ``flat_groups`` counts only the flat groups below
 the maximum, and the entropy counts while fewer than `SOLVED_SHARE` of the groups are solved.
-- ``clip_frac``: the share of clipped tokens is above ``clip_frac_max`` (updates too large);
-- ``reward_drop``: the reward's moving mean lost more than ``reward_drop`` of what the run had
-  gained over its best (a collapse), once it had gained at least ``reward_min_gain``; before
-  that (a run that started near its best has little to gain), a fall of ``reward_min_gain``
-  below its first moving mean is one.
 
 A signal acts once it has been past its threshold for ``window`` consecutive steps, and not
 again for ``cooldown_steps``; nothing is judged during the first ``warmup_steps``. Actions:
