@@ -322,6 +322,56 @@ async def test_long_polls_cannot_starve_other_ops(
         await other.aclose()
 
 
+async def test_a_handler_may_answer_at_once_with_no_task(
+    run_id: str, zmq_ctx: zmq.asyncio.Context
+) -> None:
+    # A plain function's reply (or error) is sent from the request's read; a long poll that
+    # finds its answer waiting holds no poll open; one that must wait returns an awaitable.
+    waiting: list[str] = ["ready"]
+    entered, arrived = asyncio.Event(), asyncio.Event()
+    tasks_seen: list[asyncio.Task[Any] | None] = []
+
+    def now(payload: Any, peer: bytes) -> Any:
+        tasks_seen.append(asyncio.current_task())
+        if payload == "bad":
+            raise ValueError("bad input, said at once")
+        return {"got": payload}
+
+    def poll(payload: Any, peer: bytes) -> Any:
+        if waiting:
+            return waiting.pop()
+
+        async def later() -> str:
+            entered.set()
+            await arrived.wait()
+            return waiting.pop()
+        return later()
+
+    async with (
+        RpcServer(ipc_endpoint(run_id, "now"), {"now": now, "poll": poll}, ctx=zmq_ctx,
+                  long_polls={"poll"}, max_long_polls_per_peer=1) as srv,
+        RpcClient(srv.endpoint, ctx=zmq_ctx, timeout=STEP) as client,
+    ):
+        assert await client.call("now", 7) == {"got": 7}
+        with pytest.raises(RemoteError, match="bad input, said at once"):
+            await client.call("now", "bad")
+        assert tasks_seen == [None, None]  # run from the read, not in a task of its own
+        # Answered at once: no poll stays open, so the client's one allowed poll is free.
+        assert await client.call("poll", None) == "ready"
+        assert srv.statistics().long_polls == 0
+        held = asyncio.ensure_future(client.call("poll", None))
+        async with asyncio.timeout(STEP):
+            await entered.wait()
+        assert srv.statistics().long_polls == 1
+        with pytest.raises(Overloaded, match="already has 1 long polls open"):
+            await client.call("poll", None)  # its one poll is open, waiting
+        waiting.append("later")
+        arrived.set()
+        assert await held == "later"
+        stats = srv.statistics()
+        assert (stats.long_polls, stats.in_flight, stats.handler_errors) == (0, 0, 1)
+
+
 def test_long_polls_are_checked() -> None:
     with pytest.raises(ValueError, match="without a handler"):
         RpcServer("ipc:///nowhere", {"a": Service().echo}, long_polls={"b"})

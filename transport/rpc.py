@@ -34,6 +34,7 @@ Guarantees:
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Mapping
@@ -66,8 +67,10 @@ __all__ = ["Handler", "RpcClient", "RpcClientStats", "RpcServer", "RpcServerStat
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[Any, bytes], Awaitable[Any]]
-"""(payload, peer identity) -> reply payload."""
+Handler = Callable[[Any, bytes], Any]
+"""(payload, peer identity) -> reply payload, or an awaitable of it (an ``async def`` handler).
+A reply returned at once is sent from the request's own read, with no task (most calls a
+controller takes need nothing to wait for); an awaitable is awaited in a task of its own."""
 
 OK: Final = 0
 ERROR: Final = 1
@@ -279,11 +282,32 @@ class RpcServer(Service):
         if op in self._long_polls:
             self._start_long_poll(handler, peer, rid, op, payload)
             return
-        task = asyncio.get_running_loop().create_task(self._serve(handler, peer, rid, payload))
+        pending = self._call(handler, peer, rid, payload)
+        if pending is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._serve(handler, peer, rid, pending))
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
         if len(self._tasks) >= self._max_in_flight and self._sock is not None:
             self._sock.pause()
+
+    def _call(self, handler: Handler, peer: bytes, rid: int,
+              payload: Any) -> Awaitable[Any] | None:
+        """Run ``handler``: a reply it returns at once (or its error) is sent now and None
+        returned; an awaitable it returns is returned, for the caller to serve in a task."""
+        try:
+            result = handler(payload, peer)
+        except Exception as exc:
+            self._send(peer, self._error(handler, rid, exc))
+            return None
+        if inspect.isawaitable(result):
+            return result
+        try:
+            frames = self._reply_frames(rid, result)
+        except Exception as exc:
+            frames = self._error(handler, rid, exc)
+        self._send(peer, frames)
+        return None
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
@@ -301,7 +325,10 @@ class RpcServer(Service):
             self._overload(peer, rid, f"{op!r}: the server already holds "
                            f"{self._max_long_polls} long polls open (the limit)")
             return
-        task = asyncio.get_running_loop().create_task(self._serve(handler, peer, rid, payload))
+        pending = self._call(handler, peer, rid, payload)
+        if pending is None:
+            return  # answered at once (it had something waiting): no poll stays open
+        task = asyncio.get_running_loop().create_task(self._serve(handler, peer, rid, pending))
         self._polls.add(task)
         self._polls_by_peer[peer] += 1
 
@@ -318,13 +345,17 @@ class RpcServer(Service):
         log.debug("refused a long poll from %r: %s", peer, message)
         self._reply(peer, [rid, OVERLOADED, message])
 
-    async def _serve(self, handler: Handler, peer: bytes, rid: int, payload: Any) -> None:
+    def _reply_frames(self, rid: int, result: Any) -> list[bytes | memoryview]:
+        frames = encode([rid, OK, result])
+        size = frames_nbytes(frames)
+        if size > self._max_bytes:
+            raise MessageTooLarge(f"reply of {size} bytes exceeds {self._max_bytes}")
+        return frames
+
+    async def _serve(self, handler: Handler, peer: bytes, rid: int,
+                     pending: Awaitable[Any]) -> None:
         try:
-            result = await handler(payload, peer)
-            frames = encode([rid, OK, result])
-            size = frames_nbytes(frames)
-            if size > self._max_bytes:
-                raise MessageTooLarge(f"reply of {size} bytes exceeds {self._max_bytes}")
+            frames = self._reply_frames(rid, await pending)
         except asyncio.CancelledError as exc:
             task = asyncio.current_task()
             if task is not None and task.cancelling():

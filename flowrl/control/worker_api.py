@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import structlog
@@ -121,15 +121,15 @@ class WorkerApi:
         """``handler`` for calls in a worker's name: a call naming a registered worker must
         carry the token of that worker's register reply. Unknown ids reach the handler, which
         answers them as it always has."""
-        async def checked(p: Any, peer: bytes) -> Any:
+        def checked(p: Any, peer: bytes) -> Any:
             wid = p.get("worker_id") if isinstance(p, dict) else None
             info = self.registry.get(wid) if type(wid) is str else None
             if info is not None and not _carries(p, info.token):
                 raise PermissionError(f"a call for worker {wid} without its token")
-            return await handler(p, peer)
+            return handler(p, peer)
         return checked
 
-    async def _register(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
+    def _register(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
         role = _str(p, "role")
         if not self._has_role(role):
             raise ValueError(f"no pool for role {role!r} in this pipeline")
@@ -140,11 +140,14 @@ class WorkerApi:
         self._mailboxes[info.worker_id] = asyncio.Queue()
         return self.events.worker_registered(info)
 
-    async def _heartbeat(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
+    def _heartbeat(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
         info = self.registry.heartbeat(_str(p, "worker_id"), self._now())
         return {"ok": info is not None}
 
-    async def _get_task(self, p: dict[str, Any], peer: bytes) -> m.TaskMsg | None:
+    def _get_task(self, p: dict[str, Any], peer: bytes
+                  ) -> m.TaskMsg | Awaitable[m.TaskMsg | None] | None:
+        """The worker's next task: at once when one waits in its mailbox (a worker holds up
+        to ``tasks_per_slot`` tasks, so after a report one often does), else a wait for one."""
         worker_id = _str(p, "worker_id")
         wait_s = _seconds(p, "wait_s")
         done = p.get("done")
@@ -153,11 +156,19 @@ class WorkerApi:
         q = self._mailboxes.get(worker_id)
         if q is None:
             return None
+        if not q.empty():
+            return self._started(q.get_nowait())
+        return self._wait_task(q, wait_s)
+
+    async def _wait_task(self, q: asyncio.Queue[m.TaskMsg], wait_s: float) -> m.TaskMsg | None:
         try:
             async with asyncio.timeout(wait_s):
                 msg = await q.get()
         except TimeoutError:
             return None
+        return self._started(msg)
+
+    def _started(self, msg: m.TaskMsg) -> m.TaskMsg:
         a = self.assignments.get(msg["task_id"])
         if a is not None:
             a.started_at = time.time()
@@ -175,7 +186,7 @@ class WorkerApi:
         except MalformedReport as exc:
             log.warning("ignored a malformed task report", error=str(exc))
 
-    async def _task_done(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
+    def _task_done(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
         return {"ok": self._take_report(p)}
 
     def _take_report(self, p: dict[str, Any]) -> bool:
@@ -196,14 +207,14 @@ class WorkerApi:
             self.events.task_failed(a, f"malformed task report: {exc}")
         return True
 
-    async def _task_failed(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
+    def _task_failed(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
         task_id, worker_id = _int(p, "task_id", 0, 2**62), _str(p, "worker_id")
         a = self.assignments.get(task_id)
         if a is not None and a.worker == worker_id:
             self.events.task_failed(a, str(p.get("error", ""))[:2000])
         return {"ok": True}
 
-    async def _served(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
+    def _served(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
         info = self.registry.get(_str(p, "worker_id"))
         interrupted, continued = (_int(p, key, 0, 2**31) if key in p else 0
                                   for key in ("interrupted", "continued"))
@@ -212,7 +223,7 @@ class WorkerApi:
                                       continued)
         return {"ok": True}
 
-    async def _node_served(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
+    def _node_served(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
         """A node agent's gathered ``served`` reports and relay drops (`flowrl.node_relay`).
         The request must carry the node's token; each entry is taken as the worker's own
         ``served`` would be (its token, and it must be registered on that node), and one that
@@ -256,7 +267,7 @@ class WorkerApi:
                                                              d["connected"]))
         return {"ok": True, "served": len(served)}
 
-    async def _node_heartbeat(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
+    def _node_heartbeat(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
         """A node agent's gathered heartbeats (`flowrl.node_relay`): each entry renews its
         worker's deadline as the worker's own heartbeat would; the reply names the workers
         that are no longer registered (their agent tells them to exit). An entry with a wrong
@@ -290,7 +301,7 @@ class WorkerApi:
             raise PermissionError(f"a {op} for node {node!r} without its token")
         return node
 
-    async def _sync_failed(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
+    def _sync_failed(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
         """A worker missed its weight-sync deadline: it exits next, and its process is
         restarted like any dead worker (bounded by ``max_restarts``)."""
         info = self.registry.get(_str(p, "worker_id"))
@@ -299,17 +310,17 @@ class WorkerApi:
         self.events.sync_failed(info, _int(p, "version", 0, 2**62), _str(p, "error")[:500])
         return {"ok": True}
 
-    async def _start_failed(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
+    def _start_failed(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
         """A worker process could not start. It has no worker id yet: the start token of its
         spec vouches for it (checked by the workforce, which refuses a wrong one)."""
         self.events.start_failed(_str(p, "process"), _str(p, "token"), _str(p, "error")[:2000])
         return {"ok": True}
 
-    async def _bye(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
+    def _bye(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
         self.events.worker_gone(_str(p, "worker_id"), "said bye")
         return {"ok": True}
 
-    async def _node_up(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
+    def _node_up(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
         peer_store = p.get("peer_store")
         relay = (_str(p, "broadcast"), _str(p, "relay")) if "relay" in p else None
         ok = self.events.node_up(_str(p, "store"),
