@@ -126,7 +126,7 @@ class Controller:
             self.graph, self.index, self.registry, self.assignments,
             nodes=dispatching_nodes(spec, node), reported=self.task_reported,
             failed=self.task_failed, give_back=self.scheduler.fail_task, wake=self._wake,
-            row_group=self.index.row_group, now=self._now)
+            now=self._now)
         # Nodes other than this one (pools placed there): their agents meet us at `nodes`.
         remote = {n for p in spec.pools for n in p.nodes} - {node}
         self._hub = None if not remote else NodeHub(
@@ -535,9 +535,7 @@ class Controller:
         if self._kick_at:
             self.dispatch_us.append((time.perf_counter() - self._kick_at) * 1e6)
         self._pass_sent += 1
-        ev = self.evaluation
-        groups = ev.row_group if ev is not None and ev.owns(a.task.id) else self.index.row_group
-        self.api.deliver(w.worker_id, a, groups)
+        self.api.deliver(w.worker_id, a)
 
     # ---- what workers report (`WorkerApi` calls these once a call passed its checks) -------
 

@@ -96,6 +96,8 @@ class Task:
     rows: tuple[int, ...]
     groups: tuple[int, ...]
     """Group ids of `rows` in first-seen order (whole groups for a group-level stage)."""
+    row_groups: tuple[int, ...]
+    """The group id of each row, aligned with `rows`."""
     worker: str | None
     handles: dict[str, list[Any]]
     """For each needed field, one handle per row, aligned with `rows`."""
@@ -232,7 +234,8 @@ class Index:
         self._consumers: list[tuple[_Stage, ...]] = [
             tuple(self._by_name[s.name] for s in graph.consumers_of(f)) for f in graph.fields
         ]
-        self._free_stages = tuple(st for st in self._stages if st.need == 0)
+        #: `_admission_plan`'s answers by the field ids a group is admitted with
+        self._plans: dict[tuple[int, ...], tuple[int, tuple[_Stage, ...], int]] = {}
 
         self._rows: dict[int, _Row] = {}
         self._groups: dict[int, _Group] = {}
@@ -268,32 +271,60 @@ class Index:
         """Admit a group of `size` rows; `fields` (one handle per row) are ready at once."""
         if size < 1:
             raise ValueError(f"a group needs at least one row, got size {size}")
-        fids = self._check_fields(fields or {}, size)
+        given = fields or {}
+        fids = self._check_fields(given, size)
         if lengths is not None and len(lengths) != size:
             raise ValueError(f"{len(lengths)} lengths for a group of {size} rows")
         gid = self._next_group
         first = self._next_row
         self._next_group += 1
         self._next_row += size
+        ready, stages, queued = self._admission_plan(tuple(fids))
+        g = self._groups[gid] = _Group(first, size, meta, self._ngroup_stages)
+        # Fresh rows: each field lands once and each stage it makes ready is known up front,
+        # so rows are built ready and queued, with no per-row readiness pass (`_put`). A
+        # step's admission is the largest dispatch pass.
         nf = len(self._field_names)
         rows = self._rows
-        for rid in range(first, first + size):
-            rows[rid] = _Row(gid, nf)
-        self._groups[gid] = _Group(first, size, meta, self._ngroup_stages)
+        columns = tuple(zip(fids, given.values(), strict=True))
+        for i in range(size):
+            row = _Row(gid, nf)
+            row.ready = ready
+            row.queued = queued
+            handles = row.handles
+            for fid, column in columns:
+                handles[fid] = column[i]
+            if lengths is not None:
+                row.length = lengths[i]
+            rows[first + i] = row
+        for st in stages:
+            if st.group_level:
+                g.ready[st.gidx] = size
+                st.queue.append(gid)
+                st.units += 1
+            else:
+                st.queue.extend(range(first, first + size))
+                st.units += size
+            st.ready_rows += size
         self._rows_peak = max(self._rows_peak, len(rows))
         self._live += size
         self._added += size
-        rids = range(first, first + size)
-        if lengths is not None:
-            for rid, n in zip(rids, lengths, strict=True):
-                rows[rid].length = n
-        for st in self._free_stages:  # stages needing no field: ready on admission
-            for rid in rids:
-                self._became_ready(st, rid, rows[rid])
-        free: list[Any] = []
-        for fid, handles in zip(fids, (fields or {}).values(), strict=True):
-            self._put(rids, fid, handles, None, free)
         return gid
+
+    def _admission_plan(self, fids: tuple[int, ...]) -> tuple[int, tuple[_Stage, ...], int]:
+        """For rows admitted holding fields ``fids``: their ``ready`` bits, the stages that
+        are ready for them at once, and those stages' bits (the rows' ``queued``)."""
+        plan = self._plans.get(fids)
+        if plan is None:
+            ready = 0
+            for fid in fids:
+                ready |= 1 << fid
+            stages = tuple(st for st in self._stages if (ready & st.need) == st.need)
+            queued = 0
+            for st in stages:
+                queued |= st.bit
+            plan = self._plans[fids] = (ready, stages, queued)
+        return plan
 
     def group_rows(self, gid: int) -> tuple[int, ...]:
         """The row ids of group `gid` (retired ones included, while the group is live)."""
@@ -516,8 +547,7 @@ class Index:
         st.units -= k
         st.ready_rows -= k
         st.flight_rows += k
-        groups = tuple(dict.fromkeys([o.gid for o in objs]))
-        return self._new_task(st, taken, objs, groups, worker)
+        return self._new_task(st, taken, objs, None, worker)
 
     def _request_groups(self, st: _Stage, n: int, min_version: int | None,
                         worker: str | None) -> Task | None:
@@ -558,16 +588,19 @@ class Index:
             return None
         return self._new_task(st, taken, objs, tuple(gids), worker)
 
-    def _new_task(self, st: _Stage, rids: list[int], objs: list[_Row], groups: tuple[int, ...],
-                  worker: str | None) -> Task:
+    def _new_task(self, st: _Stage, rids: list[int], objs: list[_Row],
+                  groups: tuple[int, ...] | None, worker: str | None) -> Task:
+        """``groups``: None for a row-level stage (the rows' groups in first-seen order)."""
         tid = self._next_task
         self._next_task += 1
         lengths = tuple([o.length for o in objs])
+        row_groups = tuple([o.gid for o in objs])
         task = Task(
             id=tid,
             stage=st.name,
             rows=tuple(rids),
-            groups=groups,
+            groups=tuple(dict.fromkeys(row_groups)) if groups is None else groups,
+            row_groups=row_groups,
             worker=worker,
             handles={f: [o.handles[fid] for o in objs] for f, fid in st.need_fields},
             lengths=lengths,

@@ -38,8 +38,9 @@ def graph() -> StageGraph:
 
 
 def task(rows: int = 2) -> Task:
-    return Task(id=7, stage="reward", rows=tuple(range(rows)), groups=(0,), worker="w",
-                handles={}, lengths=(1,) * rows, versions=(None,) * rows, tokens=rows)
+    return Task(id=7, stage="reward", rows=tuple(range(rows)), groups=(0,),
+                row_groups=(0,) * rows, worker="w", handles={}, lengths=(1,) * rows,
+                versions=(None,) * rows, tokens=rows)
 
 
 def report(**changes: Any) -> dict[str, Any]:
@@ -237,8 +238,9 @@ def test_served_reports_free_the_old_version_with_the_last_and_look_at_few_worke
 
 
 def rows_task(stage: str, rows: tuple[int, ...], task_id: int = 1) -> Task:
-    return Task(id=task_id, stage=stage, rows=rows, groups=(0,), worker="w", handles={},
-                lengths=(1,) * len(rows), versions=(None,) * len(rows), tokens=len(rows))
+    return Task(id=task_id, stage=stage, rows=rows, groups=(0,), row_groups=(0,) * len(rows),
+                worker="w", handles={}, lengths=(1,) * len(rows), versions=(None,) * len(rows),
+                tokens=len(rows))
 
 
 def test_failed_samples_count_for_the_step_that_trains_them() -> None:

@@ -166,6 +166,7 @@ def test_fail_returns_groups_to_the_front_in_order() -> None:
     assert t is not None
     assert t.groups == (0, 1, 2)
     assert t.rows == (0, 1, 2, 3, 4, 5)
+    assert t.row_groups == (0, 0, 1, 1, 2, 2)
 
 
 def test_group_level_stage_waits_for_the_whole_group() -> None:
@@ -506,6 +507,7 @@ class IndexMachine(RuleBasedStateMachine):
             return None
         assert task is not None
         assert task.rows == tuple(taken)
+        assert task.row_groups == tuple(self.rows[r].gid for r in taken)
         if s.group_level:
             assert task.groups == tuple(gids)
         else:

@@ -204,7 +204,7 @@ def wiring(ready_groups: int) -> tuple[Any, Index, Registry, list[Any], list[int
                         reported=lambda a, r: reported.append((a.worker, r.task_id)),
                         failed=lambda a, e: reported.append(("failed", e)),
                         give_back=lambda tid: (back.append(tid), ix.fail(tid)),
-                        wake=lambda: None, row_group=ix.row_group, now=lambda: 0.0)
+                        wake=lambda: None, now=lambda: 0.0)
     return leases, ix, reg, reported, back
 
 

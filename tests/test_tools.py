@@ -338,7 +338,8 @@ def _report(metrics: dict[str, float]) -> TaskReport:
 
 def test_the_step_log_sums_the_rollout_tasks_tool_and_cut_counts() -> None:
     stages = StageMetrics()
-    task = Task(id=1, stage="rollout", rows=(0,), groups=(0,), worker="w", handles={},
+    task = Task(id=1, stage="rollout", rows=(0,), groups=(0,), row_groups=(0,), worker="w",
+                handles={},
                 lengths=(1,), versions=(0,), tokens=1)
     stages.fold(task, _report({"tool_calls": 3.0, "tool_errors_timeout": 1.0,
                                "episodes_cut_turns": 1.0, "turns": 9.0}))

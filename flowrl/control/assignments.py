@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from flowrl import messages as m
 from flowrl.index import Task
 
 __all__ = ["Assignment", "Assignments"]
@@ -25,6 +26,13 @@ class Assignment:
     ready_at: float
     #: when the worker took it (wall clock; 0.0 while it waits in the worker's queue)
     started_at: float = 0.0
+
+    def message(self) -> m.TaskMsg:
+        """The task as its worker receives it."""
+        t = self.task
+        return {"task_id": t.id, "stage": t.stage, "rows": list(t.rows),
+                "groups": list(t.groups), "row_groups": list(t.row_groups),
+                "inputs": {k: list(v) for k, v in t.handles.items()}, "params": self.params}
 
 
 class Assignments:

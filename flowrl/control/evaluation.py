@@ -113,7 +113,6 @@ class Evaluation:
         self._running: dict[int, tuple[EvalJob, Task]] = {}
         self._rounds: dict[int, _Round] = {}
         self._ids = itertools.count(EVAL_TASK_BASE)
-        self._row_groups: dict[int, int] = {}
 
     # ---- rounds ------------------------------------------------------------------------------
 
@@ -167,26 +166,24 @@ class Evaluation:
         positions = job.row_positions()
         rows = [next(self._ids) for _ in positions]
         groups: list[int] = []
+        row_groups: list[int] = []
         for i, row in enumerate(rows):
             if i % job.n == 0:
                 groups.append(row)
-            self._row_groups[row] = groups[-1]
+            row_groups.append(groups[-1])
         handles: dict[str, list[Any]] = {"prompt": positions}
         lengths = tuple([1] * len(rows))
         if job.responses is not None:
             handles["response_ids"] = list(job.responses)
             lengths = job.lengths or lengths
         task = Task(id=next(self._ids), stage=job.stage, rows=tuple(rows), groups=tuple(groups),
-                    worker=worker, handles=handles, lengths=lengths,
-                    versions=tuple([None] * len(rows)), tokens=sum(lengths))
+                    row_groups=tuple(row_groups), worker=worker, handles=handles,
+                    lengths=lengths, versions=tuple([None] * len(rows)), tokens=sum(lengths))
         self._running[task.id] = (job, task)
         return task, {"eval": job.mode, "eval_step": job.round.step}
 
     def owns(self, task_id: int) -> bool:
         return task_id in self._running
-
-    def row_group(self, row: int) -> int:
-        return self._row_groups[row]
 
     # ---- what workers report -----------------------------------------------------------------
 
@@ -230,10 +227,7 @@ class Evaluation:
         return self._failed(job, [], error)
 
     def _forget(self, task_id: int) -> tuple[EvalJob, Task]:
-        job, task = self._running.pop(task_id)
-        for row in task.rows:
-            self._row_groups.pop(row, None)
-        return job, task
+        return self._running.pop(task_id)
 
     def _failed(self, job: EvalJob, freed: list[Any], error: str) -> list[Any]:
         rnd = job.round

@@ -171,8 +171,7 @@ class StepLedger:
                 pos = self.admission.trained(gid)
                 # A group's dataset position trains once in a run (resumes included).
                 if pos is None or not self.trained_positions.add(pos):
-                    self.rows_trained_twice += sum(
-                        1 for r in task.rows if self.index.row_group(r) == gid)
+                    self.rows_trained_twice += task.row_groups.count(gid)
             self.rows_trained += len(task.rows)
             out.rewards.extend(float(r) for r in task.handles.get("reward", ()))
             out.samples += len(task.rows)

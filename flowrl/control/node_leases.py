@@ -89,7 +89,7 @@ class NodeLeases:
         self, graph: StageGraph, index: Index, registry: Registry, assignments: Assignments,
         *, nodes: set[str], reported: Callable[[Assignment, TaskReport], None],
         failed: Callable[[Assignment, str], None], give_back: Callable[[int], None],
-        wake: Callable[[], None], row_group: Callable[[int], int], now: Callable[[], float],
+        wake: Callable[[], None], now: Callable[[], float],
         ttl_s: float = LEASE_TTL_S, renew_s: float | None = None,
     ) -> None:
         """``nodes``: the nodes whose agents dispatch themselves. ``reported`` / ``failed``:
@@ -108,7 +108,6 @@ class NodeLeases:
         self._failed = failed
         self._give_back = give_back
         self._wake = wake
-        self._row_group = row_group
         self._now = now
         self._worker_node: dict[str, str] = {}
         #: completions and give-backs refused (late, repeated, of a returned lease)
@@ -198,11 +197,9 @@ class NodeLeases:
         msgs: list[m.TaskMsg] = []
         started = time.time()
         for t in tasks:
-            self.assignments.add(Assignment(t, f"lease:{node.name}", {}, now, started))
-            msgs.append({"task_id": t.id, "stage": t.stage, "rows": list(t.rows),
-                         "groups": list(t.groups),
-                         "row_groups": [self._row_group(r) for r in t.rows],
-                         "inputs": {k: list(v) for k, v in t.handles.items()}, "params": {}})
+            a = Assignment(t, f"lease:{node.name}", {}, now, started)
+            self.assignments.add(a)
+            msgs.append(a.message())
         node.grant.append({"lease": lease.id, "epoch": epoch, "stage": stage.name,
                            "tasks": msgs})
         node.wake.set()

@@ -98,13 +98,9 @@ class WorkerApi:
 
     # ---- mailboxes -------------------------------------------------------------------------
 
-    def deliver(self, worker_id: str, a: Assignment, row_group: Callable[[int], int]) -> None:
-        """Queue ``a`` for its worker's next poll, as the message `flowrl.messages` names."""
-        task = a.task
-        self._mailboxes[worker_id].put_nowait({
-            "task_id": task.id, "stage": task.stage, "rows": list(task.rows),
-            "groups": list(task.groups), "row_groups": [row_group(r) for r in task.rows],
-            "inputs": {k: list(v) for k, v in task.handles.items()}, "params": a.params})
+    def deliver(self, worker_id: str, a: Assignment) -> None:
+        """Queue ``a`` for its worker's next poll."""
+        self._mailboxes[worker_id].put_nowait(a.message())
 
     def close_mailbox(self, worker_id: str) -> None:
         self._mailboxes.pop(worker_id, None)
