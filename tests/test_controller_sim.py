@@ -8,7 +8,7 @@ import gc
 
 import pytest
 
-from flowrl.controller import Controller, RunError
+from flowrl.controller import RUN_GC_THRESHOLD, Controller, RunError
 from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages
 
 # Tiny modelled costs so a run takes a fraction of a second of simulated compute.
@@ -55,20 +55,26 @@ async def test_run_trains_every_row_once_within_the_staleness_bound(staleness: i
 
 @pytest.mark.timeout(90)
 async def test_what_lives_at_start_is_frozen_for_the_run_and_given_back_at_close() -> None:
-    """Full collections during a run skip the objects that were alive when it started."""
+    """Full collections during a run skip the objects that were alive when it started, and
+    young ones come less often; both as they were once it closes."""
+    before = gc.get_threshold()
     async with Controller(spec(1)) as ctl:
         assert gc.get_freeze_count() > 0
+        assert gc.get_threshold() == (RUN_GC_THRESHOLD, *before[1:])
         out = await ctl.run(steps=1, timeout_s=60)
     assert out["rows_trained_twice"] == 0
     assert gc.get_freeze_count() == 0
+    assert gc.get_threshold() == before
 
 
 @pytest.mark.timeout(90)
 async def test_a_freeze_made_before_the_controller_is_left_as_it_was() -> None:
     """A notebook that froze its own objects keeps them frozen after a controller closes."""
     gc.freeze()
+    before = gc.get_threshold()
     try:
         async with Controller(spec(1)) as ctl:
+            assert gc.get_threshold() == before
             await ctl.run(steps=1, timeout_s=60)
         # (the count itself drifts: frozen objects that die leave it)
         assert gc.get_freeze_count() > 0
