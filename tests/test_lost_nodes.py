@@ -45,6 +45,12 @@ def test_handle_nodes_reads_each_node_whatever_the_form() -> None:
     assert handle_nodes([["a", "seg", 0, "int64", [4]], on("b", 32), 0.5, [1]]) == [
         "a", "b", None, None]
     assert handle_nodes([]) == []
+    # read from a handle's leading bytes: a long name (not a fixstr) is decoded instead, and
+    # bytes that are no name give None
+    long = "node-" + "x" * 40
+    not_utf8 = on("ab", 0)._replace(data=on("ab", 0).data.replace(b"ab", b"\xff\xfe", 1))
+    assert handle_nodes([on(long, 0), on("a", 0), not_utf8, on("a", 64), on(long, 8)]) == [
+        long, "a", None, "a", long]
 
 
 def test_groups_with_data_on_the_lost_node_are_dropped_once_no_task_holds_them() -> None:

@@ -178,14 +178,37 @@ def handle_node(value: Any) -> str | None:
 
 def handle_nodes(values: Sequence[Any]) -> list[str | None]:
     """The node named by each handle of ``values`` (ext forms, or lists as store frees carry
-    them), the ext forms decoded in one call; None where a value is not a handle or cannot be
-    decoded. Unvalidated: for routing a store operation, whose store checks each handle."""
-    if all(type(v) is msgpack.ExtType for v in values):
-        try:
-            return list(map(_node_of, _unwrap_all(values)))
-        except MalformedMessage:
-            pass  # one bad handle among them: each is read by itself below
-    return [handle_node(v) if type(v) is msgpack.ExtType else _node_of(v) for v in values]
+    them); None where a value is not a handle or cannot be decoded. Unvalidated: for routing a
+    store operation, whose store checks each handle.
+
+    A handle packs as an array of 5 whose first item is its node, a short string: its first
+    bytes are the node's name, so they are looked up instead of decoding every handle (a
+    step's frees are a few handles a sample, most of them of a few nodes).
+    """
+    seen: dict[bytes, str | None] = {}  # a handle's leading bytes -> its node
+    out: list[str | None] = []
+    for v in values:
+        if type(v) is msgpack.ExtType and v.code == HANDLE_EXT:
+            data = v.data
+            if len(data) > 2 and data[0] == 0x95 and data[1] & 0xE0 == 0xA0:  # fixstr node
+                lead = data[:2 + (data[1] & 0x1F)]
+                node = seen.get(lead)
+                if node is None and lead not in seen:
+                    node = seen[lead] = _fixstr(lead[2:])
+                out.append(node)
+                continue
+            out.append(handle_node(v))
+        else:
+            out.append(_node_of(v))
+    return out
+
+
+def _fixstr(raw: bytes) -> str | None:
+    """A node's name from its bytes; None if they are not UTF-8 (no store is named so)."""
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return None
 
 
 def _node_of(fields: Any) -> str | None:
