@@ -32,6 +32,10 @@ dispatch pass that handed a task out (run inline by the report that made it disp
 task in the worker's mailbox (`Controller.dispatch_us`): a task's place in its pass, in wall
 time, so the tail is the largest passes (a node agent's gathered ``node_served`` hands out a
 task to each of its workers that loaded the version) stretched by the machine's load;
+``dispatch_cpu_p50_us_1024w`` / ``dispatch_cpu_p99_us_1024w``: the same places counted in the
+CPU time of the event loop's thread (`Controller.dispatch_cpu_us`), so without the preemption by
+the workers on these shared cores: the tail a controller with a core of its own would see
+(mostly a step's admission pass, which creates and hands out the step's rollout tasks);
 ``dispatch_pass_max_tasks_1024w``: the most tasks one pass handed out
 (`Controller.dispatch_pass_tasks`);
 ``controller_rss_mb``: the controller process's resident memory after the 1,024-worker run, and
@@ -166,6 +170,7 @@ async def measure(workers: int, agents: int, steps: int, rollout_groups: int = 1
             renice_children(me, workers_nice)
         await ctl.run(steps=1, timeout_s=300)  # warm-up: every worker polling, first version
         ctl.dispatch_us.clear()
+        ctl.dispatch_cpu_us.clear()
         ctl.dispatch_pass_tasks.clear()
         logged = len(ctl.step_log)
         cpu0, loop0 = me.cpu_times(), loop_cpu(me)
@@ -188,6 +193,7 @@ async def measure(workers: int, agents: int, steps: int, rollout_groups: int = 1
             "cpu_us_per_turn": cpu / turns * 1e6 if turns else None,
             "cpu_share": cpu / out["wall_s"], "loop_share": (loop1 - loop0) / cpu,
             "dispatch_us": list(ctl.dispatch_us),
+            "dispatch_cpu_us": list(ctl.dispatch_cpu_us),
             "pass_max": max(ctl.dispatch_pass_tasks, default=0),
             "rss": me.memory_info().rss, "rss_growth": me.memory_info().rss - rss0,
         }
@@ -210,12 +216,14 @@ async def main_async(quick: bool, rollout_groups: int, episode_turns: int = 0,
             result[f"turns_per_s_{workers}w"] = round(r["turns_per_s"], 1)
             result[f"cpu_us_per_turn_{workers}w"] = round(r["cpu_us_per_turn"], 1)
     big = runs[1024]
-    d = big["dispatch_us"]
+    d, dc = big["dispatch_us"], big["dispatch_cpu_us"]
     result.update({
         "samples_per_s_max": max(result[f"samples_per_s_{w}w"] for w, _ in SHAPES),
         "samples_per_s_ceiling": round(1e6 / big["cpu_us_per_sample"]),
         "dispatch_p50_us_1024w": round(statistics.median(d), 1) if d else None,
         "dispatch_p99_us_1024w": round(pct(d, 0.99), 1),
+        "dispatch_cpu_p50_us_1024w": round(statistics.median(dc), 1) if dc else None,
+        "dispatch_cpu_p99_us_1024w": round(pct(dc, 0.99), 1),
         "dispatch_pass_max_tasks_1024w": big["pass_max"],
         "controller_rss_mb": round(big["rss"] / 2**20, 1),
         "controller_rss_growth_mb": round(big["rss_growth"] / 2**20, 1),

@@ -160,7 +160,8 @@ class Controller:
         #: the collector's thresholds before the run (`_tune_collector`), put back by aclose;
         #: None when the collector was not ours to tune
         self._gc_before: tuple[int, int, int] | None = None
-        self._kick_at = 0.0
+        self._kick_at = 0.0  # when the dispatch pass running now started (perf_counter)
+        self._kick_cpu = 0.0  # and the event loop thread's CPU time then
         self._pass_sent = 0
         self._failures: collections.Counter[tuple[str, int]] = collections.Counter()
         self._owned: list[asyncio.Task[None]] = []
@@ -194,6 +195,9 @@ class Controller:
             self.on_step.append(lambda e: ev.committed(e["step"], time.perf_counter()))
             ev.on_record.append(self._evaluated)
         self.dispatch_us: collections.deque[float] = collections.deque(maxlen=100_000)
+        #: the same places in the CPU time of the event loop's thread: what the controller's
+        #: own work makes a task wait, with a core of its own (`dispatch_us` adds preemption)
+        self.dispatch_cpu_us: collections.deque[float] = collections.deque(maxlen=100_000)
         #: tasks each dispatch pass handed out (passes handing out none are not kept): a task's
         #: `dispatch_us` is its place in its pass, so the largest passes set its tail
         self.dispatch_pass_tasks: collections.deque[int] = collections.deque(maxlen=100_000)
@@ -526,6 +530,7 @@ class Controller:
             return
         self._dispatching = True
         self._kick_at = now = time.perf_counter()
+        self._kick_cpu = time.thread_time()
         self._pass_sent = 0
         try:
             self.lost_nodes.sweep()
@@ -550,6 +555,7 @@ class Controller:
         """The scheduler's output: ``a`` goes to its worker's mailbox."""
         if self._kick_at:
             self.dispatch_us.append((time.perf_counter() - self._kick_at) * 1e6)
+            self.dispatch_cpu_us.append((time.thread_time() - self._kick_cpu) * 1e6)
         self._pass_sent += 1
         self.api.deliver(w.worker_id, a)
 

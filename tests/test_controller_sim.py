@@ -50,6 +50,10 @@ async def test_run_trains_every_row_once_within_the_staleness_bound(staleness: i
     assert status["worker_deaths"] == 0
     # every task sent is counted in the pass that sent it
     assert sum(ctl.dispatch_pass_tasks) == len(ctl.dispatch_us) > 0
+    assert len(ctl.dispatch_cpu_us) == len(ctl.dispatch_us)
+    # a pass's CPU cannot exceed its wall time (both counted from the pass's start)
+    assert all(0 <= c <= w + 50 for c, w in zip(ctl.dispatch_cpu_us, ctl.dispatch_us,
+                                                 strict=True))
     assert min(ctl.dispatch_pass_tasks) >= 1
 
 
