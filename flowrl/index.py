@@ -455,23 +455,18 @@ class Index:
             ready = row.ready | fbit
             row.ready = ready
             for st in consumers:
-                if (ready & st.need) == st.need:
+                if (ready & st.need) == st.need:  # once per (row, stage): its last field
                     if st.group_level:
-                        self._became_ready(st, rid, row)
-                    else:  # _became_ready inlined for the common row-level case
+                        self._group_row_ready(st, row)
+                    else:
                         st.queue.append(rid)
                         row.queued |= st.bit
                         st.units += 1
                         st.ready_rows += 1
 
-    def _became_ready(self, st: _Stage, rid: int, row: _Row) -> None:
-        # Called exactly once per (row, stage): when the last needed field lands.
-        if not st.group_level:
-            st.queue.append(rid)
-            row.queued |= st.bit
-            st.units += 1
-            st.ready_rows += 1
-            return
+    def _group_row_ready(self, st: _Stage, row: _Row) -> None:
+        """``row`` became ready for group-level ``st``: its group enters the queue with its
+        last row."""
         g = self._groups[row.gid]
         n = g.ready[st.gidx] + 1
         g.ready[st.gidx] = n
