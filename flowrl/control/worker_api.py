@@ -239,8 +239,7 @@ class WorkerApi:
             info = get(wid) if type(wid) is str else None
             if info is None or info.node != node:
                 continue  # gone meanwhile (or never this node's), or not an entry
-            token = e[1]
-            if type(token) is not bytes or not hmac.compare_digest(token, info.token):
+            if not _is_token(e[1], info.token):
                 log.warning("ignored a served report without its worker's token",
                             worker=wid, node=node)
                 continue
@@ -283,9 +282,7 @@ class WorkerApi:
             if info is None:
                 unknown.append(wid)
                 continue
-            token = e[1]
-            if (info.node == node and type(token) is bytes
-                    and hmac.compare_digest(token, info.token)):
+            if info.node == node and _is_token(e[1], info.token):
                 heartbeat(wid, now)
         return {"ok": True, "unknown": unknown}
 
@@ -328,8 +325,12 @@ class WorkerApi:
 # ---- request validation (a malformed request is answered with an error and changes nothing) --
 
 def _carries(p: dict[str, Any], token: bytes) -> bool:
-    """Whether request (or gathered entry) ``p`` carries ``token`` (compared in constant time)."""
-    given = p.get("token")
+    """Whether request ``p`` carries ``token``."""
+    return _is_token(p.get("token"), token)
+
+
+def _is_token(given: Any, token: bytes) -> bool:
+    """Whether ``given`` is ``token`` (compared in constant time)."""
     return type(given) is bytes and hmac.compare_digest(given, token)
 
 
