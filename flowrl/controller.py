@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import gc
 import secrets
 import time
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from flowrl import messages as m
 from flowrl.backpressure import StoreBackpressure
 from flowrl.control.admission import Admission
 from flowrl.control.assignments import Assignment, Assignments
+from flowrl.control.collector import RunCollector
 from flowrl.control.evaluation import eval_summary, evaluation_for
 from flowrl.control.ledger import LostTrainerState, StepLedger, rank_shares
 from flowrl.control.lost_nodes import LostNodes
@@ -66,10 +66,6 @@ if TYPE_CHECKING:
     from flowrl.recipe import MonitorConfig
 
 log = structlog.get_logger("flowrl.controller")
-
-#: net allocations between young collections while a run is on (`Controller._tune_collector`)
-RUN_GC_THRESHOLD = 20_000
-
 
 class RunError(RuntimeError):
     """The run cannot go on (e.g. a pool has no live worker left and cannot be restarted)."""
@@ -157,9 +153,8 @@ class Controller:
         self._registered = asyncio.Event()
         self._node_up = asyncio.Event()
         self._fatal: BaseException | None = None
-        #: the collector's thresholds before the run (`_tune_collector`), put back by aclose;
-        #: None when the collector was not ours to tune
-        self._gc_before: tuple[int, int, int] | None = None
+        #: the garbage collector while the run is on (frozen at commits, given back at close)
+        self.collector = RunCollector()
         self._kick_at = 0.0  # when the dispatch pass running now started (perf_counter)
         self._kick_cpu = 0.0  # and the event loop thread's CPU time then
         self._pass_sent = 0
@@ -321,26 +316,8 @@ class Controller:
                                                  failed=lambda: self._fatal)
         except TimeoutError as exc:
             raise RunError(str(exc)) from None
-        self._tune_collector()
+        self.collector.start(self._now())
         self._log().info("controller ready", workers=len(self.registry))
-
-    def _tune_collector(self) -> None:
-        """Set the garbage collector for the run; aclose puts it back.
-
-        What lives now (imports, torch, the pipeline, a notebook's state) lives for the run:
-        frozen, a full collection no longer rescans it (~260k objects: 0.14 s every few steps
-        at 1,024 workers). And a young collection every 700 net allocations (the default)
-        rescans the rows, tasks and handles in flight, which live for steps: 6-11 µs of CPU a
-        trained sample at 1,024 workers; every `RUN_GC_THRESHOLD` allocations, about one
-        collection in 8 steps there, ~1 µs. Not when something is frozen already (a notebook's
-        own `gc.freeze`, or another controller's): `gc.unfreeze` cannot tell whose objects are
-        whose, so the collector is left to whoever set it first.
-        """
-        if gc.get_freeze_count() == 0:
-            gc.freeze()
-            self._gc_before = gc.get_threshold()
-            young, *older = self._gc_before
-            gc.set_threshold(max(young, RUN_GC_THRESHOLD), *older)
 
     async def aclose(self) -> None:
         """Stop workers, the node agent and the sockets; leaves no process or file behind."""
@@ -362,10 +339,7 @@ class Controller:
         if self._server is not None:
             await self._server.aclose()
         remove_run_dir(self.run_id)
-        if self._gc_before is not None:
-            gc.set_threshold(*self._gc_before)
-            self._gc_before = None
-            gc.unfreeze()  # cycles among what was frozen are collected again
+        self.collector.close()
 
     # ---- running ---------------------------------------------------------------------------
 
@@ -752,6 +726,7 @@ class Controller:
         except (LostTrainerState, TooManyFailures) as exc:
             self._fail_run(RunError(str(exc)))
             return
+        self.collector.committed(self._now())
         if self.version >= self._steps_target:
             self._steps_done.set()
         self._changed_now()

@@ -8,7 +8,8 @@ import gc
 
 import pytest
 
-from flowrl.controller import RUN_GC_THRESHOLD, Controller, RunError
+from flowrl.control.collector import RUN_GC_THRESHOLD
+from flowrl.controller import Controller, RunError
 from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages
 
 # Tiny modelled costs so a run takes a fraction of a second of simulated compute.
@@ -59,13 +60,16 @@ async def test_run_trains_every_row_once_within_the_staleness_bound(staleness: i
 
 @pytest.mark.timeout(90)
 async def test_what_lives_at_start_is_frozen_for_the_run_and_given_back_at_close() -> None:
-    """Full collections during a run skip the objects that were alive when it started, and
-    young ones come less often; both as they were once it closes."""
+    """Collections during a run skip the objects alive at its start and at each commit, a full
+    one comes at the commits it is due, and the collector is as it was once the run closes."""
     before = gc.get_threshold()
     async with Controller(spec(1)) as ctl:
         assert gc.get_freeze_count() > 0
         assert gc.get_threshold() == (RUN_GC_THRESHOLD, *before[1:])
-        out = await ctl.run(steps=1, timeout_s=60)
+        ctl.collector.full_every_s = 0.0  # a full collection at every commit
+        out = await ctl.run(steps=3, timeout_s=60)
+        assert ctl.collector.full_collections == 3
+        assert gc.get_freeze_count() > 0  # frozen again after each
     assert out["rows_trained_twice"] == 0
     assert gc.get_freeze_count() == 0
     assert gc.get_threshold() == before
