@@ -67,6 +67,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("flowrl.controller")
 
+
 class RunError(RuntimeError):
     """The run cannot go on (e.g. a pool has no live worker left and cannot be restarted)."""
 
