@@ -35,7 +35,7 @@ from flowrl.control.lost_nodes import LostNodes
 from flowrl.control.node_leases import NodeLeases, dispatching_nodes
 from flowrl.control.reports import TaskReport, check_report
 from flowrl.control.run_view import RunCounters, status_snapshot
-from flowrl.control.scheduler import Scheduler, find_source_stage
+from flowrl.control.scheduler import ADMIT_AHEAD_CHUNK, Scheduler, find_source_stage
 from flowrl.control.stability import StabilityGuard
 from flowrl.control.step_metrics import FailureBudget, TooManyFailures
 from flowrl.control.store_feed import StoreFeed
@@ -144,6 +144,7 @@ class Controller:
         # run state
         self._running = False  # a run() is in progress
         self._dispatching = False  # a dispatch pass is on the stack (no re-entry)
+        self._admitting_ahead = False  # an `_admit_ahead` chunk is scheduled
         self._paused = False
         self._drained_sent = False
         self._changed = asyncio.Event()
@@ -420,8 +421,10 @@ class Controller:
         old = self.gate.max_staleness
         self.gate.set_max_staleness(n)
         if n != old:
+            withdrawn = self.scheduler.withdraw_beyond_gate() if n < old else 0
             self.events.emit("staleness", max_staleness=n, previous=old, version=self.version)
-            self._log().info("max_staleness changed", max_staleness=n, previous=old)
+            self._log().info("max_staleness changed", max_staleness=n, previous=old,
+                             groups_readmitted=withdrawn)
             self._changed_now()
             self._wake()
 
@@ -512,6 +515,9 @@ class Controller:
             self.scheduler.dispatch(steps_target=self._steps_target, now=now)
             if self.node_leases is not None:
                 self.node_leases.dispatch(now)
+            if self.scheduler.waits_for_workers and not self._admitting_ahead:
+                self._admitting_ahead = True
+                asyncio.get_running_loop().call_soon(self._admit_ahead)
         except Exception as exc:  # a scheduler bug must stop the run loudly, not a worker's call
             self._log().exception("dispatch failed")
             self._fail_run(RunError(f"dispatch failed: {exc!r}"))
@@ -519,6 +525,25 @@ class Controller:
             self._dispatching = False
             if self._pass_sent:
                 self.dispatch_pass_tasks.append(self._pass_sent)
+
+    def _admit_ahead(self) -> None:
+        """Admit the groups the gate opened before any worker may generate them
+        (`Scheduler.admit_ahead`), a few at a time, so that reports keep being handled
+        between the chunks."""
+        self._admitting_ahead = False
+        if (not self._running or self._paused or self._stop.is_set()
+                or self._fatal is not None or not self.scheduler.waits_for_workers):
+            return
+        try:
+            admitted = self.scheduler.admit_ahead(
+                steps_target=self._steps_target, now=time.perf_counter(), up_to=ADMIT_AHEAD_CHUNK)
+        except Exception as exc:  # as in `_wake`: a scheduler bug stops the run loudly
+            self._log().exception("admission failed")
+            self._fail_run(RunError(f"admission failed: {exc!r}"))
+            return
+        if admitted == ADMIT_AHEAD_CHUNK:
+            self._admitting_ahead = True
+            asyncio.get_running_loop().call_soon(self._admit_ahead)
 
     def _check_drained(self) -> None:
         if self._paused and not self.assignments and not self._drained_sent:

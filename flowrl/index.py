@@ -764,6 +764,29 @@ class Index:
         `request` returns None, so a dispatch pass need not look for a worker first."""
         return self._stage(stage).units
 
+    def queued_groups(self, stage: str, n: int) -> list[int]:
+        """The groups of the first ``n`` ready units of ``stage``'s queue, in the order
+        `request` would hand them out (for a row-level stage, each row's group); nothing is
+        taken. O(n) but for dropped entries, which are skipped."""
+        st = self._stage(stage)
+        out: list[int] = []
+        if n < 1:
+            return out
+        groups, rows, bit = self._groups, self._rows, st.bit
+        for uid in st.queue:
+            if st.group_level:
+                if uid not in groups:
+                    continue
+                out.append(uid)
+            else:
+                row = rows.get(uid)
+                if row is None or not row.queued & bit:
+                    continue
+                out.append(row.gid)
+            if len(out) == n:
+                break
+        return out
+
     def in_flight_of(self, worker: str) -> list[int]:
         """Ids of the tasks handed to `worker` that are still in flight (to fail if it dies)."""
         return list(self._by_worker.get(worker, ()))

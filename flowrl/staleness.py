@@ -70,7 +70,12 @@ class StalenessGate:
 
     def can_admit(self, next_group_index: int, trainer_version: int) -> bool:
         """May group `next_group_index` be admitted while the trainer is at `trainer_version`?"""
-        return self.step_of(next_group_index) <= trainer_version + self._max_staleness
+        return self.admits_step(self.step_of(next_group_index), trainer_version)
+
+    def admits_step(self, step: int, trainer_version: int) -> bool:
+        """May groups for train step `step` be admitted while the trainer is at
+        `trainer_version`?"""
+        return step <= trainer_version + self._max_staleness
 
     def min_generation_version(self, step: int) -> int:
         """The oldest policy version that may generate a group for train step `step`."""

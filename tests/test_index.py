@@ -648,6 +648,9 @@ class IndexMachine(RuleBasedStateMachine):
                 counts["waiting"], counts["ready"], counts["in_flight"], counts["done"],
                 counts["stale"])
             assert ss.queue_depth == len(self.queues[name])
+            head = self.queues[name][:3]
+            assert self.ix.queued_groups(name, 3) == (
+                head if self.stages[name].group_level else [self.rows[r].gid for r in head])
         versions = [r.version for r in live.values() if r.version is not None]
         assert stats.min_version == (min(versions) if versions else None)
         assert stats.max_version == (max(versions) if versions else None)

@@ -2,9 +2,10 @@
 
 One `dispatch` pass walks the stages in graph order and hands out whatever is possible:
 
-- the **source** stage (rollout) first re-dispatches groups given back by failed tasks, then
-  admits new prompt groups (`Admission`) ``micro_batch`` groups a task, each to the
-  least-loaded worker whose policy version may generate for the groups' step;
+- the **source** stage (rollout) first hands out groups admitted already (given back by
+  failed tasks, or admitted ahead of their workers by `admit_ahead`), then admits new prompt
+  groups (`Admission`) ``micro_batch`` groups a task, each to the least-loaded worker whose
+  policy version may generate for the groups' step;
 - the **train** stage requests micro-batches of the current step (`StepLedger`) with the
   staleness gate's ``min_version``; rows too stale to train are evicted and their groups
   dropped and admitted again; data-parallel ranks get streamed micro-batches by fewest tokens
@@ -32,7 +33,11 @@ from flowrl.graph import StageGraph, StageSpec
 from flowrl.index import Index, Task
 from flowrl.registry import Registry, WorkerInfo
 
-__all__ = ["Scheduler", "find_source_stage"]
+__all__ = ["ADMIT_AHEAD_CHUNK", "Scheduler", "find_source_stage"]
+
+#: groups the controller admits ahead (`Scheduler.admit_ahead`) before it lets the event loop
+#: handle what waits: ~10 µs of CPU a group, so a chunk holds a report back ~0.2 ms at most
+ADMIT_AHEAD_CHUNK = 16
 
 
 def find_source_stage(graph: StageGraph) -> StageSpec:
@@ -66,6 +71,11 @@ class Scheduler:
         self.evaluation = evaluation
         #: groups dropped because their rows were too stale to train
         self.stale_dropped = 0
+        #: the last pass stopped admitting only for want of a worker that may generate the
+        #: next group (the gate and the store would admit it): `admit_ahead` may
+        self.waits_for_workers = False
+        #: groups `admit_ahead` admitted
+        self.admitted_ahead = 0
 
     def is_train(self, task: Task) -> bool:
         return self.train is not None and task.stage == self.train.name
@@ -123,22 +133,10 @@ class Scheduler:
     def _dispatch_source(self, stage: StageSpec, steps_target: int, now: float) -> None:
         """Several groups per task let an engine sample them in one batched call; a task's
         groups are admitted together, so each must be one the worker's version may generate."""
+        self._dispatch_admitted(stage, now)
         adm = self.admission
         k = stage.micro_batch
-        # Groups given back by failed tasks go first; they were admitted for earlier steps.
-        while (self.index.ready_units(stage.name)
-               and (w := self.registry.least_loaded(stage.role)) is not None):
-            task = self.index.request(stage.name, k, worker=w.worker_id)
-            if task is None:
-                break
-            need = adm.min_generation_version(max(adm.step_of(g) for g in task.groups))
-            if w.version < need:
-                other = self.registry.least_loaded(stage.role, need)
-                if other is None:
-                    self.fail_task(task.id)
-                    return
-                w = other
-            self._assign(w, task, {}, now)
+        self.waits_for_workers = False
         version = self.ledger.version
         if steps_target and version >= steps_target:
             return
@@ -146,18 +144,75 @@ class Scheduler:
             w = self.registry.least_loaded(stage.role,
                                            adm.min_generation_version(adm.next_step))
             if w is None:
+                self.waits_for_workers = True
                 return
             admitted = 0
             while admitted < k and (adm.open(version)
                                     and adm.gate.can_generate(w.version, adm.next_step)
                                     and adm.store_admits(version, now)):
-                pos = adm.take_position()
-                adm.admit(self.index.add_group(self.group_size,
-                                               fields={"prompt": [pos] * self.group_size}))
+                self._admit_group()
                 admitted += 1
             task = self.index.request(stage.name, admitted, worker=w.worker_id)
             assert task is not None
             self._assign(w, task, {}, now)
+
+    def _dispatch_admitted(self, stage: StageSpec, now: float) -> None:
+        """Groups admitted already go first: given back by failed tasks, or admitted ahead of
+        the workers that may generate them (`admit_ahead`). Each task takes the queue's first
+        groups that its worker's version may generate (those of the oldest steps)."""
+        adm = self.admission
+        gate = adm.gate
+        while self.index.ready_units(stage.name):
+            heads = self.index.queued_groups(stage.name, stage.micro_batch)
+            w = self.registry.least_loaded(
+                stage.role, adm.min_generation_version(adm.step_of(heads[0])))
+            if w is None:
+                return
+            n = 1
+            while n < len(heads) and gate.can_generate(w.version, adm.step_of(heads[n])):
+                n += 1
+            task = self.index.request(stage.name, n, worker=w.worker_id)
+            assert task is not None
+            self._assign(w, task, {}, now)
+
+    def admit_ahead(self, *, steps_target: int, now: float, up_to: int) -> int:
+        """Admit up to ``up_to`` groups that the staleness gate and the store allow now, with
+        no worker yet that may generate them: they wait in the source stage's queue, indexed,
+        so the pass that finds their workers only hands them out. Returns how many.
+
+        A step's groups become admissible when the step before commits, while every rollout
+        worker still serves the old version; admitting them then, rather than in the pass
+        that sees the first worker load the new one, takes that work out of the burst that
+        hands the step's rollout tasks out."""
+        adm = self.admission
+        version = self.ledger.version
+        if steps_target and version >= steps_target:
+            return 0
+        n = 0
+        while n < up_to and adm.open(version) and adm.store_admits(version, now):
+            self._admit_group()
+            n += 1
+        self.admitted_ahead += n
+        return n
+
+    def withdraw_beyond_gate(self) -> int:
+        """Give back the queued groups that the staleness gate no longer admits (its bound was
+        lowered after they were admitted ahead): their prompts are admitted again, for the
+        steps the gate allows now. Kept, they would wait for a policy version that the
+        trainer cannot reach without the groups they hold back. Returns how many."""
+        adm = self.admission
+        name = self.source.name
+        version = self.ledger.version
+        beyond = [g for g in self.index.queued_groups(name, self.index.ready_units(name))
+                  if not adm.gate.admits_step(adm.step_of(g), version)]
+        for gid in reversed(beyond):  # newest first: the positions go back in their order
+            self.drop_group(gid)
+        return len(beyond)
+
+    def _admit_group(self) -> None:
+        pos = self.admission.take_position()
+        self.admission.admit(self.index.add_group(self.group_size,
+                                                  fields={"prompt": [pos] * self.group_size}))
 
     def _dispatch_train(self, stage: StageSpec, steps_target: int, now: float) -> None:
         ledger = self.ledger

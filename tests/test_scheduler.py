@@ -1,0 +1,159 @@
+"""The scheduler's rollout admission on its own, with the real index, registry, gate and
+ledger: groups admitted ahead of the workers that may generate them wait indexed, in order,
+and each task takes only the groups its worker's version may generate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from flowrl.backpressure import StoreBackpressure
+from flowrl.control.admission import Admission
+from flowrl.control.assignments import Assignment, Assignments
+from flowrl.control.ledger import StepLedger
+from flowrl.control.scheduler import Scheduler
+from flowrl.graph import StageGraph, StageSpec
+from flowrl.index import Index
+from flowrl.registry import Registry, WorkerInfo
+from flowrl.staleness import StalenessGate
+
+GROUP = 2
+
+
+@dataclass
+class Run:
+    scheduler: Scheduler
+    registry: Registry
+    ledger: StepLedger
+    admission: Admission
+    sent: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+    #: the dataset positions each task's rows sample, in the order sent
+    prompts: list[list[int]] = field(default_factory=list)
+
+    def worker(self, version: int) -> WorkerInfo:
+        return self.registry.register(name="w", role="rollout", node="node0", pid=1,
+                                      capacity=1, version=version, now=0.0)
+
+    def dispatch(self, steps_target: int = 0) -> list[tuple[str, tuple[int, ...]]]:
+        """The (worker, groups) of the rollout tasks one pass hands out."""
+        before = len(self.sent)
+        self.scheduler.dispatch(steps_target=steps_target, now=0.0)
+        return self.sent[before:]
+
+    def finish(self, *workers: WorkerInfo) -> None:
+        """Each worker's tasks are done (as far as its load goes)."""
+        for w in workers:
+            for task_id in list(w.tasks):
+                self.registry.finish(w, task_id, ok=True)
+
+    def steps(self, groups: tuple[int, ...]) -> list[int]:
+        return [self.admission.step_of(g) for g in groups]
+
+
+def run(*, staleness: int, groups_per_step: int, micro_groups: int) -> Run:
+    graph = StageGraph(
+        [StageSpec("rollout", ("prompt",), ("response",), micro_batch=micro_groups,
+                   group_level=True),
+         StageSpec("train", ("response",), group_level=True, consumes_version_bound=True)],
+        source_fields=("prompt",))
+    index = Index(graph)
+    registry = Registry(60.0, tasks_per_slot=1)
+    admission = Admission(StalenessGate(staleness, groups_per_step),
+                          StoreBackpressure(high_water=0.9, groups_per_step=groups_per_step))
+    # a store measured with room to spare, so that only the gate holds admission back
+    admission.store.observe({"node": "node0", "capacity_bytes": 1 << 30, "used_bytes": 1024},
+                            landed_groups=1)
+    ledger = StepLedger(index, admission)
+    sent: list[tuple[str, tuple[int, ...]]] = []
+    prompts: list[list[int]] = []
+
+    def send(w: WorkerInfo, a: Assignment) -> None:
+        sent.append((w.worker_id, a.task.groups))
+        prompts.append(a.task.handles["prompt"])
+
+    scheduler = Scheduler(graph, index, registry, admission, ledger, Assignments(),
+                          group_size=GROUP, send=send, free=lambda handles: None)
+    return Run(scheduler, registry, ledger, admission, sent, prompts)
+
+
+def test_groups_the_gate_opened_wait_indexed_until_a_worker_may_generate_them() -> None:
+    r = run(staleness=0, groups_per_step=4, micro_groups=2)
+    a, b = r.worker(version=0), r.worker(version=0)
+    assert r.dispatch() == [(a.worker_id, (0, 1)), (b.worker_id, (2, 3))]
+    assert not r.scheduler.waits_for_workers  # the gate stopped admission
+    r.finish(a, b)
+    r.ledger.version = 1  # step 0 committed: step 1 is admissible, for version 1 only
+    assert r.dispatch() == []
+    assert r.scheduler.waits_for_workers
+    assert r.scheduler.admit_ahead(steps_target=0, now=0.0, up_to=3) == 3
+    assert r.scheduler.admit_ahead(steps_target=0, now=0.0, up_to=3) == 1  # the gate closes
+    assert r.scheduler.admit_ahead(steps_target=0, now=0.0, up_to=3) == 0
+    assert (r.admission.admitted, r.scheduler.admitted_ahead) == (8, 4)
+    assert r.dispatch() == []  # nobody serves version 1 yet
+    a.version = 1
+    assert r.dispatch() == [(a.worker_id, (4, 5))]
+    assert not r.scheduler.waits_for_workers
+    b.version = 1
+    assert r.dispatch() == [(b.worker_id, (6, 7))]
+    assert r.admission.admitted == 8
+
+
+def test_groups_given_back_go_first_and_keep_their_order() -> None:
+    r = run(staleness=1, groups_per_step=2, micro_groups=4)
+    w = r.worker(version=0)
+    assert r.dispatch() == [(w.worker_id, (0, 1, 2, 3))]  # steps 0 and 1
+    r.ledger.version = 1
+    assert r.dispatch() == []
+    assert r.scheduler.admit_ahead(steps_target=0, now=0.0, up_to=16) == 2  # step 2's
+    (task_id,) = w.tasks
+    r.scheduler.fail_task(task_id)
+    r.registry.finish(w, task_id, ok=False)
+    newer = r.worker(version=1)
+    # the newest idle worker takes the oldest groups; w may generate none of step 2's
+    assert r.dispatch() == [(newer.worker_id, (0, 1, 2, 3))]
+    r.finish(newer)
+    assert r.dispatch() == [(newer.worker_id, (4, 5))]
+    assert r.admission.admitted == 6
+
+
+def test_a_worker_takes_only_the_queue_head_its_version_may_generate() -> None:
+    r = run(staleness=1, groups_per_step=2, micro_groups=3)
+    w = r.worker(version=0)
+    assert r.dispatch() == [(w.worker_id, (0, 1, 2))]  # steps 0, 0, 1
+    assert r.scheduler.waits_for_workers  # step 1's last group: w is busy
+    r.ledger.version = 1
+    assert r.scheduler.admit_ahead(steps_target=0, now=0.0, up_to=16) == 3  # steps 1, 2, 2
+    r.finish(w)
+    assert r.dispatch() == [(w.worker_id, (3,))]  # not step 2's: version 0 is too old
+    r.finish(w)
+    assert r.dispatch() == []
+    newer = r.worker(version=1)
+    assert r.dispatch() == [(newer.worker_id, (4, 5))]
+
+
+def test_nothing_is_admitted_ahead_past_the_steps_target() -> None:
+    r = run(staleness=0, groups_per_step=4, micro_groups=2)
+    a, b = r.worker(version=0), r.worker(version=0)
+    assert len(r.dispatch(steps_target=1)) == 2
+    r.finish(a, b)
+    r.ledger.version = 1
+    assert r.dispatch(steps_target=1) == []
+    assert not r.scheduler.waits_for_workers
+    assert r.scheduler.admit_ahead(steps_target=1, now=0.0, up_to=16) == 0
+    assert r.scheduler.admit_ahead(steps_target=2, now=0.0, up_to=16) == 4
+
+
+def test_groups_admitted_ahead_past_a_lowered_bound_are_admitted_again_within_it() -> None:
+    r = run(staleness=1, groups_per_step=2, micro_groups=2)
+    w = r.worker(version=0)
+    assert r.dispatch() == [(w.worker_id, (0, 1))]  # step 0
+    assert r.scheduler.admit_ahead(steps_target=0, now=0.0, up_to=16) == 2  # step 1's
+    r.admission.gate.set_max_staleness(0)  # step 1 needs version 1 now, which needs step 0
+    assert r.scheduler.withdraw_beyond_gate() == 2
+    assert r.scheduler.withdraw_beyond_gate() == 0
+    assert r.admission.admitted == 2
+    assert r.scheduler.admit_ahead(steps_target=0, now=0.0, up_to=16) == 0
+    r.finish(w)
+    r.ledger.version = 1
+    w.version = 1
+    assert r.dispatch() == [(w.worker_id, (4, 5))]
+    assert r.prompts == [[0, 0, 1, 1], [2, 2, 3, 3]]  # the withdrawn positions, in order
