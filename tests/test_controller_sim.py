@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import random
 
 import pytest
 
@@ -61,6 +62,27 @@ async def test_run_trains_every_row_once_within_the_staleness_bound(staleness: i
     assert all(0 <= c <= w + 50 for c, w in zip(ctl.dispatch_cpu_us, ctl.dispatch_us,
                                                  strict=True))
     assert min(ctl.dispatch_pass_tasks) >= 1
+
+
+@pytest.mark.timeout(90)
+async def test_a_bound_lowered_and_raised_at_every_step_trains_every_row_once() -> None:
+    # Groups admitted ahead under a bound that is then lowered are given back: kept, they
+    # would wait for a version the trainer cannot reach without them, and the run would stall.
+    bounds = random.Random(5)
+    loop = asyncio.get_running_loop()
+
+    def change(e: object) -> None:
+        # Two turns of the event loop later: after the commit's pass and the first chunk it
+        # admits ahead (`Controller._admit_ahead`), before any worker loads the new version.
+        loop.call_soon(loop.call_soon, ctl.set_max_staleness, bounds.choice([0, 1, 2]))
+
+    async with Controller(spec(2, rollout=4)) as ctl:
+        ctl.on_step.append(change)
+        out = await ctl.run(steps=20, timeout_s=60)
+    assert out["version"] == 20
+    assert out["samples"] == 20 * 4 * 4
+    assert out["rows_trained_twice"] == 0
+    assert ctl.scheduler.admitted_ahead > 0
 
 
 @pytest.mark.timeout(90)
