@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Final
 
 from flowrl.graph import StageGraph, StageSpec
@@ -606,6 +606,21 @@ class Index:
         st.tasks += 1
         if worker is not None:
             self._by_worker.setdefault(worker, {})[tid] = None
+        return task
+
+    def bind(self, task_id: int, worker: str) -> Task:
+        """Task `task_id`, requested with no worker, now runs on `worker` (whose death fails
+        it, `in_flight_of`); returns it as `worker`'s. Raises `UnknownTask` for a task that is
+        not in flight, ValueError for one that has a worker already."""
+        try:
+            task, st = self._tasks[task_id]
+        except KeyError:
+            raise UnknownTask(f"task {task_id} is not in flight") from None
+        if task.worker is not None:
+            raise ValueError(f"task {task_id} runs on {task.worker} already")
+        task = replace(task, worker=worker)
+        self._tasks[task_id] = (task, st)
+        self._by_worker.setdefault(worker, {})[task_id] = None
         return task
 
     def _pop_task(self, task_id: int) -> tuple[Task, _Stage]:

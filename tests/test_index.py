@@ -387,6 +387,7 @@ class IndexMachine(RuleBasedStateMachine):
         self.groups: dict[int, list[int]] = {}
         self.queues: dict[str, list[int]] = {s: [] for s in self.stages}
         self.tasks: dict[int, tuple[str, tuple[int, ...], tuple[int, ...], str | None]] = {}
+        self.handed: list[int] = []  # task ids in the order they got their worker
         self.stale: dict[int, None] = {}
         self.consumed: set[tuple[int, str]] = set()
         self.outstanding: set[int] = set()  # handles given to the index, not yet freed
@@ -519,6 +520,8 @@ class IndexMachine(RuleBasedStateMachine):
         assert task.worker == worker
         assert task.id not in self.tasks
         self.tasks[task.id] = (name, task.rows, task.groups, worker)
+        if worker is not None:
+            self.handed.append(task.id)
         return task.id
 
     @precondition(lambda self: self.tasks)
@@ -589,6 +592,18 @@ class IndexMachine(RuleBasedStateMachine):
         with pytest.raises(UnknownTask):
             self.ix.fail(tid)
 
+    @precondition(lambda self: any(v[3] is None for v in self.tasks.values()))
+    @rule(data=st.data(), worker=st.sampled_from(["w0", "w1"]))
+    def bind(self, data: st.DataObject, worker: str) -> None:
+        tid = data.draw(st.sampled_from(sorted(t for t, v in self.tasks.items() if v[3] is None)))
+        name, rids, gids, _ = self.tasks[tid]
+        task = self.ix.bind(tid, worker)
+        assert (task.id, task.rows, task.groups, task.worker) == (tid, rids, gids, worker)
+        self.tasks[tid] = (name, rids, gids, worker)
+        self.handed.append(tid)
+        with pytest.raises(ValueError, match="already"):
+            self.ix.bind(tid, worker)
+
     @precondition(lambda self: self.groups)
     @rule(data=st.data())
     def drop_group(self, data: st.DataObject) -> None:
@@ -626,6 +641,8 @@ class IndexMachine(RuleBasedStateMachine):
             return
         with pytest.raises(UnknownTask):
             self.ix.complete(tid)
+        with pytest.raises(UnknownTask):
+            self.ix.bind(tid, "w0")
 
     # invariants -----------------------------------------------------------------------------
 
@@ -655,7 +672,8 @@ class IndexMachine(RuleBasedStateMachine):
         assert stats.min_version == (min(versions) if versions else None)
         assert stats.max_version == (max(versions) if versions else None)
         for w in ("w0", "w1"):
-            assert self.ix.in_flight_of(w) == [t for t, v in self.tasks.items() if v[3] == w]
+            assert self.ix.in_flight_of(w) == [
+                t for t in self.handed if t in self.tasks and self.tasks[t][3] == w]
 
     def teardown(self) -> None:
         try:

@@ -1,6 +1,7 @@
 """The scheduler's rollout admission on its own, with the real index, registry, gate and
-ledger: groups admitted ahead of the workers that may generate them wait indexed, in order,
-and each task takes only the groups its worker's version may generate."""
+ledger: groups admitted ahead of the workers that may generate them wait in tasks formed
+ahead, one step a task, in order; groups given back go first, each task taking only the
+groups its worker's version may generate."""
 
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def run(*, staleness: int, groups_per_step: int, micro_groups: int) -> Run:
     return Run(scheduler, registry, ledger, admission, sent, prompts)
 
 
-def test_groups_the_gate_opened_wait_indexed_until_a_worker_may_generate_them() -> None:
+def test_tasks_formed_ahead_wait_until_a_worker_may_generate_them() -> None:
     r = run(staleness=0, groups_per_step=4, micro_groups=2)
     a, b = r.worker(version=0), r.worker(version=0)
     assert r.dispatch() == [(a.worker_id, (0, 1)), (b.worker_id, (2, 3))]
@@ -84,8 +85,8 @@ def test_groups_the_gate_opened_wait_indexed_until_a_worker_may_generate_them() 
     r.ledger.version = 1  # step 0 committed: step 1 is admissible, for version 1 only
     assert r.dispatch() == []
     assert r.scheduler.waits_for_workers
-    assert r.scheduler.admit_ahead(steps_target=0, now=0.0, up_to=3) == 3
-    assert r.scheduler.admit_ahead(steps_target=0, now=0.0, up_to=3) == 1  # the gate closes
+    # whole tasks: 3 groups asked, 4 admitted (2 tasks of 2); then the gate is closed
+    assert r.scheduler.admit_ahead(steps_target=0, now=0.0, up_to=3) == 4
     assert r.scheduler.admit_ahead(steps_target=0, now=0.0, up_to=3) == 0
     assert (r.admission.admitted, r.scheduler.admitted_ahead) == (8, 4)
     assert r.dispatch() == []  # nobody serves version 1 yet
@@ -115,7 +116,7 @@ def test_groups_given_back_go_first_and_keep_their_order() -> None:
     assert r.admission.admitted == 6
 
 
-def test_a_worker_takes_only_the_queue_head_its_version_may_generate() -> None:
+def test_a_worker_takes_only_the_groups_its_version_may_generate() -> None:
     r = run(staleness=1, groups_per_step=2, micro_groups=3)
     w = r.worker(version=0)
     assert r.dispatch() == [(w.worker_id, (0, 1, 2))]  # steps 0, 0, 1

@@ -2,10 +2,10 @@
 
 One `dispatch` pass walks the stages in graph order and hands out whatever is possible:
 
-- the **source** stage (rollout) first hands out groups admitted already (given back by
-  failed tasks, or admitted ahead of their workers by `admit_ahead`), then admits new prompt
-  groups (`Admission`) ``micro_batch`` groups a task, each to the least-loaded worker whose
-  policy version may generate for the groups' step;
+- the **source** stage (rollout) first hands out groups given back by failed tasks, then the
+  tasks formed ahead of their workers (`admit_ahead`), then admits new prompt groups
+  (`Admission`) ``micro_batch`` groups a task, each to the least-loaded worker whose policy
+  version may generate for the groups' step;
 - the **train** stage requests micro-batches of the current step (`StepLedger`) with the
   staleness gate's ``min_version``; rows too stale to train are evicted and their groups
   dropped and admitted again; data-parallel ranks get streamed micro-batches by fewest tokens
@@ -21,6 +21,7 @@ assignment for a worker) and ``free`` (handles to release).
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable
 from typing import Any
 
@@ -76,6 +77,9 @@ class Scheduler:
         self.waits_for_workers = False
         #: groups `admit_ahead` admitted
         self.admitted_ahead = 0
+        #: rollout tasks `admit_ahead` formed, not handed out yet (in flight in the index with
+        #: no worker), oldest first, each with the oldest version that may generate it
+        self._formed: collections.deque[tuple[Task, int]] = collections.deque()
 
     def is_train(self, task: Task) -> bool:
         return self.train is not None and task.stage == self.train.name
@@ -134,6 +138,7 @@ class Scheduler:
         """Several groups per task let an engine sample them in one batched call; a task's
         groups are admitted together, so each must be one the worker's version may generate."""
         self._dispatch_admitted(stage, now)
+        self._dispatch_formed(stage, now)
         adm = self.admission
         k = stage.micro_batch
         self.waits_for_workers = False
@@ -157,9 +162,9 @@ class Scheduler:
             self._assign(w, task, {}, now)
 
     def _dispatch_admitted(self, stage: StageSpec, now: float) -> None:
-        """Groups admitted already go first: given back by failed tasks, or admitted ahead of
-        the workers that may generate them (`admit_ahead`). Each task takes the queue's first
-        groups that its worker's version may generate (those of the oldest steps)."""
+        """Groups given back go first (by failed tasks, or by the tasks formed ahead when the
+        staleness bound was lowered). Each task takes the queue's first groups that its
+        worker's version may generate (those of the oldest steps)."""
         adm = self.admission
         gate = adm.gate
         while self.index.ready_units(stage.name):
@@ -175,23 +180,46 @@ class Scheduler:
             assert task is not None
             self._assign(w, task, {}, now)
 
+    def _dispatch_formed(self, stage: StageSpec, now: float) -> None:
+        """Tasks formed ahead (`admit_ahead`) go to their workers in the order formed."""
+        formed = self._formed
+        while formed:
+            task, need = formed[0]
+            w = self.registry.least_loaded(stage.role, need)
+            if w is None:
+                return
+            formed.popleft()
+            self._assign(w, self.index.bind(task.id, w.worker_id), {}, now)
+
     def admit_ahead(self, *, steps_target: int, now: float, up_to: int) -> int:
-        """Admit up to ``up_to`` groups that the staleness gate and the store allow now, with
-        no worker yet that may generate them: they wait in the source stage's queue, indexed,
-        so the pass that finds their workers only hands them out. Returns how many.
+        """Admit about ``up_to`` groups (whole tasks of them) that the staleness gate and the
+        store allow now, with no worker yet that may generate them, and form their rollout
+        tasks: the pass that finds the workers only hands the tasks out. Returns how many
+        groups.
 
         A step's groups become admissible when the step before commits, while every rollout
-        worker still serves the old version; admitting them then, rather than in the pass
-        that sees the first worker load the new one, takes that work out of the burst that
-        hands the step's rollout tasks out."""
+        worker still serves the old version; admitting them and forming their tasks then,
+        rather than in the pass that sees the first worker load the new one, takes that work
+        out of the burst that hands the step's rollout tasks out."""
         adm = self.admission
         version = self.ledger.version
         if steps_target and version >= steps_target:
             return 0
         n = 0
-        while n < up_to and adm.open(version) and adm.store_admits(version, now):
-            self._admit_group()
-            n += 1
+        while n < up_to:
+            got = 0
+            step = adm.next_step  # one step a task, so each goes to the oldest version it may
+            while (got < self.source.micro_batch and adm.open(version)
+                   and adm.next_step == step and adm.store_admits(version, now)):
+                self._admit_group()
+                got += 1
+            if not got:
+                break
+            task = self.index.request(self.source.name, got)
+            assert task is not None  # given-back groups at the queue's head may come first
+            step = max(adm.step_of(g) for g in task.groups)
+            self._formed.append((task, adm.min_generation_version(step)))
+            n += got
         self.admitted_ahead += n
         return n
 
@@ -200,6 +228,10 @@ class Scheduler:
         lowered after they were admitted ahead): their prompts are admitted again, for the
         steps the gate allows now. Kept, they would wait for a policy version that the
         trainer cannot reach without the groups they hold back. Returns how many."""
+        formed = self._formed
+        while formed:  # the tasks formed ahead give their groups back first, in order
+            task, _ = formed.pop()
+            self.fail_task(task.id)
         adm = self.admission
         name = self.source.name
         version = self.ledger.version
