@@ -515,7 +515,7 @@ class Controller:
             self.scheduler.dispatch(steps_target=self._steps_target, now=now)
             if self.node_leases is not None:
                 self.node_leases.dispatch(now)
-            if self.scheduler.waits_for_workers and not self._admitting_ahead:
+            if self.scheduler.may_admit_ahead and not self._admitting_ahead:
                 self._admitting_ahead = True
                 asyncio.get_running_loop().call_soon(self._admit_ahead)
         except Exception as exc:  # a scheduler bug must stop the run loudly, not a worker's call
@@ -527,12 +527,12 @@ class Controller:
                 self.dispatch_pass_tasks.append(self._pass_sent)
 
     def _admit_ahead(self) -> None:
-        """Admit the groups the gate opened before any worker may generate them
-        (`Scheduler.admit_ahead`), a few at a time, so that reports keep being handled
-        between the chunks."""
+        """Admit the groups no worker may generate yet (the gate's, or one step past it:
+        `Scheduler.admit_ahead`), a few at a time, so that reports keep being handled between
+        the chunks."""
         self._admitting_ahead = False
         if (not self._running or self._paused or self._stop.is_set()
-                or self._fatal is not None or not self.scheduler.waits_for_workers):
+                or self._fatal is not None or not self.scheduler.may_admit_ahead):
             return
         try:
             admitted = self.scheduler.admit_ahead(

@@ -122,6 +122,9 @@ class StageStats:
     queue_depth: int
     """Ready units in the queue: rows, or groups for a group-level stage."""
     tasks_in_flight: int
+    tasks_formed: int
+    """Tasks formed ahead of their workers (`Index.form`), not in `tasks_in_flight`; their
+    rows count as in flight (a task holds them)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +142,7 @@ class IndexStats:
     min_version: int | None
     max_version: int | None
     tasks_in_flight: int
+    tasks_formed: int
     added_total: int
     retired_total: int
     dropped_total: int
@@ -185,7 +189,7 @@ class _Group:
 
 
 class _Stage:
-    __slots__ = ("bit", "done_rows", "flight_rows", "garbage", "gidx", "group_level",
+    __slots__ = ("bit", "done_rows", "flight_rows", "formed", "garbage", "gidx", "group_level",
                  "micro_batch", "name", "need", "need_fields", "produces", "queue", "ready_rows",
                  "stale_rows", "tasks", "units")
 
@@ -209,6 +213,7 @@ class _Stage:
         self.done_rows = 0
         self.stale_rows = 0
         self.tasks = 0
+        self.formed = 0  # of `tasks`: formed, no worker yet (`Index.form`)
 
 
 class Index:
@@ -241,6 +246,7 @@ class Index:
         self._groups: dict[int, _Group] = {}
         self._rows_peak = 0  # most rows held since `_rows` was last rebuilt (see _shrink)
         self._tasks: dict[int, tuple[Task, _Stage]] = {}
+        self._formed: set[int] = set()  # tasks formed, not bound to a worker yet
         self._by_worker: dict[str, dict[int, None]] = {}
         self._stale: dict[int, None] = {}  # ordered set of group ids with stale rows
         self._versions: dict[int, int] = {}  # version -> live rows carrying it
@@ -608,6 +614,15 @@ class Index:
             self._by_worker.setdefault(worker, {})[tid] = None
         return task
 
+    def form(self, stage: str, up_to: int | None = None) -> Task | None:
+        """`request` for a task that waits for its worker (`bind`): it holds its rows, and
+        counts as formed, not in flight (`StageStats.tasks_formed`), until it is bound."""
+        task = self.request(stage, up_to)
+        if task is not None:
+            self._formed.add(task.id)
+            self._tasks[task.id][1].formed += 1
+        return task
+
     def bind(self, task_id: int, worker: str) -> Task:
         """Task `task_id`, requested with no worker, now runs on `worker` (whose death fails
         it, `in_flight_of`); returns it as `worker`'s. Raises `UnknownTask` for a task that is
@@ -620,6 +635,9 @@ class Index:
             raise ValueError(f"task {task_id} runs on {task.worker} already")
         task = replace(task, worker=worker)
         self._tasks[task_id] = (task, st)
+        if task_id in self._formed:
+            self._formed.discard(task_id)
+            st.formed -= 1
         self._by_worker.setdefault(worker, {})[task_id] = None
         return task
 
@@ -630,6 +648,9 @@ class Index:
             raise UnknownTask(f"task {task_id} is not in flight") from None
         task, st = rec
         st.tasks -= 1
+        if task_id in self._formed:
+            self._formed.discard(task_id)
+            st.formed -= 1
         if task.worker is not None:
             mine = self._by_worker[task.worker]
             del mine[task_id]
@@ -908,7 +929,7 @@ class Index:
         for st in self._stages:
             waiting = self._live - st.ready_rows - st.flight_rows - st.done_rows - st.stale_rows
             s = StageStats(st.name, waiting, st.ready_rows, st.flight_rows, st.done_rows,
-                           st.stale_rows, st.units, st.tasks)
+                           st.stale_rows, st.units, st.tasks - st.formed, st.formed)
             stages[st.name] = s
             totals["waiting"] += waiting
             totals["ready"] += s.ready
@@ -923,7 +944,8 @@ class Index:
             stages=stages,
             min_version=min(self._versions) if self._versions else None,
             max_version=max(self._versions) if self._versions else None,
-            tasks_in_flight=len(self._tasks),
+            tasks_in_flight=len(self._tasks) - len(self._formed),
+            tasks_formed=len(self._formed),
             added_total=self._added,
             retired_total=self._retired,
             dropped_total=self._dropped,
@@ -975,6 +997,8 @@ class Index:
             expect(f"{st.name} dead queue entries", st.garbage, len(st.queue) - valid)
             expect(f"{st.name} tasks", st.tasks,
                    sum(1 for _, s in self._tasks.values() if s is st))
+            expect(f"{st.name} tasks formed", st.formed,
+                   sum(1 for t in self._formed if self._tasks[t][1] is st))
         for r in self._rows.values():
             if r.dropped and not r.flight:
                 raise RuntimeError("index audit: a dropped row no task holds was not freed")

@@ -49,8 +49,8 @@ async def test_run_trains_every_row_once_within_the_staleness_bound(staleness: i
     assert set(out["staleness"]) <= set(range(staleness + 1))
     if staleness == 0:
         assert out["staleness"] == {0: 64}
-        # each step after the first is admitted when the step before commits, before any
-        # rollout worker loads the version that may generate it; the last commit admits none
+        # each step after the first is admitted while the step before trains, one step past
+        # the gate (no worker may generate it yet); none for a step past the run's last
         assert ctl.scheduler.admitted_ahead == 3 * 4
     else:  # and, further ahead, while the workers are busy with the steps before
         assert ctl.scheduler.admitted_ahead >= 3 * 4

@@ -388,6 +388,7 @@ class IndexMachine(RuleBasedStateMachine):
         self.queues: dict[str, list[int]] = {s: [] for s in self.stages}
         self.tasks: dict[int, tuple[str, tuple[int, ...], tuple[int, ...], str | None]] = {}
         self.handed: list[int] = []  # task ids in the order they got their worker
+        self.formed: set[int] = set()  # task ids formed (`Index.form`), not bound yet
         self.stale: dict[int, None] = {}
         self.consumed: set[tuple[int, str]] = set()
         self.outstanding: set[int] = set()  # handles given to the index, not yet freed
@@ -474,15 +475,16 @@ class IndexMachine(RuleBasedStateMachine):
         self.freed(got, self.model_put(rids, f, hs, version))
 
     @rule(data=st.data(), up_to=st.integers(1, 4), bound=st.none() | st.integers(0, 3),
-          worker=st.sampled_from(["w0", "w1", None]))
+          worker=st.sampled_from(["w0", "w1", None]), form=st.booleans())
     def request(self, data: st.DataObject, up_to: int, bound: int | None,
-                worker: str | None) -> None:
+                worker: str | None, form: bool) -> None:
         name = data.draw(st.sampled_from(sorted(self.stages)))
         self.do_request(name, up_to, bound if self.stages[name].consumes_version_bound else None,
-                        worker)
+                        worker, form=form)
 
     def do_request(self, name: str, up_to: int, bound: int | None,
-                   worker: str | None) -> int | None:
+                   worker: str | None, *, form: bool = False) -> int | None:
+        form = form and worker is None and bound is None
         s = self.stages[name]
         q = self.queues[name]
         taken: list[int] = []
@@ -502,7 +504,10 @@ class IndexMachine(RuleBasedStateMachine):
                 r.flight.add(name)
             taken.extend(members)
             gids.append(x)
-        task = self.ix.request(name, up_to, min_version=bound, worker=worker)
+        if form:  # a task that waits for its worker, as the scheduler forms rollout tasks
+            task = self.ix.form(name, up_to)
+        else:
+            task = self.ix.request(name, up_to, min_version=bound, worker=worker)
         if not taken:
             assert task is None
             return None
@@ -522,6 +527,8 @@ class IndexMachine(RuleBasedStateMachine):
         self.tasks[task.id] = (name, task.rows, task.groups, worker)
         if worker is not None:
             self.handed.append(task.id)
+        elif form:
+            self.formed.add(task.id)
         return task.id
 
     @precondition(lambda self: self.tasks)
@@ -532,6 +539,7 @@ class IndexMachine(RuleBasedStateMachine):
 
     def do_complete(self, tid: int, version: int | None, lengths: bool) -> None:
         name, rids, _, _ = self.tasks.pop(tid)
+        self.formed.discard(tid)
         s = self.stages[name]
         produced = {f: self.fresh(len(rids)) for f in s.produces}
         ls = [100 + i for i in range(len(rids))] if lengths else None
@@ -572,6 +580,7 @@ class IndexMachine(RuleBasedStateMachine):
     def fail(self, data: st.DataObject) -> None:
         tid = data.draw(st.sampled_from(sorted(self.tasks)))
         name, rids, gids, _ = self.tasks.pop(tid)
+        self.formed.discard(tid)
         s = self.stages[name]
         expected: list[int] = []
         back: list[int] = []
@@ -600,6 +609,7 @@ class IndexMachine(RuleBasedStateMachine):
         task = self.ix.bind(tid, worker)
         assert (task.id, task.rows, task.groups, task.worker) == (tid, rids, gids, worker)
         self.tasks[tid] = (name, rids, gids, worker)
+        self.formed.discard(tid)
         self.handed.append(tid)
         with pytest.raises(ValueError, match="already"):
             self.ix.bind(tid, worker)
@@ -654,7 +664,8 @@ class IndexMachine(RuleBasedStateMachine):
         assert stats.rows == len(live)
         assert stats.draining_rows == len(self.rows) - len(live)
         assert stats.groups == len(self.groups)
-        assert stats.tasks_in_flight == len(self.tasks)
+        assert stats.tasks_formed == len(self.formed)
+        assert stats.tasks_in_flight == len(self.tasks) - len(self.formed)
         for rid, r in live.items():
             assert self.ix.row_states(rid) == r.state
             assert self.ix.row_version(rid) == r.version

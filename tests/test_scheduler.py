@@ -80,19 +80,19 @@ def test_tasks_formed_ahead_wait_until_a_worker_may_generate_them() -> None:
     r = run(staleness=0, groups_per_step=4, micro_groups=2)
     a, b = r.worker(version=0), r.worker(version=0)
     assert r.dispatch() == [(a.worker_id, (0, 1)), (b.worker_id, (2, 3))]
-    assert not r.scheduler.waits_for_workers  # the gate stopped admission
-    r.finish(a, b)
-    r.ledger.version = 1  # step 0 committed: step 1 is admissible, for version 1 only
-    assert r.dispatch() == []
-    assert r.scheduler.waits_for_workers
-    # whole tasks: 3 groups asked, 4 admitted (2 tasks of 2); then the gate is closed
+    assert r.scheduler.may_admit_ahead  # step 1: one step past the gate, for version 1 only
+    # whole tasks: 3 groups asked, 4 admitted (2 tasks of 2); step 2 is two steps past the gate
     assert r.scheduler.admit_ahead(steps_target=0, now=0.0, up_to=3) == 4
     assert r.scheduler.admit_ahead(steps_target=0, now=0.0, up_to=3) == 0
     assert (r.admission.admitted, r.scheduler.admitted_ahead) == (8, 4)
+    r.finish(a, b)
+    assert r.dispatch() == []  # nobody may generate step 1 before version 1
+    assert not r.scheduler.may_admit_ahead
+    r.ledger.version = 1  # step 0 committed
     assert r.dispatch() == []  # nobody serves version 1 yet
+    assert r.scheduler.may_admit_ahead  # step 2, now one step past the gate
     a.version = 1
     assert r.dispatch() == [(a.worker_id, (4, 5))]
-    assert not r.scheduler.waits_for_workers
     b.version = 1
     assert r.dispatch() == [(b.worker_id, (6, 7))]
     assert r.admission.admitted == 8
@@ -104,7 +104,8 @@ def test_groups_given_back_go_first_and_keep_their_order() -> None:
     assert r.dispatch() == [(w.worker_id, (0, 1, 2, 3))]  # steps 0 and 1
     r.ledger.version = 1
     assert r.dispatch() == []
-    assert r.scheduler.admit_ahead(steps_target=0, now=0.0, up_to=16) == 2  # step 2's
+    # step 2's (w is busy) and step 3's (one step past the gate), one step a task
+    assert r.scheduler.admit_ahead(steps_target=0, now=0.0, up_to=16) == 4
     (task_id,) = w.tasks
     r.scheduler.fail_task(task_id)
     r.registry.finish(w, task_id, ok=False)
@@ -112,23 +113,27 @@ def test_groups_given_back_go_first_and_keep_their_order() -> None:
     # the newest idle worker takes the oldest groups; w may generate none of step 2's
     assert r.dispatch() == [(newer.worker_id, (0, 1, 2, 3))]
     r.finish(newer)
-    assert r.dispatch() == [(newer.worker_id, (4, 5))]
-    assert r.admission.admitted == 6
+    assert r.dispatch() == [(newer.worker_id, (4, 5))]  # not step 3's: it needs version 2
+    r.finish(newer)
+    assert r.dispatch() == []
+    assert r.admission.admitted == 8
 
 
 def test_a_worker_takes_only_the_groups_its_version_may_generate() -> None:
     r = run(staleness=1, groups_per_step=2, micro_groups=3)
     w = r.worker(version=0)
     assert r.dispatch() == [(w.worker_id, (0, 1, 2))]  # steps 0, 0, 1
-    assert r.scheduler.waits_for_workers  # step 1's last group: w is busy
+    assert r.scheduler.may_admit_ahead  # step 1's last group: w is busy
     r.ledger.version = 1
-    assert r.scheduler.admit_ahead(steps_target=0, now=0.0, up_to=16) == 3  # steps 1, 2, 2
+    assert r.scheduler.admit_ahead(steps_target=0, now=0.0, up_to=16) == 5  # steps 1, 2, 2, 3, 3
     r.finish(w)
     assert r.dispatch() == [(w.worker_id, (3,))]  # not step 2's: version 0 is too old
     r.finish(w)
     assert r.dispatch() == []
     newer = r.worker(version=1)
     assert r.dispatch() == [(newer.worker_id, (4, 5))]
+    r.finish(newer)
+    assert r.dispatch() == []  # step 3's need version 2
 
 
 def test_nothing_is_admitted_ahead_past_the_steps_target() -> None:
@@ -138,7 +143,7 @@ def test_nothing_is_admitted_ahead_past_the_steps_target() -> None:
     r.finish(a, b)
     r.ledger.version = 1
     assert r.dispatch(steps_target=1) == []
-    assert not r.scheduler.waits_for_workers
+    assert not r.scheduler.may_admit_ahead
     assert r.scheduler.admit_ahead(steps_target=1, now=0.0, up_to=16) == 0
     assert r.scheduler.admit_ahead(steps_target=2, now=0.0, up_to=16) == 4
 
@@ -147,14 +152,47 @@ def test_groups_admitted_ahead_past_a_lowered_bound_are_admitted_again_within_it
     r = run(staleness=1, groups_per_step=2, micro_groups=2)
     w = r.worker(version=0)
     assert r.dispatch() == [(w.worker_id, (0, 1))]  # step 0
-    assert r.scheduler.admit_ahead(steps_target=0, now=0.0, up_to=16) == 2  # step 1's
+    assert r.scheduler.admit_ahead(steps_target=0, now=0.0, up_to=16) == 4  # steps 1 and 2
     r.admission.gate.set_max_staleness(0)  # step 1 needs version 1 now, which needs step 0
-    assert r.scheduler.withdraw_beyond_gate() == 2
+    assert r.scheduler.withdraw_beyond_gate() == 4
     assert r.scheduler.withdraw_beyond_gate() == 0
     assert r.admission.admitted == 2
-    assert r.scheduler.admit_ahead(steps_target=0, now=0.0, up_to=16) == 0
+    assert r.scheduler.admit_ahead(steps_target=0, now=0.0, up_to=16) == 2  # step 1 again
     r.finish(w)
     r.ledger.version = 1
     w.version = 1
-    assert r.dispatch() == [(w.worker_id, (4, 5))]
+    assert r.dispatch() == [(w.worker_id, (6, 7))]
     assert r.prompts == [[0, 0, 1, 1], [2, 2, 3, 3]]  # the withdrawn positions, in order
+
+
+def test_a_group_dropped_while_the_next_step_is_admitted_is_replaced_in_the_current_one() -> None:
+    """A dropped group's prompt takes the newest admitted step's slot: with the next step
+    admitted ahead that would be a step no worker may generate before the trainer commits the
+    current one, which needs that very group. The groups past the gate go back first."""
+    r = run(staleness=0, groups_per_step=2, micro_groups=2)
+    w = r.worker(version=0)
+    assert r.dispatch() == [(w.worker_id, (0, 1))]  # step 0
+    assert r.scheduler.admit_ahead(steps_target=0, now=0.0, up_to=16) == 2  # step 1
+    r.scheduler.drop_group(0)  # say, its data was lost with a node
+    assert r.admission.admitted == 1
+    assert r.steps(tuple(sorted(r.admission._step))) == [0]
+    (task_id,) = w.tasks
+    r.scheduler.fail_task(task_id)  # the task that held it ends
+    r.registry.finish(w, task_id, ok=False)
+    assert r.dispatch() == [(w.worker_id, (1,))]  # given back
+    r.finish(w)
+    # position 0 again, for step 0, which version 0 may generate
+    assert r.dispatch() == [(w.worker_id, (4,))]
+    assert r.steps((4,)) == [0]
+    assert r.prompts[-1] == [0, 0]
+
+
+def test_no_group_is_admitted_ahead_past_the_gate_without_room_in_the_store() -> None:
+    r = run(staleness=0, groups_per_step=2, micro_groups=2)
+    r.admission.store.observe({"node": "node0", "capacity_bytes": 1 << 30,
+                               "used_bytes": 1 << 30}, landed_groups=1)
+    w = r.worker(version=0)
+    assert r.dispatch() == [(w.worker_id, (0, 1))]  # the next step's: always admitted
+    assert not r.scheduler.may_admit_ahead
+    assert r.scheduler.admit_ahead(steps_target=0, now=0.0, up_to=16) == 0
+    assert r.admission.store.pauses == 0  # an early group waiting is not a pause

@@ -69,6 +69,7 @@ def status_snapshot(*, run_id: str, graph: StageGraph, index: Index, registry: R
     stages = {
         st.name: {"role": graph.stage(st.name).role,
                   "queue_depth": st.queue_depth, "in_flight": st.tasks_in_flight,
+                  "formed": st.tasks_formed,
                   "in_flight_rows": st.in_flight, "waiting": st.waiting, "ready": st.ready,
                   "done": st.done, "stale": st.stale}
         for st in stats.stages.values()}

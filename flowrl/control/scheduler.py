@@ -3,7 +3,8 @@
 One `dispatch` pass walks the stages in graph order and hands out whatever is possible:
 
 - the **source** stage (rollout) first hands out groups given back by failed tasks, then the
-  tasks formed ahead of their workers (`admit_ahead`), then admits new prompt groups
+  tasks formed ahead of their workers (`admit_ahead`: a step's groups are admitted and their
+  tasks formed one step before any worker may generate them), then admits new prompt groups
   (`Admission`) ``micro_batch`` groups a task, each to the least-loaded worker whose policy
   version may generate for the groups' step;
 - the **train** stage requests micro-batches of the current step (`StepLedger`) with the
@@ -72,9 +73,9 @@ class Scheduler:
         self.evaluation = evaluation
         #: groups dropped because their rows were too stale to train
         self.stale_dropped = 0
-        #: the last pass stopped admitting only for want of a worker that may generate the
-        #: next group (the gate and the store would admit it): `admit_ahead` may
-        self.waits_for_workers = False
+        #: the last pass left a group that `admit_ahead` may admit: the gate and the store
+        #: would admit it but no worker may generate it yet, or it is one step past the gate
+        self.may_admit_ahead = False
         #: groups `admit_ahead` admitted
         self.admitted_ahead = 0
         #: rollout tasks `admit_ahead` formed, not handed out yet (in flight in the index with
@@ -141,7 +142,7 @@ class Scheduler:
         self._dispatch_formed(stage, now)
         adm = self.admission
         k = stage.micro_batch
-        self.waits_for_workers = False
+        self.may_admit_ahead = False
         version = self.ledger.version
         if steps_target and version >= steps_target:
             return
@@ -149,7 +150,7 @@ class Scheduler:
             w = self.registry.least_loaded(stage.role,
                                            adm.min_generation_version(adm.next_step))
             if w is None:
-                self.waits_for_workers = True
+                self.may_admit_ahead = True
                 return
             admitted = 0
             while admitted < k and (adm.open(version)
@@ -160,6 +161,17 @@ class Scheduler:
             task = self.index.request(stage.name, admitted, worker=w.worker_id)
             assert task is not None
             self._assign(w, task, {}, now)
+        self.may_admit_ahead = self._looks_ahead(version, steps_target)
+
+    def _looks_ahead(self, version: int, steps_target: int) -> bool:
+        """Whether the next group is one step past the gate, for a step the run trains, with
+        room in the store: `admit_ahead` may admit it (no worker may generate it before the
+        trainer's next version). Asks the store without counting a pause: the group is early."""
+        adm = self.admission
+        step = adm.next_step
+        return (adm.gate.admits_step(step, version + 1)
+                and (not steps_target or step < steps_target)
+                and adm.store.room(adm.untrained(version)) is True)
 
     def _dispatch_admitted(self, stage: StageSpec, now: float) -> None:
         """Groups given back go first (by failed tasks, or by the tasks formed ahead when the
@@ -197,10 +209,13 @@ class Scheduler:
         tasks: the pass that finds the workers only hands the tasks out. Returns how many
         groups.
 
-        A step's groups become admissible when the step before commits, while every rollout
-        worker still serves the old version; admitting them and forming their tasks then,
-        rather than in the pass that sees the first worker load the new one, takes that work
-        out of the burst that hands the step's rollout tasks out."""
+        A step's groups are admitted one step before the gate lets any worker generate them:
+        while the trainer at version v trains, those of step v + max_staleness + 1, which need
+        version v + 1 (`_looks_ahead`). The pass that sees the first worker load v + 1 then
+        only hands their tasks out, and the step's admission is never in that burst (admitted
+        when the step before commits, it lost the race to workers that load weights at once).
+        Only the generation waits for the gate (rules 2 and 3 of `flowrl.staleness`); a
+        group dropped meanwhile first gives the groups past the gate back (`drop_group`)."""
         adm = self.admission
         version = self.ledger.version
         if steps_target and version >= steps_target:
@@ -209,13 +224,14 @@ class Scheduler:
         while n < up_to:
             got = 0
             step = adm.next_step  # one step a task, so each goes to the oldest version it may
-            while (got < self.source.micro_batch and adm.open(version)
-                   and adm.next_step == step and adm.store_admits(version, now)):
+            while (got < self.source.micro_batch and adm.next_step == step
+                   and ((adm.open(version) and adm.store_admits(version, now))
+                        or self._looks_ahead(version, steps_target))):
                 self._admit_group()
                 got += 1
             if not got:
                 break
-            task = self.index.request(self.source.name, got)
+            task = self.index.form(self.source.name, got)
             assert task is not None  # given-back groups at the queue's head may come first
             step = max(adm.step_of(g) for g in task.groups)
             self._formed.append((task, adm.min_generation_version(step)))
@@ -224,8 +240,8 @@ class Scheduler:
         return n
 
     def withdraw_beyond_gate(self) -> int:
-        """Give back the queued groups that the staleness gate no longer admits (its bound was
-        lowered after they were admitted ahead): their prompts are admitted again, for the
+        """Give back the queued groups that the staleness gate does not admit now (admitted one
+        step ahead, or its bound was lowered since): their prompts are admitted again, for the
         steps the gate allows now. Kept, they would wait for a policy version that the
         trainer cannot reach without the groups they hold back. Returns how many."""
         formed = self._formed
@@ -238,7 +254,7 @@ class Scheduler:
         beyond = [g for g in self.index.queued_groups(name, self.index.ready_units(name))
                   if not adm.gate.admits_step(adm.step_of(g), version)]
         for gid in reversed(beyond):  # newest first: the positions go back in their order
-            self.drop_group(gid)
+            self._drop(gid)
         return len(beyond)
 
     def _admit_group(self) -> None:
@@ -308,7 +324,19 @@ class Scheduler:
 
     def drop_group(self, gid: int) -> None:
         """Drop live group ``gid`` (stale, or its data lost with a node): its prompt is sampled
-        again, and its memory freed (a row a task still holds, once that task ends)."""
+        again, and its memory freed (a row a task still holds, once that task ends).
+
+        Its prompt is admitted again in the newest admitted step's slot (`Admission.dropped`).
+        Groups admitted past the gate (`admit_ahead`) are given back first, so that slot is one
+        the workers may generate now: the step the trainer is at may need that very group. A
+        dropped group was generated (stale) or has data in a store (lost), so it is never one
+        of those."""
+        adm = self.admission
+        if adm.admitted and not adm.gate.can_admit(adm.admitted - 1, self.ledger.version):
+            self.withdraw_beyond_gate()
+        self._drop(gid)
+
+    def _drop(self, gid: int) -> None:
         handles = self.index.drop_group(gid)
         self.admission.dropped(gid)
         if handles:

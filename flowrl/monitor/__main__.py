@@ -118,12 +118,13 @@ def render(st: dict[str, Any]) -> RenderableType:
                     f"{_bytes(store.get('capacity_bytes'))}")
 
     stages = Table(title="stages", title_justify="left", expand=False)
-    for col in ("stage", "role", "queue", "tasks", "ready", "waiting", "in flight", "done",
-                "stale"):
+    for col in ("stage", "role", "queue", "tasks", "formed", "ready", "waiting", "in flight",
+                "done", "stale"):
         stages.add_column(col, justify="left" if col in ("stage", "role") else "right")
     for name, s in (st.get("stages") or {}).items():
         stages.add_row(name, str(s.get("role", "")), *(str(s.get(k, 0)) for k in (
-            "queue_depth", "in_flight", "ready", "waiting", "in_flight_rows", "done", "stale")))
+            "queue_depth", "in_flight", "formed", "ready", "waiting", "in_flight_rows", "done",
+            "stale")))
 
     workers = Table(title="workers", title_justify="left")
     for col in ("worker", "role", "node", "state", "version", "in flight", "done", "failed",

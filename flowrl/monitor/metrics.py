@@ -21,6 +21,7 @@ Families (labels in braces):
 - ``flowrl_failed_samples_total{stage,kind}`` — trained samples a stage failed on (a reward
   function that raised, ...): they trained with a fallback value (a reward of 0);
 - ``flowrl_stage_queue_depth{stage}``, ``flowrl_stage_tasks_in_flight{stage}``,
+  ``flowrl_stage_tasks_formed{stage}`` (formed ahead of their workers, not assigned yet),
   ``flowrl_stage_rows{stage,state}`` — gauges;
 - ``flowrl_worker_tasks_in_flight{worker,role,node}``,
   ``flowrl_worker_served_version{worker,role,node}`` — gauges;
@@ -201,14 +202,18 @@ class _Collector:
                                   labels=["stage"])
         flight = GaugeMetricFamily("flowrl_stage_tasks_in_flight",
                                    "Tasks of a stage assigned and not finished.", labels=["stage"])
+        formed = GaugeMetricFamily("flowrl_stage_tasks_formed",
+                                   "Tasks of a stage formed ahead of their workers, not assigned "
+                                   "yet.", labels=["stage"])
         rows = GaugeMetricFamily("flowrl_stage_rows", "Live rows by stage and state.",
                                  labels=["stage", "state"])
         for name, s in st["stages"].items():
             depth.add_metric([name], _num(s["queue_depth"]))
             flight.add_metric([name], _num(s["in_flight"]))
+            formed.add_metric([name], _num(s.get("formed", 0)))
             for state in _ROW_STATES:
                 rows.add_metric([name, state.removesuffix("_rows")], _num(s[state]))
-        yield from (depth, flight, rows)
+        yield from (depth, flight, formed, rows)
 
         labels = ["worker", "role", "node"]
         w_flight = GaugeMetricFamily("flowrl_worker_tasks_in_flight",
