@@ -37,7 +37,11 @@ CPU time of the event loop's thread (`Controller.dispatch_cpu_us`), so without t
 the workers on these shared cores: the tail a controller with a core of its own would see
 (mostly a step's admission pass, which creates and hands out the step's rollout tasks);
 ``dispatch_pass_max_tasks_1024w``: the most tasks one pass handed out
-(`Controller.dispatch_pass_tasks`);
+(`Controller.dispatch_pass_tasks`); ``version_wait_p50_us_1024w`` /
+``version_wait_p99_us_1024w``: from the moment the controller takes a rollout worker's
+``served`` entry (the worker idle, a task formed ahead waiting that it may take) to a task in
+that worker's mailbox, in wall time (`Controller.version_wait_us`): the dispatch latency as the
+worker sees it, the rest of its node's gathered report and the pass included;
 ``controller_rss_mb``: the controller process's resident memory after the 1,024-worker run, and
 ``controller_rss_growth_mb`` over what it held before starting.
 
@@ -172,6 +176,7 @@ async def measure(workers: int, agents: int, steps: int, rollout_groups: int = 1
         ctl.dispatch_us.clear()
         ctl.dispatch_cpu_us.clear()
         ctl.dispatch_pass_tasks.clear()
+        ctl.version_wait_us.clear()
         logged = len(ctl.step_log)
         cpu0, loop0 = me.cpu_times(), loop_cpu(me)
         if profile is not None:
@@ -194,6 +199,7 @@ async def measure(workers: int, agents: int, steps: int, rollout_groups: int = 1
             "cpu_share": cpu / out["wall_s"], "loop_share": (loop1 - loop0) / cpu,
             "dispatch_us": list(ctl.dispatch_us),
             "dispatch_cpu_us": list(ctl.dispatch_cpu_us),
+            "version_wait_us": list(ctl.version_wait_us),
             "pass_max": max(ctl.dispatch_pass_tasks, default=0),
             "rss": me.memory_info().rss, "rss_growth": me.memory_info().rss - rss0,
         }
@@ -216,7 +222,7 @@ async def main_async(quick: bool, rollout_groups: int, episode_turns: int = 0,
             result[f"turns_per_s_{workers}w"] = round(r["turns_per_s"], 1)
             result[f"cpu_us_per_turn_{workers}w"] = round(r["cpu_us_per_turn"], 1)
     big = runs[1024]
-    d, dc = big["dispatch_us"], big["dispatch_cpu_us"]
+    d, dc, vw = big["dispatch_us"], big["dispatch_cpu_us"], big["version_wait_us"]
     result.update({
         "samples_per_s_max": max(result[f"samples_per_s_{w}w"] for w, _ in SHAPES),
         "samples_per_s_ceiling": round(1e6 / big["cpu_us_per_sample"]),
@@ -225,6 +231,8 @@ async def main_async(quick: bool, rollout_groups: int, episode_turns: int = 0,
         "dispatch_cpu_p50_us_1024w": round(statistics.median(dc), 1) if dc else None,
         "dispatch_cpu_p99_us_1024w": round(pct(dc, 0.99), 1),
         "dispatch_pass_max_tasks_1024w": big["pass_max"],
+        "version_wait_p50_us_1024w": round(statistics.median(vw), 1) if vw else None,
+        "version_wait_p99_us_1024w": round(pct(vw, 0.99), 1) if vw else None,
         "controller_rss_mb": round(big["rss"] / 2**20, 1),
         "controller_rss_growth_mb": round(big["rss_growth"] / 2**20, 1),
         "samples_per_step": GROUPS_PER_STEP * GROUP,

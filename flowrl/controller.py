@@ -198,6 +198,12 @@ class Controller:
         #: tasks each dispatch pass handed out (passes handing out none are not kept): a task's
         #: `dispatch_us` is its place in its pass, so the largest passes set its tail
         self.dispatch_pass_tasks: collections.deque[int] = collections.deque(maxlen=100_000)
+        #: µs from an idle rollout worker's `served` report (its entry applied), when a task
+        #: formed ahead waited that it may take, to a task in its mailbox: what a worker that
+        #: loaded a version waits for the controller, the report's other entries included
+        #: (`dispatch_us` starts at the pass they run)
+        self.version_wait_us: collections.deque[float] = collections.deque(maxlen=100_000)
+        self._idle_since: dict[str, float] = {}  # such a worker -> when it said served
         self.errors: collections.deque[dict[str, Any]] = collections.deque(maxlen=50)
         #: the HTTP monitor's settings; None runs no monitor.
         self.monitor_config = monitor
@@ -525,6 +531,8 @@ class Controller:
             self._dispatching = False
             if self._pass_sent:
                 self.dispatch_pass_tasks.append(self._pass_sent)
+            if self._idle_since and not self.scheduler.formed_for(self.version):
+                self._idle_since.clear()  # the formed tasks went to others: none waits now
 
     def _admit_ahead(self) -> None:
         """Admit the groups no worker may generate yet (the gate's, or one step past it:
@@ -557,6 +565,9 @@ class Controller:
             self.dispatch_us.append((time.perf_counter() - self._kick_at) * 1e6)
             self.dispatch_cpu_us.append((time.thread_time() - self._kick_cpu) * 1e6)
         self._pass_sent += 1
+        since = self._idle_since.pop(w.worker_id, None)
+        if since is not None and a.task.stage == self.scheduler.source.name:
+            self.version_wait_us.append((time.perf_counter() - since) * 1e6)
         self.api.deliver(w.worker_id, a)
 
     # ---- what workers report (`WorkerApi` calls these once a call passed its checks) -------
@@ -657,6 +668,9 @@ class Controller:
     def _serves(self, info: WorkerInfo, version: int, interrupted: int,
                 continued: int) -> None:
         info.version = version
+        if (not info.tasks and info.role == self.scheduler.source.role
+                and self.scheduler.formed_for(version)):
+            self._idle_since[info.worker_id] = time.perf_counter()
         self.trace.served(info.worker_id, version, time.time())
         if interrupted:  # loaded while tasks ran, which continue under it (rollout.partial)
             detail = {"version": version, "tasks": interrupted, "sequences": continued}
@@ -693,6 +707,7 @@ class Controller:
         info = self.registry.remove(worker_id)
         if info is None:
             return
+        self._idle_since.pop(worker_id, None)
         if self.node_leases is not None:
             self.node_leases.gone(info)
         if not self._stop.is_set():

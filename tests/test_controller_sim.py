@@ -52,6 +52,10 @@ async def test_run_trains_every_row_once_within_the_staleness_bound(staleness: i
         # each step after the first is admitted while the step before trains, one step past
         # the gate (no worker may generate it yet); none for a step past the run's last
         assert ctl.scheduler.admitted_ahead == 3 * 4
+        # and handed out to workers that loaded that version, idle: each such worker's wait
+        # is counted once, from its `served` to its first task; at least one a step
+        assert 3 <= len(ctl.version_wait_us) <= 3 * 2, list(ctl.version_wait_us)
+        assert all(w >= 0 for w in ctl.version_wait_us)
     else:  # and, further ahead, while the workers are busy with the steps before
         assert ctl.scheduler.admitted_ahead >= 3 * 4
     assert status["worker_deaths"] == 0

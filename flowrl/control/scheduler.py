@@ -82,6 +82,10 @@ class Scheduler:
         #: no worker), oldest first, each with the oldest version that may generate it
         self._formed: collections.deque[tuple[Task, int]] = collections.deque()
 
+    def formed_for(self, version: int) -> bool:
+        """Whether a task formed ahead waits that a worker serving ``version`` may take."""
+        return bool(self._formed) and self._formed[0][1] <= version
+
     def is_train(self, task: Task) -> bool:
         return self.train is not None and task.stage == self.train.name
 
