@@ -549,7 +549,12 @@ class Controller:
             self._log().exception("admission failed")
             self._fail_run(RunError(f"admission failed: {exc!r}"))
             return
-        if admitted == ADMIT_AHEAD_CHUNK:
+        if self.scheduler.formed_for(self.version):
+            # A task it formed may go now: a worker loaded the version meanwhile, or the gate
+            # moved (a bound raised) and the chunk took groups of the gate's own steps. The
+            # pass may schedule the next chunk itself.
+            self._wake()
+        if admitted == ADMIT_AHEAD_CHUNK and not self._admitting_ahead:
             self._admitting_ahead = True
             asyncio.get_running_loop().call_soon(self._admit_ahead)
 

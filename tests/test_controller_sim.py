@@ -76,9 +76,18 @@ async def test_a_bound_lowered_and_raised_at_every_step_trains_every_row_once() 
     loop = asyncio.get_running_loop()
 
     def change(e: object) -> None:
-        # Two turns of the event loop later: after the commit's pass and the first chunk it
-        # admits ahead (`Controller._admit_ahead`), before any worker loads the new version.
-        loop.call_soon(loop.call_soon, ctl.set_max_staleness, bounds.choice([0, 1, 2]))
+        # In the commit's callback, or one or two turns of the event loop later: after the
+        # commit's pass and the first chunk it admits ahead (`Controller._admit_ahead`), before
+        # any worker loads the new version. A bound raised between two chunks lets the next
+        # one take groups of the gate's own steps, which a worker may take at once.
+        n = bounds.choice([0, 1, 2])
+        turns = bounds.randrange(3)
+        if turns == 0:
+            ctl.set_max_staleness(n)
+        elif turns == 1:
+            loop.call_soon(ctl.set_max_staleness, n)
+        else:
+            loop.call_soon(loop.call_soon, ctl.set_max_staleness, n)
 
     async with Controller(spec(2, rollout=4)) as ctl:
         ctl.on_step.append(change)

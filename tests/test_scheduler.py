@@ -196,3 +196,27 @@ def test_no_group_is_admitted_ahead_past_the_gate_without_room_in_the_store() ->
     assert not r.scheduler.may_admit_ahead
     assert r.scheduler.admit_ahead(steps_target=0, now=0.0, up_to=16) == 0
     assert r.admission.store.pauses == 0  # an early group waiting is not a pause
+
+
+def test_a_stale_group_dropped_by_the_train_stage_is_replaced_in_the_same_pass() -> None:
+    """The train stage comes after the source in a pass: a group it drops as stale has its
+    prompt admitted again before the pass ends, not at the next report (there may be none:
+    the rollout workers idle, the trainer waiting for that very group)."""
+    r = run(staleness=0, groups_per_step=1, micro_groups=1)
+    a = r.worker(version=0)
+    assert r.dispatch(steps_target=4) == [(a.worker_id, (0,))]  # step 0
+    (task_id,) = a.tasks
+    r.scheduler.index.complete(task_id, {"response": [7, 7]}, version=0)
+    r.finish(a)
+    # the trainer moves on without it (as if its step had been trained by others meanwhile)
+    r.ledger.version = r.ledger.train_step = 1
+    a.version = 1
+    b = r.worker(version=1)
+    r.registry.register(name="t", role="train", node="node0", pid=2, capacity=1, version=1,
+                        now=0.0)
+    # one pass: step 1's group goes out; the train stage drops group 0 as stale (version
+    # 0 < 1), and its prompt is admitted again, in the gate's step, which b may generate
+    sent = r.dispatch(steps_target=4)
+    assert r.scheduler.stale_dropped == 1
+    assert sent == [(a.worker_id, (1,)), (b.worker_id, (2,))]
+    assert r.prompts[-2:] == [[1, 1], [0, 0]]

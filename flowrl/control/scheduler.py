@@ -81,6 +81,9 @@ class Scheduler:
         #: rollout tasks `admit_ahead` formed, not handed out yet (in flight in the index with
         #: no worker), oldest first, each with the oldest version that may generate it
         self._formed: collections.deque[tuple[Task, int]] = collections.deque()
+        #: a group was dropped since the source stage's last turn (its prompt waits to be
+        #: admitted again)
+        self._requeued = False
 
     def formed_for(self, version: int) -> bool:
         """Whether a task formed ahead waits that a worker serving ``version`` may take."""
@@ -103,6 +106,8 @@ class Scheduler:
                     self._dispatch_train(stage, steps_target, now)
             else:
                 self._dispatch_rows(stage, now)
+        if self._requeued:  # the train stage dropped stale groups: their prompts go now, not
+            self._dispatch_source(self.source, steps_target, now)  # at the next report
 
     def fail_task(self, task_id: int) -> None:
         """Give the task's rows back to its stage's queue (an evaluation task's job to its
@@ -142,6 +147,7 @@ class Scheduler:
     def _dispatch_source(self, stage: StageSpec, steps_target: int, now: float) -> None:
         """Several groups per task let an engine sample them in one batched call; a task's
         groups are admitted together, so each must be one the worker's version may generate."""
+        self._requeued = False
         self._dispatch_admitted(stage, now)
         self._dispatch_formed(stage, now)
         adm = self.admission
@@ -341,6 +347,7 @@ class Scheduler:
         self._drop(gid)
 
     def _drop(self, gid: int) -> None:
+        self._requeued = True
         handles = self.index.drop_group(gid)
         self.admission.dropped(gid)
         if handles:
