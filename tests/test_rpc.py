@@ -24,7 +24,7 @@ from transport.errors import (
     RemoteError,
     UnknownOperation,
 )
-from transport.rpc import REJECTED, RpcClient, RpcServer
+from transport.rpc import REJECTED, Parked, RpcClient, RpcServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -370,6 +370,123 @@ async def test_a_handler_may_answer_at_once_with_no_task(
         assert await held == "later"
         stats = srv.statistics()
         assert (stats.long_polls, stats.in_flight, stats.handler_errors) == (0, 0, 1)
+
+
+async def test_a_parked_poll_is_answered_later_or_expires_with_no_task(
+    run_id: str, zmq_ctx: zmq.asyncio.Context
+) -> None:
+    # A long poll parked by its handler is held with no task: answered once by whoever holds
+    # it, or with its `expired` value at its own deadline, whatever the order of deadlines.
+    parked: dict[str, Parked] = {}
+    three = asyncio.Event()
+
+    def poll(payload: Any, peer: bytes) -> Any:
+        parked[payload["name"]] = p = Parked(payload["s"], expired=f"{payload['name']}: none")
+        if len(parked) == 3:
+            three.set()
+        return p
+
+    async with (
+        RpcServer(ipc_endpoint(run_id, "park"), {"poll": poll}, ctx=zmq_ctx,
+                  long_polls={"poll"}) as srv,
+        RpcClient(srv.endpoint, ctx=zmq_ctx, timeout=STEP) as client,
+    ):
+        calls = {name: asyncio.ensure_future(client.call("poll", {"name": name, "s": s}))
+                 for name, s in (("long", STEP), ("short", 0.05), ("answered", STEP))}
+        async with asyncio.timeout(STEP):
+            await three.wait()
+        assert srv.statistics().long_polls == 3
+        assert asyncio.all_tasks() == {asyncio.current_task(), *calls.values()}
+        # The short one expires first, though parked after one with a later deadline.
+        assert await calls["short"] == "short: none"
+        assert not parked["short"].open
+        assert not parked["short"].answer("too late")
+        assert parked["answered"].answer({"task": 7})
+        assert not parked["answered"].answer("twice")  # answered once
+        assert await calls["answered"] == {"task": 7}
+        assert srv.statistics().long_polls == 1
+        assert parked["long"].answer("late but open")
+        assert await calls["long"] == "late but open"
+        assert srv.statistics().long_polls == 0
+
+
+async def test_parked_polls_keep_the_budgets_and_end_with_the_server(
+    run_id: str, zmq_ctx: zmq.asyncio.Context
+) -> None:
+    parked: list[Parked] = []
+    arrived = asyncio.Event()
+
+    def poll(payload: Any, peer: bytes) -> Any:
+        if payload == "again" and parked:
+            return parked[0]  # a Parked answers the one poll it was returned for
+        parked.append(Parked(STEP))
+        arrived.set()
+        return parked[-1]
+
+    async def parked_count(n: int) -> None:
+        async with asyncio.timeout(STEP):
+            while len(parked) < n:
+                arrived.clear()
+                await arrived.wait()
+
+    def not_a_poll(payload: Any, peer: bytes) -> Any:
+        return Parked(STEP)
+
+    server = RpcServer(ipc_endpoint(run_id, "pb"), {"poll": poll, "now": not_a_poll},
+                       ctx=zmq_ctx, long_polls={"poll"}, max_long_polls_per_peer=2)
+    await server.start()
+    try:
+        async with RpcClient(server.endpoint, ctx=zmq_ctx, timeout=STEP) as client:
+            with pytest.raises(RemoteError, match="'now' is not a long poll"):
+                await client.call("now", None)
+            held = [asyncio.ensure_future(client.call("poll", i)) for i in range(2)]
+            await parked_count(2)
+            with pytest.raises(Overloaded, match="already has 2 long polls open"):
+                await client.call("poll", None)
+            parked[1].answer("one")
+            assert await held[1] == "one"
+            with pytest.raises(RemoteError, match="returned once"):
+                await client.call("poll", "again")
+            # Answers given in one turn of the loop leave together, each to its own call.
+            more = [asyncio.ensure_future(client.call("poll", i)) for i in range(1)]
+            await parked_count(3)
+            assert parked[0].answer("a")
+            assert parked[2].answer("b")
+            assert [await held[0], await more[0]] == ["a", "b"]
+            # Closing drops what is parked with no reply, as it cancels waiting handlers.
+            last = asyncio.ensure_future(client.call("poll", None, timeout=0.5))
+            await parked_count(4)
+            await server.aclose()
+            assert not parked[3].open
+            assert not parked[3].answer("after close")
+            assert server.statistics().long_polls == 0
+            with pytest.raises(DeadlineExceeded):
+                await last
+    finally:
+        await server.aclose()
+
+
+async def test_answered_parked_polls_do_not_pile_up_until_their_deadlines(
+    run_id: str, zmq_ctx: zmq.asyncio.Context
+) -> None:
+    # Polls of long waits answered at once (a worker busy all the time) leave their deadlines
+    # behind; the server drops those rather than hold every poll of the last ten minutes.
+    def poll(payload: Any, peer: bytes) -> Any:
+        p = Parked(600.0)
+        asyncio.get_running_loop().call_soon(p.answer, payload)
+        return p
+
+    async with (
+        RpcServer(ipc_endpoint(run_id, "pile"), {"poll": poll}, ctx=zmq_ctx,
+                  long_polls={"poll"}) as srv,
+        RpcClient(srv.endpoint, ctx=zmq_ctx, timeout=STEP) as client,
+    ):
+        for start in range(0, 3000, 100):
+            assert await asyncio.gather(*(client.call("poll", i)
+                                          for i in range(start, start + 100))) == list(
+                range(start, start + 100))
+        assert srv.statistics().long_polls == 0
+        assert len(srv._deadlines) <= 1024 + 100  # what this test is about
 
 
 def test_long_polls_are_checked() -> None:

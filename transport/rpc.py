@@ -11,17 +11,19 @@ Wire (codec frames after the routing identity):
 
 Guarantees:
 - Server: every request is handled in its own task, concurrently, up to `max_in_flight`; past
-  that it stops reading and zmq's queues push back on clients. Operations declared
-  `long_polls` (handlers that wait for work to appear) have budgets of their own and never
-  stop the reading: at most `max_long_polls` in all and `max_long_polls_per_peer` from one
-  peer; a long poll past either is answered at once with OVERLOADED (`Overloaded` at the
-  client). So however many long polls clients hold open, other operations (heartbeats) are
-  still read and answered. A handler exception becomes an
-  ERROR reply; a malformed request gets a REJECTED reply (it always has a routing identity);
-  nothing a peer sends stops the server. With an authenticator, a request that fails its
-  check is dropped before it is decoded, without a reply, and counted (`refused`). A reply
-  to a peer that is gone or not reading is dropped and counted, never waited on: one stuck
-  client cannot stall the others.
+  that it stops reading and zmq's queues push back on clients. Operations declared `long_polls`
+  (handlers that wait for work to appear) have budgets of their own and never stop the reading:
+  at most `max_long_polls` in all and `max_long_polls_per_peer` from one peer; a long poll past
+  either is answered at once with OVERLOADED (`Overloaded` at the client). So however many long
+  polls clients hold open, other operations (heartbeats) are still read and answered. A
+  long-poll handler with nothing to answer yet may return a `Parked`: the server holds that poll
+  with no task, timer or future of its own, until `Parked.answer` (from any code on the server's
+  loop) or its deadline (then it answers ``expired``); replies answered in one turn of the loop
+  leave together, after it. A handler exception becomes an ERROR reply; a malformed request gets
+  a REJECTED reply (it always has a routing identity); nothing a peer sends stops the server.
+  With an authenticator, a request that fails its check is dropped before it is decoded, without
+  a reply, and counted (`refused`). A reply to a peer that is gone or not reading is dropped and
+  counted, never waited on: one stuck client cannot stall the others.
 - Client: any number of calls in flight on one socket, matched by request id. Each call has a
   deadline (DeadlineExceeded); a reply that arrives after it is discarded and counted. Closing
   fails pending calls with ClosedError. No background task: replies are dispatched from the
@@ -34,6 +36,7 @@ Guarantees:
 from __future__ import annotations
 
 import asyncio
+import heapq
 import inspect
 import logging
 from collections import Counter
@@ -63,14 +66,15 @@ from transport.errors import (
 from transport.handshake import FAILED, HandshakeWatch, client_refusal, server_refusal
 from transport.request_auth import RequestAuth
 
-__all__ = ["Handler", "RpcClient", "RpcClientStats", "RpcServer", "RpcServerStats"]
+__all__ = ["Handler", "Parked", "RpcClient", "RpcClientStats", "RpcServer", "RpcServerStats"]
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Any, bytes], Any]
-"""(payload, peer identity) -> reply payload, or an awaitable of it (an ``async def`` handler).
-A reply returned at once is sent from the request's own read, with no task (most calls a
-controller takes need nothing to wait for); an awaitable is awaited in a task of its own."""
+"""(payload, peer identity) -> reply payload, or an awaitable of it (an ``async def`` handler),
+or, for a long poll, a `Parked`. A reply returned at once is sent from the request's own read,
+with no task (most calls a controller takes need nothing to wait for); an awaitable is awaited
+in a task of its own."""
 
 OK: Final = 0
 ERROR: Final = 1
@@ -94,6 +98,43 @@ def _is_int(value: Any) -> bool:
     return type(value) is int
 
 
+class Parked:
+    """A long poll the server holds open for its handler, answered later: what a long-poll
+    handler returns when it has nothing yet, and keeps to answer it with.
+
+    The server holds it with no task, timer or future of its own (a task awaiting a queue with a
+    timeout costs ~25 µs a poll; this, ~1), and answers it once: with what `answer` is given, or
+    with ``expired`` when ``seconds`` have passed.
+    """
+
+    __slots__ = ("_handler", "_open", "_peer", "_result", "_rid", "_server", "expired",
+                 "seconds")
+
+    def __init__(self, seconds: float, expired: Any = None) -> None:
+        self.seconds = seconds
+        self.expired = expired
+        self._server: RpcServer | None = None
+        self._handler: Handler | None = None
+        self._peer = b""
+        self._rid = 0
+        self._open = False
+        self._result: Any = None
+
+    @property
+    def open(self) -> bool:
+        """Held by a server and not answered yet (not expired, its server not closed)."""
+        return self._open
+
+    def answer(self, result: Any) -> bool:
+        """Reply ``result`` (sent after the current turn of the event loop, with the others
+        answered in it). False, and nothing sent, if the poll is not open."""
+        if not self._open:
+            return False
+        assert self._server is not None  # open means held
+        self._server._answer(self, result)
+        return True
+
+
 @dataclass(frozen=True, slots=True)
 class RpcServerStats:
     requests: int
@@ -102,7 +143,7 @@ class RpcServerStats:
     dropped_replies: int
     in_flight: int  # handlers running, long polls excluded
     refused: int  # failed the authenticator's check (by reason: `RequestAuth.statistics`)
-    long_polls: int  # long-poll handlers running
+    long_polls: int  # long polls open (handlers running, and polls parked)
     overloaded: int  # long polls answered OVERLOADED
     handshakes_refused: int = 0  # failed curve handshakes (counted with `on_refused` only)
 
@@ -170,6 +211,15 @@ class RpcServer(Service):
         self._tasks: set[asyncio.Task[None]] = set()
         self._polls: set[asyncio.Task[None]] = set()
         self._polls_by_peer: Counter[bytes] = Counter()
+        # Parked polls: the open ones (insertion-ordered), their deadlines (a heap that keeps
+        # answered ones until they come up or it is compacted), the one timer for the earliest,
+        # and the answered ones whose replies leave at the next turn of the loop.
+        self._parked: dict[Parked, None] = {}
+        self._deadlines: list[tuple[float, int, Parked]] = []
+        self._parked_seq = 0
+        self._expiry: asyncio.TimerHandle | None = None
+        self._expiry_at = 0.0
+        self._answered: list[Parked] = []
         self._overloaded = 0
         self._closed = False
         self._requests = 0
@@ -232,6 +282,7 @@ class RpcServer(Service):
         self._closed = True
         if self._sock is not None:
             self._sock.pause()
+        self._drop_parked()
         await cancel_and_wait([*self._tasks, *self._polls])
         if self._handshakes is not None:
             self._handshakes.close()
@@ -247,7 +298,7 @@ class RpcServer(Service):
             dropped_replies=self._dropped,
             in_flight=len(self._tasks),
             refused=self._refused,
-            long_polls=len(self._polls),
+            long_polls=len(self._polls) + len(self._parked),
             overloaded=self._overloaded,
             handshakes_refused=self._handshakes_refused,
         )
@@ -285,6 +336,10 @@ class RpcServer(Service):
         pending = self._call(handler, peer, rid, payload)
         if pending is None:
             return
+        if isinstance(pending, Parked):
+            self._send(peer, self._error(handler, rid, TypeError(
+                f"{op!r} is not a long poll: its handler cannot park")))
+            return
         task = asyncio.get_running_loop().create_task(self._serve(handler, peer, rid, pending))
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
@@ -292,15 +347,16 @@ class RpcServer(Service):
             self._sock.pause()
 
     def _call(self, handler: Handler, peer: bytes, rid: int,
-              payload: Any) -> Awaitable[Any] | None:
+              payload: Any) -> Awaitable[Any] | Parked | None:
         """Run ``handler``: a reply it returns at once (or its error) is sent now and None
-        returned; an awaitable it returns is returned, for the caller to serve in a task."""
+        returned; an awaitable it returns is returned, for the caller to serve in a task, and a
+        `Parked` for the caller to hold."""
         try:
             result = handler(payload, peer)
         except Exception as exc:
             self._send(peer, self._error(handler, rid, exc))
             return None
-        if inspect.isawaitable(result):
+        if type(result) is Parked or inspect.isawaitable(result):
             return result
         try:
             frames = self._reply_frames(rid, result)
@@ -321,24 +377,103 @@ class RpcServer(Service):
             self._overload(peer, rid, f"{op!r}: this client already has "
                            f"{self._max_long_polls_per_peer} long polls open (the limit)")
             return
-        if len(self._polls) >= self._max_long_polls:
+        if len(self._polls) + len(self._parked) >= self._max_long_polls:
             self._overload(peer, rid, f"{op!r}: the server already holds "
                            f"{self._max_long_polls} long polls open (the limit)")
             return
         pending = self._call(handler, peer, rid, payload)
         if pending is None:
             return  # answered at once (it had something waiting): no poll stays open
+        if isinstance(pending, Parked):
+            self._park(pending, peer, rid, handler)
+            return
         task = asyncio.get_running_loop().create_task(self._serve(handler, peer, rid, pending))
         self._polls.add(task)
         self._polls_by_peer[peer] += 1
 
         def done(task: asyncio.Task[None]) -> None:
             self._polls.discard(task)
-            self._polls_by_peer[peer] -= 1
-            if not self._polls_by_peer[peer]:
-                del self._polls_by_peer[peer]
+            self._unpoll(peer)
 
         task.add_done_callback(done)
+
+    # ---- parked polls ----------------------------------------------------------------------
+
+    def _park(self, p: Parked, peer: bytes, rid: int, handler: Handler) -> None:
+        if p._server is not None:
+            self._send(peer, self._error(handler, rid, ValueError(
+                "a Parked is returned once, for the poll it answers")))
+            return
+        p._server, p._handler, p._peer, p._rid, p._open = self, handler, peer, rid, True
+        self._parked[p] = None
+        self._polls_by_peer[peer] += 1
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + p.seconds
+        self._parked_seq += 1
+        heapq.heappush(self._deadlines, (deadline, self._parked_seq, p))
+        if self._expiry is None or deadline < self._expiry_at:
+            self._expire_at(loop, deadline)
+        elif len(self._deadlines) > 2 * len(self._parked) + 1024:
+            # Most entries are polls answered long before their deadline: drop them, so a heap
+            # of long waits does not hold every poll of the last minutes.
+            self._deadlines = [e for e in self._deadlines if e[2]._open]
+            heapq.heapify(self._deadlines)
+
+    def _expire_at(self, loop: asyncio.AbstractEventLoop, deadline: float) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+        self._expiry_at = deadline
+        self._expiry = loop.call_at(deadline, self._expire)
+
+    def _expire(self) -> None:
+        """The timer of the earliest deadline: answer what is due, then wait for the next."""
+        self._expiry = None
+        heap = self._deadlines
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        while heap and (not heap[0][2]._open or heap[0][0] <= now):
+            _, _, p = heapq.heappop(heap)
+            if p._open:
+                self._answer(p, p.expired)
+        if heap:
+            self._expire_at(loop, heap[0][0])
+
+    def _answer(self, p: Parked, result: Any) -> None:
+        p._open = False
+        p._result = result
+        del self._parked[p]
+        self._unpoll(p._peer)
+        self._answered.append(p)
+        if len(self._answered) == 1:
+            asyncio.get_running_loop().call_soon(self._send_answered)
+
+    def _send_answered(self) -> None:
+        """The replies of the polls answered in the last turn of the loop."""
+        answered, self._answered = self._answered, []
+        for p in answered:
+            try:
+                frames = self._reply_frames(p._rid, p._result)
+            except Exception as exc:
+                frames = self._error(p._handler, p._rid, exc)
+            p._result = None
+            self._send(p._peer, frames)
+
+    def _unpoll(self, peer: bytes) -> None:
+        self._polls_by_peer[peer] -= 1
+        if not self._polls_by_peer[peer]:
+            del self._polls_by_peer[peer]
+
+    def _drop_parked(self) -> None:
+        """Closing: parked polls end with no reply, as the polls' tasks are cancelled."""
+        for p in self._parked:
+            p._open = False
+            self._unpoll(p._peer)
+        self._parked.clear()
+        self._deadlines.clear()
+        self._answered.clear()
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
 
     def _overload(self, peer: bytes, rid: int, message: str) -> None:
         self._overloaded += 1
@@ -365,7 +500,8 @@ class RpcServer(Service):
             frames = self._error(handler, rid, exc)
         self._send(peer, frames)
 
-    def _error(self, handler: Handler, rid: int, exc: BaseException) -> list[bytes | memoryview]:
+    def _error(self, handler: Handler | None, rid: int,
+               exc: BaseException) -> list[bytes | memoryview]:
         self._handler_errors += 1
         log.debug("handler %r failed", handler, exc_info=exc)
         return encode([rid, ERROR, [type(exc).__name__, str(exc)[:_MAX_ERROR_TEXT]]])

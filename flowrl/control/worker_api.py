@@ -8,15 +8,17 @@ answered with an error and changes nothing; a malformed task *report* fails its 
 rows are redone elsewhere instead of lost.
 
 Workers pull tasks with long polls: each registered worker has a mailbox the scheduler fills
-and its ``get_task`` poll empties.
+and its ``get_task`` polls empty. A poll that finds the mailbox empty is parked in it
+(`transport.rpc.Parked`: no task, timer or future a poll), and the next task delivered answers
+the oldest poll still open.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import time
-from collections.abc import Awaitable, Callable
+from collections import deque
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import structlog
@@ -26,7 +28,7 @@ from flowrl.control.assignments import Assignment, Assignments
 from flowrl.control.reports import MalformedReport, TaskReport, parse_report
 from flowrl.registry import Registry, WorkerInfo
 from transport.pubsub import DroppedSubscriber
-from transport.rpc import Handler
+from transport.rpc import Handler, Parked
 
 __all__ = ["MAX_CAPACITY", "MAX_WAIT_S", "WorkerApi", "WorkerEvents"]
 
@@ -64,6 +66,16 @@ class WorkerEvents(Protocol):
                 relay: tuple[str, str] | None = None) -> bool: ...
 
 
+class Mailbox:
+    """A worker's tasks not taken yet, and its polls waiting for one (oldest first)."""
+
+    __slots__ = ("polls", "tasks")
+
+    def __init__(self) -> None:
+        self.tasks: deque[m.TaskMsg] = deque()
+        self.polls: deque[Parked] = deque()
+
+
 class WorkerApi:
     def __init__(self, registry: Registry, assignments: Assignments, events: WorkerEvents,
                  *, has_role: Callable[[str], bool], now: Callable[[], float],
@@ -77,7 +89,7 @@ class WorkerApi:
         self._has_role = has_role
         self._now = now
         self._node_token = node_token
-        self._mailboxes: dict[str, asyncio.Queue[m.TaskMsg]] = {}
+        self._mailboxes: dict[str, Mailbox] = {}
 
     def handlers(self) -> dict[str, Handler]:
         as_worker = self._as_worker
@@ -99,17 +111,26 @@ class WorkerApi:
     # ---- mailboxes -------------------------------------------------------------------------
 
     def deliver(self, worker_id: str, a: Assignment) -> None:
-        """Queue ``a`` for its worker's next poll."""
-        self._mailboxes[worker_id].put_nowait(a.message())
+        """``a`` to its worker's oldest open poll, or queued for its next one."""
+        box = self._mailboxes[worker_id]
+        polls = box.polls
+        while polls:
+            poll = polls.popleft()
+            if poll.open:  # not expired (answered "nothing"), its server not closed
+                a.started_at = time.time()
+                poll.answer(a.message())
+                return
+        box.tasks.append(a.message())
 
     def close_mailbox(self, worker_id: str) -> None:
+        """The worker is gone: its open polls expire as they would (answered "nothing")."""
         self._mailboxes.pop(worker_id, None)
 
     def empty_mailbox(self, worker_id: str) -> None:
         """Drop what waits for ``worker_id`` (tasks given back before it took them)."""
-        q = self._mailboxes.get(worker_id)
-        while q is not None and not q.empty():
-            q.get_nowait()
+        box = self._mailboxes.get(worker_id)
+        if box is not None:
+            box.tasks.clear()
 
     # ---- handlers --------------------------------------------------------------------------
 
@@ -133,36 +154,33 @@ class WorkerApi:
         pid, capacity = _int(p, "pid", 1, 2**31), _int(p, "capacity", 1, MAX_CAPACITY)
         info = self.registry.register(name=name, role=role, node=node, pid=pid,
                                       capacity=capacity, version=0, now=self._now())
-        self._mailboxes[info.worker_id] = asyncio.Queue()
+        self._mailboxes[info.worker_id] = Mailbox()
         return self.events.worker_registered(info)
 
     def _heartbeat(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
         info = self.registry.heartbeat(_str(p, "worker_id"), self._now())
         return {"ok": info is not None}
 
-    def _get_task(self, p: dict[str, Any], peer: bytes
-                  ) -> m.TaskMsg | Awaitable[m.TaskMsg | None] | None:
+    def _get_task(self, p: dict[str, Any], peer: bytes) -> m.TaskMsg | Parked | None:
         """The worker's next task: at once when one waits in its mailbox (a worker holds up
-        to ``tasks_per_slot`` tasks, so after a report one often does), else a wait for one."""
+        to ``tasks_per_slot`` tasks, so after a report one often does), else the poll parked
+        in its mailbox until one comes (`deliver`) or ``wait_s`` pass (None)."""
         worker_id = _str(p, "worker_id")
         wait_s = _seconds(p, "wait_s")
         done = p.get("done")
         if done is not None:
             self._reported(done, worker_id)
-        q = self._mailboxes.get(worker_id)
-        if q is None:
+        box = self._mailboxes.get(worker_id)
+        if box is None:
             return None
-        if not q.empty():
-            return self._started(q.get_nowait())
-        return self._wait_task(q, wait_s)
-
-    async def _wait_task(self, q: asyncio.Queue[m.TaskMsg], wait_s: float) -> m.TaskMsg | None:
-        try:
-            async with asyncio.timeout(wait_s):
-                msg = await q.get()
-        except TimeoutError:
-            return None
-        return self._started(msg)
+        if box.tasks:
+            return self._started(box.tasks.popleft())
+        polls = box.polls
+        while polls and not polls[0].open:  # expired since: answered "nothing" already
+            polls.popleft()
+        poll = Parked(wait_s)
+        polls.append(poll)
+        return poll
 
     def _started(self, msg: m.TaskMsg) -> m.TaskMsg:
         a = self.assignments.get(msg["task_id"])
