@@ -45,7 +45,7 @@ worker sees it, the rest of its node's gathered report and the pass included;
 ``controller_rss_mb``: the controller process's resident memory after the 1,024-worker run, and
 ``controller_rss_growth_mb`` over what it held before starting.
 
-    python bench/capacity.py [--quick] [--rollout-groups N] [--workers-nice N]
+    python bench/capacity.py [--quick] [--rollout-groups N] [--workers-nice N] [--pin]
 
 ``--quick`` runs 2 measured steps per shape instead of 8; on 2 shared cores most of its ~2 min
 is starting the 25 processes (each imports torch) of the 1,024-worker shape.
@@ -69,6 +69,11 @@ CPU is preempted for tens by 25 worker processes. At N = 10 the kernel gives the
 ~10 times their share whenever it is runnable, which is the closer model of a core of its own
 for the dispatch latency (``workers_nice`` in the output).
 
+``--pin``: the controller's process on the first CPU it may use, every other process of the
+run (node agents, workers) on the rest (``pinned`` in the output): a core of the controller's
+own, as on a cluster: no worker preempts a dispatch pass, so its wall time is its CPU time. The
+workers then have one core fewer, so the measured rates fall.
+
 ``--profile FILE`` runs only the 1,024-worker shape, 4 measured steps under cProfile (the event
 loop's thread), writes the stats to FILE (`pstats`) and prints the calls that count messages:
 requests handled by kind, messages sent, function calls in all. Call counts do not depend on the
@@ -81,6 +86,7 @@ import argparse
 import contextlib
 import cProfile
 import math
+import os
 import pstats
 import statistics
 import sys
@@ -163,15 +169,39 @@ def renice_children(me: psutil.Process, nice: int) -> None:
             p.nice(nice)
 
 
+def pin(me: psutil.Process, cpus: list[int]) -> None:
+    """This process (the controller) on the first of ``cpus``, every process under it (node
+    agents, workers; a worker restarted later inherits its agent's) on the others: a core of
+    the controller's own, as on a cluster."""
+    if len(cpus) < 2:
+        raise RuntimeError(f"--pin needs 2 CPUs or more; this process may use {cpus}")
+    set_affinity(me, cpus[:1])
+    for p in me.children(recursive=True):
+        set_affinity(p, cpus[1:])
+
+
+def set_affinity(p: psutil.Process, cpus: list[int]) -> None:
+    """Every thread of ``p`` on ``cpus`` (an affinity set by process id is its main thread's
+    only: ZeroMQ's I/O threads, started before, would keep theirs)."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for t in p.threads():
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(t.id, cpus)
+
+
 async def measure(workers: int, agents: int, steps: int, rollout_groups: int = 1,
                   profile: cProfile.Profile | None = None,
-                  episode_turns: int = 0, workers_nice: int = 0) -> dict[str, Any]:
+                  episode_turns: int = 0, workers_nice: int = 0,
+                  pinned: bool = False) -> dict[str, Any]:
     spec, nodes = workload(workers, agents, rollout_groups, episode_turns)
     me = psutil.Process()
     rss0 = me.memory_info().rss
+    affinity = me.cpu_affinity()
     async with started_with_agents(spec, nodes) as ctl:
         if workers_nice:
             renice_children(me, workers_nice)
+        if pinned:
+            pin(me, affinity)
         await ctl.run(steps=1, timeout_s=300)  # warm-up: every worker polling, first version
         ctl.dispatch_us.clear()
         ctl.dispatch_cpu_us.clear()
@@ -192,6 +222,7 @@ async def measure(workers: int, agents: int, steps: int, rollout_groups: int = 1
         if out["rows_trained_twice"]:  # exactly once holds at any load
             raise RuntimeError(f"{out['rows_trained_twice']} rows trained twice")
         turns = sum(float(e.get("rollout_turns", 0.0)) for e in ctl.step_log[logged:])
+        set_affinity(me, affinity)  # the next shape starts its processes on every CPU
         return {
             "samples_per_s": out["samples_per_s"], "cpu_us_per_sample": cpu / samples * 1e6,
             "turns_per_s": turns / out["wall_s"],
@@ -206,14 +237,14 @@ async def measure(workers: int, agents: int, steps: int, rollout_groups: int = 1
 
 
 async def main_async(quick: bool, rollout_groups: int, episode_turns: int = 0,
-                     workers_nice: int = 0) -> dict[str, Any]:
+                     workers_nice: int = 0, pinned: bool = False) -> dict[str, Any]:
     steps = 2 if quick else 8
     result: dict[str, Any] = {}
     runs = {}
     for workers, agents in SHAPES:
         r = runs[workers] = await measure(workers, agents, steps, rollout_groups,
                                           episode_turns=episode_turns,
-                                          workers_nice=workers_nice)
+                                          workers_nice=workers_nice, pinned=pinned)
         result[f"samples_per_s_{workers}w"] = round(r["samples_per_s"], 1)
         result[f"cpu_us_per_sample_{workers}w"] = round(r["cpu_us_per_sample"], 1)
         result[f"controller_cpu_share_{workers}w"] = round(r["cpu_share"], 3)
@@ -239,6 +270,7 @@ async def main_async(quick: bool, rollout_groups: int, episode_turns: int = 0,
         "rollout_groups_per_task": rollout_groups,
         "episode_turns": episode_turns,
         "workers_nice": workers_nice,
+        "pinned": pinned,
         "steps": steps,
         "quick": quick,
     })
@@ -288,6 +320,8 @@ def main() -> None:
                    help="each response a multi-turn episode of 1..N turns (default 0: single)")
     p.add_argument("--workers-nice", type=int, default=0, metavar="N",
                    help="niceness of the node agents and workers (default 0: as started)")
+    p.add_argument("--pin", action="store_true",
+                   help="the controller on one CPU, the node agents and workers on the others")
     args = p.parse_args()
     if not 1 <= args.rollout_groups <= GROUPS_PER_STEP:
         p.error(f"--rollout-groups must be 1..{GROUPS_PER_STEP}")
@@ -299,8 +333,10 @@ def main() -> None:
     start = time.perf_counter()
     turns = args.episode_turns
     nice = args.workers_nice
+    if args.pin and len(psutil.Process().cpu_affinity()) < 2:
+        p.error("--pin needs 2 CPUs or more")
     run_and_print(profile_async(args.profile, args.rollout_groups, turns, nice) if args.profile
-                  else main_async(args.quick, args.rollout_groups, turns, nice))
+                  else main_async(args.quick, args.rollout_groups, turns, nice, args.pin))
     print(f"# {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
 

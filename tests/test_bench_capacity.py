@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -91,3 +92,25 @@ async def test_episodes_are_counted_by_their_turns() -> None:
     assert per_turn < per_sample
     single = await capacity.measure(16, 1, 1)
     assert single["cpu_us_per_turn"] is None  # single-turn: nothing counted as turns
+
+
+@pytest.mark.timeout(60)
+def test_pinning_moves_every_thread_of_a_process() -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs 2 CPUs")
+    # A child with a second thread started before the pinning, as ZeroMQ's I/O threads are.
+    code = ("import sys, threading; e = threading.Event(); "
+            "threading.Thread(target=e.wait, daemon=True).start(); "
+            "print('up', flush=True); sys.stdin.read()")
+    with subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True) as child:
+        try:
+            assert child.stdout is not None
+            assert child.stdout.readline() == "up\n"
+            proc = psutil.Process(child.pid)
+            assert len(proc.threads()) == 2
+            capacity.set_affinity(proc, cpus[1:])
+            assert [os.sched_getaffinity(t.id) for t in proc.threads()] == [set(cpus[1:])] * 2
+        finally:
+            child.kill()
