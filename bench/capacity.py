@@ -172,9 +172,7 @@ def renice_children(me: psutil.Process, nice: int) -> None:
 def pin(me: psutil.Process, cpus: list[int]) -> None:
     """This process (the controller) on the first of ``cpus``, every process under it (node
     agents, workers; a worker restarted later inherits its agent's) on the others: a core of
-    the controller's own, as on a cluster."""
-    if len(cpus) < 2:
-        raise RuntimeError(f"--pin needs 2 CPUs or more; this process may use {cpus}")
+    the controller's own, as on a cluster. ``cpus``: 2 or more (`main` checks)."""
     set_affinity(me, cpus[:1])
     for p in me.children(recursive=True):
         set_affinity(p, cpus[1:])
@@ -301,9 +299,9 @@ def profiled_counts(path: str) -> dict[str, Any]:
 
 
 async def profile_async(path: str, rollout_groups: int, episode_turns: int = 0,
-                        workers_nice: int = 0) -> dict[str, Any]:
+                        workers_nice: int = 0, pinned: bool = False) -> dict[str, Any]:
     prof = cProfile.Profile()
-    r = await measure(1024, 8, 4, rollout_groups, prof, episode_turns, workers_nice)
+    r = await measure(1024, 8, 4, rollout_groups, prof, episode_turns, workers_nice, pinned)
     prof.dump_stats(path)
     return {"samples": 4 * GROUPS_PER_STEP * GROUP,
             "cpu_us_per_sample_1024w": round(r["cpu_us_per_sample"], 1),
@@ -335,8 +333,9 @@ def main() -> None:
     nice = args.workers_nice
     if args.pin and len(psutil.Process().cpu_affinity()) < 2:
         p.error("--pin needs 2 CPUs or more")
-    run_and_print(profile_async(args.profile, args.rollout_groups, turns, nice) if args.profile
-                  else main_async(args.quick, args.rollout_groups, turns, nice, args.pin))
+    run_and_print(profile_async(args.profile, args.rollout_groups, turns, nice, args.pin)
+                  if args.profile else
+                  main_async(args.quick, args.rollout_groups, turns, nice, args.pin))
     print(f"# {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
 

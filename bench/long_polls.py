@@ -54,7 +54,7 @@ class Server:
     def __init__(self, workers: int) -> None:
         self.workers = workers
         self.mode = MODES[0]
-        self.queues: dict[int, asyncio.Queue[dict[str, Any]]] = {}
+        self.queues: dict[int, asyncio.Queue[Any]] = {}
         self.parked: dict[int, deque[Parked]] = {}
         self.open = 0
         self.all_open = asyncio.Event()
@@ -72,7 +72,7 @@ class Server:
         q = self.queues.setdefault(wid, asyncio.Queue())
         return self._wait(q)
 
-    async def _wait(self, q: asyncio.Queue[dict[str, Any]]) -> dict[str, Any] | None:
+    async def _wait(self, q: asyncio.Queue[Any]) -> Any:
         # The shape the worker API had: the poll's own task, a timeout, a queue's future.
         try:
             async with asyncio.timeout(WAIT_S):
@@ -90,21 +90,20 @@ class Server:
         self.open = 0
         self.all_open.clear()
         for wid in range(self.workers):
-            msg = {"task_id": wid, **TASK}
-            polls = self.parked.get(wid)
-            if polls:
-                polls.popleft().answer(msg)
-            else:
-                self.queues[wid].put_nowait(msg)
+            self._give(wid, {"task_id": wid, **TASK})
 
     def release(self) -> None:
         self.stopping = True
         for wid in range(self.workers):
-            polls = self.parked.get(wid)
-            if polls:
-                polls.popleft().answer("stop")
-            elif wid in self.queues:
-                self.queues[wid].put_nowait("stop")  # type: ignore[arg-type]
+            self._give(wid, "stop")
+
+    def _give(self, wid: int, reply: Any) -> None:
+        """``reply`` to client ``wid``'s open poll, whichever kind it is."""
+        polls = self.parked.get(wid)
+        if polls:
+            polls.popleft().answer(reply)
+        elif wid in self.queues:
+            self.queues[wid].put_nowait(reply)
 
 
 async def clients(endpoint: str, workers: int) -> None:
