@@ -9,11 +9,19 @@ JSON line: per setting, the samples/s and the controller's CPU µs per trained s
 run, their medians, and the leases granted in the last run with it on.
 
     python bench/node_dispatch.py [--workers 256] [--agents 4] [--rounds 2] [--steps 2]
+
+``--polls 8,128,512`` measures instead what a task costs the agent's hand-out with that many of
+its workers' polls waiting (`LocalDispatch`, each poll a coroutine as the agent's server runs
+it; no sockets): leases of one task each, the agent's CPU µs a task
+(``agent_us_per_task_<N>_polls``, the best of ``--rounds``), and its ratio between the most
+and the fewest polls (``agent_task_cost_ratio``: ~1 when a grant wakes only the polls it has
+tasks for).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import statistics
 import sys
@@ -30,6 +38,7 @@ from bench.capacity import workload
 from bench.runner import run_and_print
 from bench.scale import started_with_agents
 from flowrl.logs import configure
+from flowrl.node_dispatch import LocalDispatch
 
 
 async def measure(workers: int, agents: int, steps: int, node_dispatch: bool) -> dict[str, Any]:
@@ -68,16 +77,71 @@ async def main_async(workers: int, agents: int, rounds: int, steps: int) -> dict
     return out
 
 
+STAGE = "reward"
+
+
+async def hand_out_cpu_us(polls: int, tasks: int) -> float:
+    """The agent's CPU µs a task with ``polls`` workers' polls waiting, a lease of one task at
+    a time; every task reaches exactly one worker, which reports it and polls again."""
+    agent = LocalDispatch("bench")
+    agent.joined(1)
+    taken: list[int] = []
+
+    async def worker(wid: str) -> None:
+        while True:
+            msg = await agent.take(wid, STAGE, 600.0)
+            if msg is not None:
+                taken.append(msg["task_id"])
+                agent.done(wid, {"worker_id": wid, "task_id": msg["task_id"], "fields": {},
+                                 "lengths": [], "version": None, "metrics": {}})
+
+    workers = [asyncio.create_task(worker(f"w{i}")) for i in range(polls)]
+    await asyncio.sleep(0)  # every poll waits
+    start = time.thread_time()
+    for i in range(tasks):
+        agent.add_lease({"lease": i, "epoch": 1, "stage": STAGE,
+                         "tasks": [{"task_id": i, "stage": STAGE, "rows": [i]}]})
+        await asyncio.sleep(0)  # the woken poll returns its task,
+        await asyncio.sleep(0)  # and its worker polls again
+    cpu = time.thread_time() - start
+    for w in workers:
+        w.cancel()
+    await asyncio.gather(*workers, return_exceptions=True)
+    if sorted(taken) != list(range(tasks)):
+        raise AssertionError(f"{len(taken)} tasks taken of {tasks}, or one taken twice")
+    return cpu / tasks * 1e6
+
+
+async def polls_async(counts: list[int], tasks: int, rounds: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"tasks": tasks, "rounds": rounds,
+                           "load_avg_1m": round(psutil.getloadavg()[0], 1)}
+    best: dict[int, float] = {}
+    for _ in range(rounds):  # the counts alternate, so each sees the same load
+        for n in counts:
+            us = await hand_out_cpu_us(n, tasks)
+            best[n] = min(best.get(n, us), us)
+    for n in counts:
+        out[f"agent_us_per_task_{n}_polls"] = round(best[n], 1)
+    out["agent_task_cost_ratio"] = round(best[max(counts)] / best[min(counts)], 2)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--workers", type=int, default=256)
     p.add_argument("--agents", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=2, help="off/on pairs")
+    p.add_argument("--rounds", type=int, default=2, help="off/on pairs (with --polls: rounds)")
     p.add_argument("--steps", type=int, default=2, help="measured steps per run")
+    p.add_argument("--polls", type=lambda t: [int(x) for x in t.split(",")], default=None,
+                   help="comma-separated numbers of waiting polls: the agent's hand-out alone")
+    p.add_argument("--tasks", type=int, default=2000, help="with --polls: tasks a measure")
     args = p.parse_args()
     configure(level="warning")
     start = time.perf_counter()
-    run_and_print(main_async(args.workers, args.agents, args.rounds, args.steps))
+    if args.polls:
+        run_and_print(polls_async(args.polls, args.tasks, args.rounds))
+    else:
+        run_and_print(main_async(args.workers, args.agents, args.rounds, args.steps))
     print(f"# {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
 

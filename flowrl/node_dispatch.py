@@ -132,7 +132,9 @@ class LocalDispatch:
         self._queues: dict[str, deque[int]] = {}
         self._tasks: dict[int, _Held] = {}  # queued or running, by task id
         self._by_worker: dict[str, dict[int, None]] = {}
-        self._ready: dict[str, asyncio.Event] = {}  # per stage: set when a task was queued
+        #: per stage, the polls waiting for a task, oldest first: a queued task goes to the
+        #: oldest, so a grant wakes as many polls as it has tasks, not every poll of the stage
+        self._waiting: dict[str, deque[tuple[str, asyncio.Future[m.TaskMsg | None]]]] = {}
         self._out = Reports(0)
         self._out_event = asyncio.Event()
 
@@ -162,26 +164,52 @@ class LocalDispatch:
         for msg in tasks:
             self._tasks[msg["task_id"]] = _Held(lease, msg)
             q.append(msg["task_id"])
-        self._ready.setdefault(stage, asyncio.Event()).set()
+        self._serve(stage)
         return len(tasks)
 
     # ---- from this node's workers ----------------------------------------------------------
 
     async def take(self, worker: str, stage: str, wait_s: float) -> m.TaskMsg | None:
-        """A worker's long poll for a task of ``stage``: the next queued one, or None after
-        ``wait_s`` with none."""
-        q = self._queues.setdefault(stage, deque())
-        ready = self._ready.setdefault(stage, asyncio.Event())
+        """A worker's long poll for a task of ``stage``: the next queued one; else it waits
+        behind the stage's older polls for a task queued later, or None after ``wait_s``."""
+        q = self._queues.get(stage)
+        if q:
+            return self._hand(worker, q.popleft())
+        waiting = self._waiting.setdefault(stage, deque())
+        while waiting and waiting[0][1].done():  # expired since
+            waiting.popleft()
+        loop = asyncio.get_running_loop()
+        got: asyncio.Future[m.TaskMsg | None] = loop.create_future()
+        waiting.append((worker, got))
+        expiry = loop.call_later(wait_s, _expire, got)
         try:
-            async with asyncio.timeout(wait_s):
-                while not q:  # several pollers wake; the first takes the task
-                    ready.clear()
-                    await ready.wait()
-        except TimeoutError:
-            return None
-        held = self._tasks[q.popleft()]
+            return await got
+        except asyncio.CancelledError:
+            # Cancelled (the agent's server closes) after a task was handed to it: the task
+            # goes back to the head of the queue, not to a worker that never receives it.
+            msg = None if got.cancelled() else got.result()
+            held = None if msg is None else self._release(worker, msg["task_id"])
+            if held is not None:  # still its (not revoked meanwhile)
+                held.worker = None
+                self._tasks[held.msg["task_id"]] = held
+                self._queues[stage].appendleft(held.msg["task_id"])
+                self._serve(stage)
+            raise
+        finally:
+            expiry.cancel()
+
+    def _serve(self, stage: str) -> None:
+        """Queued tasks of ``stage`` to its waiting polls, oldest first."""
+        q, waiting = self._queues.get(stage), self._waiting.get(stage)
+        while q and waiting:
+            worker, got = waiting.popleft()
+            if not got.done():  # not expired, nor its poll cancelled
+                got.set_result(self._hand(worker, q.popleft()))
+
+    def _hand(self, worker: str, task_id: int) -> m.TaskMsg:
+        held = self._tasks[task_id]
         held.worker = worker
-        self._by_worker.setdefault(worker, {})[held.msg["task_id"]] = None
+        self._by_worker.setdefault(worker, {})[task_id] = None
         return held.msg
 
     def done(self, worker: str, report: m.DoneMsg) -> bool:
@@ -203,7 +231,12 @@ class LocalDispatch:
         return True
 
     def worker_gone(self, worker: str) -> list[int]:
-        """``worker`` died or left: the tasks it held go back to the controller."""
+        """``worker`` died or left: the tasks it held go back to the controller, and its polls
+        still waiting end with none (a task queued later goes to another worker)."""
+        for waiting in self._waiting.values():
+            for who, got in waiting:
+                if who == worker and not got.done():
+                    got.set_result(None)
         tids = list(self._by_worker.get(worker, ()))
         for tid in tids:
             self.failed(worker, tid)
@@ -280,6 +313,11 @@ class LocalDispatch:
     def _give_back(self, held: _Held) -> None:
         self._out.given_back.append((held.lease, held.msg["task_id"]))
         self._out_event.set()
+
+
+def _expire(got: asyncio.Future[m.TaskMsg | None]) -> None:
+    if not got.done():
+        got.set_result(None)
 
 
 def _parse_grant(grant: Any) -> tuple[int, int, str, list[m.TaskMsg]]:

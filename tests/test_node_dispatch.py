@@ -87,6 +87,47 @@ async def test_a_poll_waits_for_a_lease_and_each_task_goes_to_one_worker() -> No
     assert await agent.take("w3", STAGE, 0.01) is None
 
 
+async def test_a_grant_wakes_only_as_many_polls_as_it_has_tasks_oldest_first() -> None:
+    agent = LocalDispatch("a")
+    agent.joined(1)
+    expired = await agent.take("w0", STAGE, 0.0)  # waits behind no one, and expires
+    assert expired is None
+    polls = {w: asyncio.create_task(agent.take(w, STAGE, 30.0)) for w in ("w1", "w2", "w3", "w4")}
+    await asyncio.sleep(0)  # each poll waits, in this order
+    assert agent.worker_gone("w2") == []  # its poll ends with nothing, and takes nothing
+    await asyncio.sleep(0)
+    assert polls["w2"].done()
+    assert polls["w2"].result() is None
+    m1, m2 = two_tasks()
+    agent.add_lease(grant(7, 1, m1))
+    assert await polls["w1"] == m1
+    await asyncio.sleep(0)
+    assert not polls["w3"].done()  # not woken by a task not theirs
+    assert not polls["w4"].done()
+    agent.add_lease(grant(8, 1, m2))
+    assert await polls["w3"] == m2
+    await asyncio.sleep(0)
+    assert not polls["w4"].done()
+    polls["w4"].cancel()
+    assert agent.running() == 2
+
+
+async def test_a_poll_cancelled_after_it_was_handed_a_task_puts_the_task_back_first() -> None:
+    agent = LocalDispatch("a")
+    agent.joined(1)
+    poll = asyncio.create_task(agent.take("w1", STAGE, 30.0))
+    await asyncio.sleep(0)
+    m1, m2 = two_tasks()
+    agent.add_lease(grant(7, 1, m1, m2))  # m1 to the waiting poll, m2 queued
+    poll.cancel()  # before the poll's coroutine resumes with m1 (its server closed)
+    with pytest.raises(asyncio.CancelledError):
+        await poll
+    assert agent.running() == 0
+    assert agent.queued(STAGE) == 2
+    assert await agent.take("w2", STAGE, 1.0) == m1  # back at the head of the queue
+    assert not agent.done("w1", done_msg("w1", m1))  # w1 never held it
+
+
 async def test_a_report_counts_once_and_only_from_the_worker_holding_the_task() -> None:
     agent = LocalDispatch("a")
     agent.joined(3)
@@ -378,7 +419,7 @@ def test_reports_travel_and_malformed_ones_are_refused() -> None:
             Reports.from_wire(bad)
 
 
-async def test_a_poll_outliving_its_worker_gives_the_task_back() -> None:
+async def test_a_poll_outliving_its_worker_takes_no_task() -> None:
     agent = LocalDispatch("a")
     agent.joined(1)
     api = DispatchApi(agent)
@@ -390,10 +431,22 @@ async def test_a_poll_outliving_its_worker_gives_the_task_back() -> None:
                                          "wait_s": 5.0}, b""))
     await asyncio.sleep(0)  # the poll waits
     assert api.forget("w1") == []
+    assert await poll is None  # ended with the worker
     m1, _ = two_tasks()
     agent.add_lease(grant(7, 1, m1))
+    assert agent.queued(STAGE) == 1  # for the node's other workers
+    # Forgotten after a task was handed to its poll, before the poll returned it: the task
+    # goes back to the controller, not to no one.
+    api.admit("w2", b"t" * 16, STAGE)
+    assert await get_task({"worker_id": "w2", "token": b"t" * 16, "wait_s": 5.0}, b"") == m1
+    poll = asyncio.create_task(get_task({"worker_id": "w2", "token": b"t" * 16,
+                                         "wait_s": 5.0}, b""))
+    await asyncio.sleep(0)  # the poll waits
+    m2 = two_tasks()[1]
+    agent.add_lease(grant(8, 1, m2))  # handed to the poll, which has not returned it yet
+    assert api.forget("w2") == [m1["task_id"], m2["task_id"]]
     assert await poll is None
-    assert agent.take_reports().given_back == [(7, m1["task_id"])]
+    assert agent.take_reports().given_back == [(7, m1["task_id"]), (8, m2["task_id"])]
 
 
 # ---- real workers, real sockets ------------------------------------------------------------
