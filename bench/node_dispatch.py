@@ -35,7 +35,7 @@ if __package__ in (None, ""):
 import psutil
 
 from bench.capacity import workload
-from bench.runner import run_and_print
+from bench.runner import int_list, run_and_print
 from bench.scale import started_with_agents
 from flowrl.logs import configure
 from flowrl.node_dispatch import LocalDispatch
@@ -132,7 +132,7 @@ def main() -> None:
     p.add_argument("--agents", type=int, default=4)
     p.add_argument("--rounds", type=int, default=2, help="off/on pairs (with --polls: rounds)")
     p.add_argument("--steps", type=int, default=2, help="measured steps per run")
-    p.add_argument("--polls", type=lambda t: [int(x) for x in t.split(",")], default=None,
+    p.add_argument("--polls", type=int_list(1, "numbers of polls"), default=None,
                    help="comma-separated numbers of waiting polls: the agent's hand-out alone")
     p.add_argument("--tasks", type=int, default=2000, help="with --polls: tasks a measure")
     args = p.parse_args()

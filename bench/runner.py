@@ -1,5 +1,5 @@
 """What benchmark scripts share: run the main coroutine and print its one JSON line, the
-library versions a figure was measured with, and the ``--seeds`` argument."""
+library versions a figure was measured with, and lists of integers as arguments (``--seeds``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import argparse
 import asyncio
 import json
 import platform
-from collections.abc import Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
 from flowrl.tiny_model import installed_versions
@@ -31,13 +31,20 @@ def library_versions(names: Iterable[str]) -> dict[str, str]:
     return {"python": platform.python_version(), **installed_versions(names)}
 
 
-def seed_list(text: str) -> list[int]:
-    """``--seeds 0,1,2``: comma-separated seeds, each >= 0 (an argparse ``type``)."""
-    try:
-        seeds = [int(s) for s in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}") from None
-    if not seeds or min(seeds) < 0:
-        raise argparse.ArgumentTypeError(f"expected seeds >= 0, got {text!r}")
-    return seeds
+def int_list(least: int, what: str) -> Callable[[str], list[int]]:
+    """An argparse ``type``: comma-separated integers, each >= ``least`` (``what`` they are,
+    for the error)."""
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(s) for s in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated integers, got {text!r}") from None
+        if not values or min(values) < least:
+            raise argparse.ArgumentTypeError(f"expected {what} >= {least}, got {text!r}")
+        return values
+    return parse
+
+
+#: ``--seeds 0,1,2``: comma-separated seeds, each >= 0
+seed_list = int_list(0, "seeds")

@@ -235,8 +235,8 @@ class LocalDispatch:
         still waiting end with none (a task queued later goes to another worker)."""
         for waiting in self._waiting.values():
             for who, got in waiting:
-                if who == worker and not got.done():
-                    got.set_result(None)
+                if who == worker:
+                    _expire(got)
         tids = list(self._by_worker.get(worker, ()))
         for tid in tids:
             self.failed(worker, tid)
@@ -316,6 +316,7 @@ class LocalDispatch:
 
 
 def _expire(got: asyncio.Future[m.TaskMsg | None]) -> None:
+    """End a waiting poll with no task (its wait is over, or its worker gone)."""
     if not got.done():
         got.set_result(None)
 
