@@ -15,7 +15,10 @@ its workers' polls waiting (`LocalDispatch`, each poll a coroutine as the agent'
 it; no sockets): leases of one task each, the agent's CPU µs a task
 (``agent_us_per_task_<N>_polls``, the best of ``--rounds``), and its ratio between the most
 and the fewest polls (``agent_task_cost_ratio``: ~1 when a grant wakes only the polls it has
-tasks for).
+tasks for). And the same for tasks that need the next policy version
+(``agent_us_per_versioned_task_<N>_polls``, ``agent_versioned_task_cost_ratio``): each round,
+one grant of a task per poll, which none of the waiting polls may run yet, then every worker's
+``served`` report of that version in turn, each handing its worker a task.
 """
 
 from __future__ import annotations
@@ -112,17 +115,57 @@ async def hand_out_cpu_us(polls: int, tasks: int) -> float:
     return cpu / tasks * 1e6
 
 
+async def versioned_hand_out_cpu_us(polls: int, tasks: int) -> float:
+    """The agent's CPU µs a task with ``polls`` workers' polls waiting for tasks that need the
+    next version: a grant of one task per poll, then each worker's ``served`` of it in turn
+    (rollout tasks formed ahead of a version). Every task reaches exactly one worker."""
+    agent = LocalDispatch("bench")
+    agent.joined(1)
+    taken: list[int] = []
+    ids = [f"w{i}" for i in range(polls)]
+
+    async def worker(wid: str) -> None:
+        while True:
+            msg = await agent.take(wid, STAGE, 600.0)
+            if msg is not None:
+                taken.append(msg["task_id"])
+                agent.done(wid, {"worker_id": wid, "task_id": msg["task_id"], "fields": {},
+                                 "lengths": [], "version": None, "metrics": {}})
+
+    workers = [asyncio.create_task(worker(wid)) for wid in ids]
+    await asyncio.sleep(0)  # every poll waits
+    versions = -(-tasks // polls)
+    start = time.thread_time()
+    for v in range(1, versions + 1):
+        first = (v - 1) * polls
+        agent.add_lease({"lease": v, "epoch": 1, "stage": STAGE, "needs": [v] * polls,
+                         "tasks": [{"task_id": first + i, "stage": STAGE, "rows": [first + i]}
+                                   for i in range(polls)]})
+        for wid in ids:
+            agent.serving(wid, v)
+        await asyncio.sleep(0)  # the woken polls return their tasks,
+        await asyncio.sleep(0)  # and their workers poll again
+    cpu = time.thread_time() - start
+    for w in workers:
+        w.cancel()
+    await asyncio.gather(*workers, return_exceptions=True)
+    if sorted(taken) != list(range(versions * polls)):
+        raise AssertionError(f"{len(taken)} tasks taken of {versions * polls}, or one twice")
+    return cpu / (versions * polls) * 1e6
+
+
 async def polls_async(counts: list[int], tasks: int, rounds: int) -> dict[str, Any]:
     out: dict[str, Any] = {"tasks": tasks, "rounds": rounds,
                            "load_avg_1m": round(psutil.getloadavg()[0], 1)}
-    best: dict[int, float] = {}
-    for _ in range(rounds):  # the counts alternate, so each sees the same load
+    for kind, measure in (("task", hand_out_cpu_us), ("versioned_task", versioned_hand_out_cpu_us)):
+        best: dict[int, float] = {}
+        for _ in range(rounds):  # the counts alternate, so each sees the same load
+            for n in counts:
+                us = await measure(n, tasks)
+                best[n] = min(best.get(n, us), us)
         for n in counts:
-            us = await hand_out_cpu_us(n, tasks)
-            best[n] = min(best.get(n, us), us)
-    for n in counts:
-        out[f"agent_us_per_task_{n}_polls"] = round(best[n], 1)
-    out["agent_task_cost_ratio"] = round(best[max(counts)] / best[min(counts)], 2)
+            out[f"agent_us_per_{kind}_{n}_polls"] = round(best[n], 1)
+        out[f"agent_{kind}_cost_ratio"] = round(best[max(counts)] / best[min(counts)], 2)
     return out
 
 

@@ -294,6 +294,8 @@ class _Agent:
                          plaintext_reads=peer.plaintext_endpoint)
                 self.leases = await AgentLink.join(  # before any spawn: workers need its endpoint
                     self.node, self._call, ipc_endpoint(self.run_id, f"tasks-{self.node}"))
+                if self.leases is not None:
+                    relay.on_served = self.leases.api.served
                 try:
                     async with asyncio.TaskGroup() as tg:
                         tasks = [tg.create_task(self._poll()), tg.create_task(self._report()),

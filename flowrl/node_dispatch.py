@@ -63,7 +63,8 @@ OP_LEASE_REPORT = "lease_report"
 
 
 class MalformedLease(ValueError):
-    """A lease grant that is not ``{lease: int, epoch: int, stage: str, tasks: [TaskMsg]}``."""
+    """A lease grant that is not ``{lease: int, epoch: int, stage: str, tasks: [TaskMsg]}``
+    (with ``needs: [int]``, one per task, where tasks need a policy version)."""
 
 
 @dataclass
@@ -121,6 +122,8 @@ class Reports:
 class _Held:
     lease: int
     msg: m.TaskMsg
+    #: the oldest policy version a worker may run it under (0: any)
+    need: int = 0
     worker: str | None = None  # None while queued
 
 
@@ -137,6 +140,10 @@ class LocalDispatch:
         self._waiting: dict[str, deque[tuple[str, asyncio.Future[m.TaskMsg | None]]]] = {}
         self._out = Reports(0)
         self._out_event = asyncio.Event()
+        #: the policy version each worker serves (its ``served`` reports; 0 until one came)
+        self._versions: dict[str, int] = {}
+        #: each worker's waiting polls, with their stage (a new version serves them at once)
+        self._polls: dict[str, dict[asyncio.Future[m.TaskMsg | None], str]] = {}
 
     def joined(self, epoch: int) -> None:
         """The controller (re)admitted this agent: anything held under an earlier epoch was
@@ -154,18 +161,31 @@ class LocalDispatch:
     def add_lease(self, grant: Any) -> int:
         """Queue a lease's tasks for this node's workers; the number queued. A grant of another
         epoch (sent to an earlier incarnation) is ignored: the controller took it back."""
-        lease, epoch, stage, tasks = _parse_grant(grant)
+        lease, epoch, stage, tasks, needs = _parse_grant(grant)
         if epoch != self.epoch:
             return 0
         q = self._queues.setdefault(stage, deque())
         for msg in tasks:
             if msg["task_id"] in self._tasks:
                 raise MalformedLease(f"task {msg['task_id']} is held here already")
-        for msg in tasks:
-            self._tasks[msg["task_id"]] = _Held(lease, msg)
+        for msg, need in zip(tasks, needs, strict=True):
+            self._tasks[msg["task_id"]] = _Held(lease, msg, need)
             q.append(msg["task_id"])
         self._serve(stage)
         return len(tasks)
+
+    def serving(self, worker: str, version: int) -> None:
+        """``worker`` now serves policy ``version`` (its ``served`` report, or its version when
+        admitted): its waiting polls get the tasks that version may run. A version never goes
+        back: a late report of an older one changes nothing."""
+        if version <= self._versions.get(worker, -1):
+            return
+        self._versions[worker] = version
+        for got, stage in list(self._polls.get(worker, {}).items()):
+            q = self._queues.get(stage)
+            if not got.done() and q and (tid := self._first_for(q, version)) is not None:
+                got.set_result(self._hand(worker, tid))  # its entry in the stage's line
+                # of polls is dropped when the line reaches it
 
     # ---- from this node's workers ----------------------------------------------------------
 
@@ -173,14 +193,16 @@ class LocalDispatch:
         """A worker's long poll for a task of ``stage``: the next queued one; else it waits
         behind the stage's older polls for a task queued later, or None after ``wait_s``."""
         q = self._queues.get(stage)
-        if q:
-            return self._hand(worker, q.popleft())
+        if q and (tid := self._first_for(q, self._versions.get(worker, 0))) is not None:
+            return self._hand(worker, tid)
         waiting = self._waiting.setdefault(stage, deque())
         while waiting and waiting[0][1].done():  # expired since
             waiting.popleft()
         loop = asyncio.get_running_loop()
         got: asyncio.Future[m.TaskMsg | None] = loop.create_future()
         waiting.append((worker, got))
+        mine = self._polls.setdefault(worker, {})
+        mine[got] = stage
         expiry = loop.call_later(wait_s, _expire, got)
         try:
             return await got
@@ -197,14 +219,41 @@ class LocalDispatch:
             raise
         finally:
             expiry.cancel()
+            del mine[got]
+            if not mine and self._polls.get(worker) is mine:
+                del self._polls[worker]
 
     def _serve(self, stage: str) -> None:
-        """Queued tasks of ``stage`` to its waiting polls, oldest first."""
+        """Queued tasks of ``stage`` to its waiting polls, oldest poll first, each the oldest
+        task its worker's version may run. A poll that may run none keeps its place."""
         q, waiting = self._queues.get(stage), self._waiting.get(stage)
+        if not q or not waiting:
+            return
+        kept: deque[tuple[str, asyncio.Future[m.TaskMsg | None]]] = deque()
+        least = min(self._tasks[t].need for t in q)  # only grows as tasks go: a safe bound
         while q and waiting:
             worker, got = waiting.popleft()
-            if not got.done():  # not expired, nor its poll cancelled
-                got.set_result(self._hand(worker, q.popleft()))
+            if got.done():  # expired, or its poll cancelled
+                continue
+            version = self._versions.get(worker, 0)
+            tid = self._first_for(q, version) if version >= least else None
+            if tid is None:
+                kept.append((worker, got))
+            else:
+                got.set_result(self._hand(worker, tid))
+        waiting.extendleft(reversed(kept))
+
+    def _first_for(self, q: deque[int], version: int) -> int | None:
+        """Take the oldest queued task that a worker serving ``version`` may run, if any.
+        Tasks queue in the order leased, the oldest steps first, so it is the head but for a
+        task given back to the controller and leased again."""
+        if self._tasks[q[0]].need <= version:
+            return q.popleft()
+        for i, tid in enumerate(q):
+            if self._tasks[tid].need <= version:
+                del q[i]
+                return tid
+        return None
 
     def _hand(self, worker: str, task_id: int) -> m.TaskMsg:
         held = self._tasks[task_id]
@@ -233,10 +282,9 @@ class LocalDispatch:
     def worker_gone(self, worker: str) -> list[int]:
         """``worker`` died or left: the tasks it held go back to the controller, and its polls
         still waiting end with none (a task queued later goes to another worker)."""
-        for waiting in self._waiting.values():
-            for who, got in waiting:
-                if who == worker:
-                    _expire(got)
+        for got in list(self._polls.get(worker, ())):
+            _expire(got)
+        self._versions.pop(worker, None)
         tids = list(self._by_worker.get(worker, ()))
         for tid in tids:
             self.failed(worker, tid)
@@ -321,7 +369,7 @@ def _expire(got: asyncio.Future[m.TaskMsg | None]) -> None:
         got.set_result(None)
 
 
-def _parse_grant(grant: Any) -> tuple[int, int, str, list[m.TaskMsg]]:
+def _parse_grant(grant: Any) -> tuple[int, int, str, list[m.TaskMsg], list[int]]:
     if not isinstance(grant, dict):
         raise MalformedLease(f"a lease grant is a mapping, got {type(grant).__name__}")
     lease, epoch, stage, tasks = (grant.get(k) for k in ("lease", "epoch", "stage", "tasks"))
@@ -333,7 +381,12 @@ def _parse_grant(grant: Any) -> tuple[int, int, str, list[m.TaskMsg]]:
         if (not isinstance(t, dict) or type(t.get("task_id")) is not int
                 or t.get("stage") != stage or not isinstance(t.get("rows"), list)):
             raise MalformedLease(f"a leased task must be a task message of stage {stage!r}")
-    return lease, epoch, stage, tasks
+    needs = grant.get("needs", [0] * len(tasks))
+    if (not isinstance(needs, list) or len(needs) != len(tasks)
+            or not all(type(v) is int and v >= 0 for v in needs)):
+        raise MalformedLease("a lease grant's 'needs' lists one policy version (an integer "
+                             ">= 0) per task")
+    return lease, epoch, stage, tasks, needs
 
 
 class DispatchApi:
@@ -347,8 +400,17 @@ class DispatchApi:
         self.dispatch = dispatch
         self._workers: dict[str, tuple[bytes, str]] = {}  # id -> (token, stage)
 
-    def admit(self, worker_id: str, token: bytes, stage: str) -> None:
+    def admit(self, worker_id: str, token: bytes, stage: str, version: int = 0) -> None:
+        """Serve ``worker_id`` (its token, its stage, the policy version it registered with)."""
         self._workers[worker_id] = (token, stage)
+        self.dispatch.serving(worker_id, version)
+
+    def served(self, worker_id: str, token: bytes, version: int) -> None:
+        """A worker's ``served`` report (relayed by its node): tasks that need ``version`` may
+        go to it now. Ignored unless it is from a worker served here, with its token."""
+        known = self._workers.get(worker_id)
+        if known is not None and hmac.compare_digest(token, known[0]):
+            self.dispatch.serving(worker_id, version)
 
     def forget(self, worker_id: str) -> list[int]:
         """The worker is gone: the tasks it held go back to the controller."""
@@ -496,8 +558,10 @@ class AgentLink:
             return
         for cmd in reply.get("admit", ()):
             wid, token, stage = (cmd.get(k) for k in ("worker_id", "token", "stage"))
-            if type(wid) is str and type(token) is bytes and type(stage) is str:
-                self.api.admit(wid, token, stage)
+            version = cmd.get("version", 0)
+            if (type(wid) is str and type(token) is bytes and type(stage) is str
+                    and type(version) is int):
+                self.api.admit(wid, token, stage, version)
         for grant in reply.get("grant", ()):
             try:
                 self.dispatch.add_lease(grant)

@@ -99,6 +99,9 @@ class NodeRelay:
         self.served = ""
         #: ``node_served`` requests sent (tests and benchmarks read it)
         self.sent = 0
+        #: told each well-formed ``served`` report as it comes (worker id, token, version):
+        #: the node's local dispatch learns its workers' versions before the controller does
+        self.on_served: Callable[[str, bytes, int], None] | None = None
 
     async def start(self, timeout: float) -> None:  # noqa: ASYNC109 (Subscriber.join's)
         """Join the controller's broadcasts first, then listen: a worker that joins the relay
@@ -139,6 +142,8 @@ class NodeRelay:
             raise ValueError("too many served reports waiting")  # only a flood gets here
         self._pending[p["worker_id"]] = entry
         self._wake.set()
+        if self.on_served is not None:
+            self.on_served(p["worker_id"], p["token"], p["version"])
         return {"ok": True}
 
     async def _heartbeat(self, p: Any, peer: bytes) -> dict[str, Any]:

@@ -1,5 +1,6 @@
-"""`bench/node_dispatch.py --polls`: every task reaches exactly one waiting poll, and a figure
-is printed for each number of polls (the figures are bench/README.md's, not a test's)."""
+"""`bench/node_dispatch.py --polls`: every task reaches exactly one waiting poll, tasks that
+need a version as well, and a figure is printed for each number of polls (the figures are
+bench/README.md's, not a test's)."""
 
 from __future__ import annotations
 
@@ -14,3 +15,6 @@ async def test_the_polls_mode_gives_a_cost_per_task_for_each_count() -> None:
     assert out["agent_us_per_task_4_polls"] > 0
     assert out["agent_us_per_task_64_polls"] > 0
     assert out["agent_task_cost_ratio"] > 0
+    assert out["agent_us_per_versioned_task_4_polls"] > 0
+    assert out["agent_us_per_versioned_task_64_polls"] > 0
+    assert out["agent_versioned_task_cost_ratio"] > 0

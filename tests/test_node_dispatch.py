@@ -206,6 +206,80 @@ async def test_a_grant_to_an_earlier_epoch_is_ignored_and_a_malformed_one_refuse
     assert agent.take_reports().held == []
 
 
+def tasks(n: int) -> list[m.TaskMsg]:
+    ix = Index(graph())
+    ix.add_group(MICRO_BATCH * n, fields={"response": list(range(MICRO_BATCH * n))})
+    return [task_msg(t) for t in (ix.request(STAGE) for _ in range(n)) if t is not None]
+
+
+def versioned(lease: int, epoch: int, *needed: tuple[m.TaskMsg, int]) -> dict[str, object]:
+    """A grant of tasks that each need a policy version (rollout tasks formed ahead)."""
+    return {**grant(lease, epoch, *(msg for msg, _ in needed)), "needs": [v for _, v in needed]}
+
+
+async def test_a_task_that_needs_a_version_goes_only_to_a_worker_serving_it() -> None:
+    agent = LocalDispatch("a")
+    agent.joined(1)
+    agent.serving("old", 1)
+    agent.serving("new", 2)
+    m1, m2, m3, m4, m5, m6 = tasks(6)
+    old = asyncio.create_task(agent.take("old", STAGE, 30.0))
+    new = asyncio.create_task(agent.take("new", STAGE, 30.0))
+    await asyncio.sleep(0)  # both wait, "old" first
+    agent.add_lease(versioned(7, 1, (m1, 2)))
+    assert await new == m1  # the older poll keeps its place: it may not run m1
+    await asyncio.sleep(0)
+    assert not old.done()
+    agent.add_lease(versioned(8, 1, (m2, 1)))
+    assert await old == m2
+    # A queued task that needs a version later than the queue's next: taken past it.
+    agent.add_lease(versioned(9, 1, (m3, 3), (m4, 1)))
+    assert await agent.take("old", STAGE, 0.0) == m4
+    assert await agent.take("new", STAGE, 0.0) is None  # m3 needs version 3
+    assert agent.queued(STAGE) == 1
+    # The poll of a worker waiting for its version gets the task once it serves it; a late
+    # report of an older version changes nothing.
+    poll = asyncio.create_task(agent.take("old", STAGE, 30.0))
+    await asyncio.sleep(0)
+    agent.serving("old", 3)
+    assert await poll == m3
+    agent.serving("old", 2)
+    agent.add_lease(versioned(10, 1, (m5, 3)))
+    assert await agent.take("old", STAGE, 0.0) == m5
+    # A worker gone is forgotten with its version: one that comes back with that id (a new
+    # process) starts at what it registers with.
+    agent.worker_gone("old")
+    agent.add_lease(versioned(11, 1, (m6, 3)))
+    assert await agent.take("old", STAGE, 0.0) is None
+
+
+async def test_a_grant_of_malformed_needs_is_refused_whole() -> None:
+    agent = LocalDispatch("a")
+    agent.joined(1)
+    m1, m2 = two_tasks()
+    for needs in ([1], [1, -1], [1, "2"], {"a": 1}, [1, 2, 3]):
+        with pytest.raises(MalformedLease, match="'needs'"):
+            agent.add_lease({**grant(7, 1, m1, m2), "needs": needs})
+    assert agent.queued() == 0
+
+
+async def test_only_a_served_report_with_the_workers_token_moves_its_version() -> None:
+    agent = LocalDispatch("a")
+    agent.joined(1)
+    api = DispatchApi(agent)
+    api.admit("w1", b"token-1", STAGE, version=2)
+    (m1,) = tasks(1)
+    agent.add_lease(versioned(7, 1, (m1, 3)))
+    poll = asyncio.create_task(agent.take("w1", STAGE, 30.0))
+    await asyncio.sleep(0)
+    api.served("w1", b"token-2", 3)  # another's token
+    api.served("w2", b"token-1", 3)  # not a worker of this node
+    await asyncio.sleep(0)
+    assert not poll.done()
+    api.served("w1", b"token-1", 3)
+    assert await poll == m1
+
+
 # ---- runs: the controller's lease table, agents, workers -----------------------------------
 
 @dataclass

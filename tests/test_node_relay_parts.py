@@ -25,6 +25,7 @@ import structlog
 import zmq.asyncio
 
 from flowrl import messages as m
+from flowrl.node_dispatch import DispatchApi, LocalDispatch
 from flowrl.node_relay import NodeRelay
 from transport.endpoints import ipc_endpoint
 from transport.errors import DeadlineExceeded, RemoteError
@@ -289,3 +290,35 @@ async def test_a_refused_node_served_is_logged_not_resent_and_none_ends_the_repo
         # and a later turn of the event loop.
         assert script.calls.empty()
         assert relay.waiting == 1  # w3's report, kept and never sent
+
+
+@pytest.mark.timeout(60)
+async def test_a_served_report_reaches_the_nodes_local_dispatch_before_the_controller(
+        run_id: str, zmq_ctx: zmq.asyncio.Context) -> None:
+    """The agent's local dispatch learns a worker's version from the relay (`on_served`), so a
+    task leased ahead that needs that version goes to the worker before any ``node_served``
+    is answered; a report without a version never reaches it."""
+    script = Script()
+    dispatch = LocalDispatch(NODE)
+    dispatch.joined(1)
+    api = DispatchApi(dispatch)
+    api.admit("w1", b"token-w1", "rollout")
+    task: m.TaskMsg = {"task_id": 1, "stage": "rollout", "rows": [0], "groups": [0],
+                       "row_groups": [0], "inputs": {}, "params": {}}
+    dispatch.add_lease({"lease": 1, "epoch": 1, "stage": "rollout", "tasks": [task],
+                        "needs": [2]})
+    async with (relaying(run_id, zmq_ctx, script) as (_, relay),
+                RpcClient(relay.served, ctx=zmq_ctx, timeout=STEP) as workers):
+        relay.on_served = api.served
+        poll = asyncio.create_task(dispatch.take("w1", "rollout", STEP))
+        with pytest.raises(RemoteError, match="'version'"):
+            await workers.call(m.OP_SERVED, {**served("w1", 2), "version": "2"})
+        assert await workers.call(m.OP_SERVED, served("w1", 1)) == {"ok": True}
+        await asyncio.sleep(0)
+        assert not poll.done()  # version 1 may not run it
+        assert await workers.call(m.OP_SERVED, served("w1", 2)) == {"ok": True}
+        async with asyncio.timeout(STEP):
+            assert await poll == task
+        first = await script.next()  # the controller hears of it all the same
+        assert by_worker(first.payload["served"])["w1"][2] in (1, 2)
+        first.reply({"ok": True, "served": 1})

@@ -137,7 +137,8 @@ class NodeLeases:
         self.registry.lease_out(info)
         node.slots[stage.name] = (node.slots.get(stage.name, 0)
                                   + info.capacity * self.registry.tasks_per_slot)
-        cmd = {"worker_id": info.worker_id, "token": info.token, "stage": stage.name}
+        cmd = {"worker_id": info.worker_id, "token": info.token, "stage": stage.name,
+               "version": info.version}
         node.workers[info.worker_id] = cmd
         self._worker_node[info.worker_id] = node.name
         node.admit.append(cmd)
