@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import statistics
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -83,46 +85,11 @@ async def main_async(workers: int, agents: int, rounds: int, steps: int) -> dict
 STAGE = "reward"
 
 
-async def hand_out_cpu_us(polls: int, tasks: int) -> float:
-    """The agent's CPU µs a task with ``polls`` workers' polls waiting, a lease of one task at
-    a time; every task reaches exactly one worker, which reports it and polls again."""
-    agent = LocalDispatch("bench")
-    agent.joined(1)
+@contextlib.asynccontextmanager
+async def polling(agent: LocalDispatch, ids: list[str]) -> AsyncIterator[list[int]]:
+    """A worker of each id polling ``agent`` for tasks, reporting each at once and polling
+    again, every poll waiting when this enters; yields the ids of the tasks taken."""
     taken: list[int] = []
-
-    async def worker(wid: str) -> None:
-        while True:
-            msg = await agent.take(wid, STAGE, 600.0)
-            if msg is not None:
-                taken.append(msg["task_id"])
-                agent.done(wid, {"worker_id": wid, "task_id": msg["task_id"], "fields": {},
-                                 "lengths": [], "version": None, "metrics": {}})
-
-    workers = [asyncio.create_task(worker(f"w{i}")) for i in range(polls)]
-    await asyncio.sleep(0)  # every poll waits
-    start = time.thread_time()
-    for i in range(tasks):
-        agent.add_lease({"lease": i, "epoch": 1, "stage": STAGE,
-                         "tasks": [{"task_id": i, "stage": STAGE, "rows": [i]}]})
-        await asyncio.sleep(0)  # the woken poll returns its task,
-        await asyncio.sleep(0)  # and its worker polls again
-    cpu = time.thread_time() - start
-    for w in workers:
-        w.cancel()
-    await asyncio.gather(*workers, return_exceptions=True)
-    if sorted(taken) != list(range(tasks)):
-        raise AssertionError(f"{len(taken)} tasks taken of {tasks}, or one taken twice")
-    return cpu / tasks * 1e6
-
-
-async def versioned_hand_out_cpu_us(polls: int, tasks: int) -> float:
-    """The agent's CPU µs a task with ``polls`` workers' polls waiting for tasks that need the
-    next version: a grant of one task per poll, then each worker's ``served`` of it in turn
-    (rollout tasks formed ahead of a version). Every task reaches exactly one worker."""
-    agent = LocalDispatch("bench")
-    agent.joined(1)
-    taken: list[int] = []
-    ids = [f"w{i}" for i in range(polls)]
 
     async def worker(wid: str) -> None:
         while True:
@@ -134,23 +101,57 @@ async def versioned_hand_out_cpu_us(polls: int, tasks: int) -> float:
 
     workers = [asyncio.create_task(worker(wid)) for wid in ids]
     await asyncio.sleep(0)  # every poll waits
+    try:
+        yield taken
+    finally:
+        for w in workers:
+            w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+
+
+def each_once(taken: list[int], tasks: int) -> None:
+    if sorted(taken) != list(range(tasks)):
+        raise AssertionError(f"{len(taken)} tasks taken of {tasks}, or one taken twice")
+
+
+async def hand_out_cpu_us(polls: int, tasks: int) -> float:
+    """The agent's CPU µs a task with ``polls`` workers' polls waiting, a lease of one task at
+    a time; every task reaches exactly one worker, which reports it and polls again."""
+    agent = LocalDispatch("bench")
+    agent.joined(1)
+    async with polling(agent, [f"w{i}" for i in range(polls)]) as taken:
+        start = time.thread_time()
+        for i in range(tasks):
+            agent.add_lease({"lease": i, "epoch": 1, "stage": STAGE,
+                             "tasks": [{"task_id": i, "stage": STAGE, "rows": [i]}]})
+            await asyncio.sleep(0)  # the woken poll returns its task,
+            await asyncio.sleep(0)  # and its worker polls again
+        cpu = time.thread_time() - start
+    each_once(taken, tasks)
+    return cpu / tasks * 1e6
+
+
+async def versioned_hand_out_cpu_us(polls: int, tasks: int) -> float:
+    """The agent's CPU µs a task with ``polls`` workers' polls waiting for tasks that need the
+    next version: a grant of one task per poll, then each worker's ``served`` of it in turn
+    (rollout tasks formed ahead of a version). Every task reaches exactly one worker."""
+    agent = LocalDispatch("bench")
+    agent.joined(1)
+    ids = [f"w{i}" for i in range(polls)]
     versions = -(-tasks // polls)
-    start = time.thread_time()
-    for v in range(1, versions + 1):
-        first = (v - 1) * polls
-        agent.add_lease({"lease": v, "epoch": 1, "stage": STAGE, "needs": [v] * polls,
-                         "tasks": [{"task_id": first + i, "stage": STAGE, "rows": [first + i]}
-                                   for i in range(polls)]})
-        for wid in ids:
-            agent.serving(wid, v)
-        await asyncio.sleep(0)  # the woken polls return their tasks,
-        await asyncio.sleep(0)  # and their workers poll again
-    cpu = time.thread_time() - start
-    for w in workers:
-        w.cancel()
-    await asyncio.gather(*workers, return_exceptions=True)
-    if sorted(taken) != list(range(versions * polls)):
-        raise AssertionError(f"{len(taken)} tasks taken of {versions * polls}, or one twice")
+    async with polling(agent, ids) as taken:
+        start = time.thread_time()
+        for v in range(1, versions + 1):
+            first = (v - 1) * polls
+            agent.add_lease({"lease": v, "epoch": 1, "stage": STAGE, "needs": [v] * polls,
+                             "tasks": [{"task_id": first + i, "stage": STAGE,
+                                        "rows": [first + i]} for i in range(polls)]})
+            for wid in ids:
+                agent.serving(wid, v)
+            await asyncio.sleep(0)  # the woken polls return their tasks,
+            await asyncio.sleep(0)  # and their workers poll again
+        cpu = time.thread_time() - start
+    each_once(taken, versions * polls)
     return cpu / (versions * polls) * 1e6
 
 
