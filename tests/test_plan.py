@@ -228,12 +228,13 @@ class CoreShare:
         return max(1.0, mean / (os.cpu_count() or 1))
 
 
-#: tries of a prediction against its run before the test says the planner is wrong
-TRIES = 3
+#: tries of a prediction against its run before the test says the planner is wrong: under
+#: the worst load measured, a third of the pairs at max_staleness 0 missed (see the test)
+TRIES = 5
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 def test_a_replayed_trace_predicts_a_run_under_another_staleness(tmp_path: Path) -> None:
     """Recorded at max_staleness 1, predicted at 0 and checked against a run at 0: within 25%
     (the replay draws the recorded times; the run draws its own from the cost model), and the
@@ -244,9 +245,10 @@ def test_a_replayed_trace_predicts_a_run_under_another_staleness(tmp_path: Path)
     less) one than the other is not compared (and says so); the test is skipped if no try
     could be. Under outside load that comes and goes, one pair is not enough either: each
     step of a synchronous run waits on a dozen hand-offs, and a burst of load during one run
-    and not the other moved a prediction by 29% and by 46% with the mean load of both within
-    18% of each other (five busy loops switched on and off at random, beside two default
-    jobs).
+    and not the other moves a prediction. With five busy loops switched on and off at random
+    beside two default jobs (load average ~10 on 2 cores), 3 of the 9 pairs at max_staleness 0
+    that the guard let through were 29-46% off, the mean load of both within 19% of each
+    other; at 1, none of 9. Beside two default jobs alone, 16 of 16 were within 15%.
     So a prediction gets `TRIES` tries (at 0, each a new run and its replay back to back; at
     1, a new replay of the recorded run), and fails only if every try it could compare missed:
     a planner that is wrong misses them all."""
