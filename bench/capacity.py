@@ -39,11 +39,12 @@ the workers on these shared cores: the tail a controller with a core of its own 
 ``dispatch_pass_max_tasks_1024w``: the most tasks one pass handed out
 (`Controller.dispatch_pass_tasks`); ``version_wait_p50_us_1024w`` /
 ``version_wait_p99_us_1024w``: from the moment the controller takes a rollout worker's
-``served`` entry (the worker idle, a task formed ahead waiting that it may take) to a task in
-that worker's mailbox, in wall time (`Controller.version_wait_us`): the rest of its node's
-gathered report and its place in the pass included. The reply itself leaves after that turn of
-the event loop, with every other poll answered in it (`transport.rpc.Parked.answer`), so the
-worker waits for the rest of the pass and the encoding of the replies before its own as well;
+``served`` entry (the worker idle, a task formed ahead waiting that it may take) to the reply
+carrying its task handed to the socket, in wall time (`Controller.version_wait_us`): the rest
+of its node's gathered report, the pass, and the replies sent before its own included (a reply
+leaves after the turn of the event loop that answered it, with every other one answered in it:
+`transport.rpc.Parked.sent`). Until 2026-12-04 it ended at the task's place in the worker's
+mailbox, which left out the rest of the pass and the replies;
 ``controller_rss_mb``: the controller process's resident memory after the 1,024-worker run, and
 ``controller_rss_growth_mb`` over what it held before starting.
 

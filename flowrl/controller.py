@@ -199,9 +199,10 @@ class Controller:
         #: `dispatch_us` is its place in its pass, so the largest passes set its tail
         self.dispatch_pass_tasks: collections.deque[int] = collections.deque(maxlen=100_000)
         #: µs from an idle rollout worker's `served` report (its entry applied), when a task
-        #: formed ahead waited that it may take, to a task in its mailbox: what a worker that
-        #: loaded a version waits for the controller, the report's other entries included
-        #: (`dispatch_us` starts at the pass they run)
+        #: formed ahead waited that it may take, to the reply carrying that task sent: what a
+        #: worker that loaded a version waits for the controller, the report's other entries,
+        #: the pass and the replies sent before its own included (`dispatch_us` starts at the
+        #: pass and ends at the task's place in it)
         self.version_wait_us: collections.deque[float] = collections.deque(maxlen=100_000)
         self._idle_since: dict[str, float] = {}  # such a worker -> when it said served
         self.errors: collections.deque[dict[str, Any]] = collections.deque(maxlen=50)
@@ -572,8 +573,11 @@ class Controller:
         self._pass_sent += 1
         since = self._idle_since.pop(w.worker_id, None)
         if since is not None and a.task.stage == self.scheduler.source.name:
-            self.version_wait_us.append((time.perf_counter() - since) * 1e6)
-        self.api.deliver(w.worker_id, a)
+            waits = self.version_wait_us
+            self.api.deliver(w.worker_id, a, lambda: waits.append(
+                (time.perf_counter() - since) * 1e6))
+        else:
+            self.api.deliver(w.worker_id, a)
 
     # ---- what workers report (`WorkerApi` calls these once a call passed its checks) -------
 

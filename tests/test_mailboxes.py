@@ -73,9 +73,12 @@ async def test_a_task_answers_the_oldest_open_poll_or_waits_for_the_next(
         await open_polls(2)
         a, b = assignment(assignments, me["worker_id"], 1), assignment(assignments,
                                                                        me["worker_id"], 2)
-        api.deliver(me["worker_id"], a)
+        sent: list[int] = []
+        api.deliver(me["worker_id"], a, lambda: sent.append(1))
         api.deliver(me["worker_id"], b)
+        assert sent == []  # told once the reply has left, not when it was decided
         assert (await first)["task_id"] == 1
+        assert sent == [1]
         assert (await second)["task_id"] == 2
         assert a.started_at  # taken as they were answered
         assert b.started_at
@@ -85,7 +88,8 @@ async def test_a_task_answers_the_oldest_open_poll_or_waits_for_the_next(
             assert await poll(0.0) is None
         assert len(api._mailboxes[me["worker_id"]].polls) <= 1  # what this test is about
         c = assignment(assignments, me["worker_id"], 3)
-        api.deliver(me["worker_id"], c)
+        api.deliver(me["worker_id"], c, lambda: sent.append(3))
+        assert sent == [1, 3]  # queued: its worker's next poll takes it as it comes
         assert not c.started_at
         assert (await poll(STEP))["task_id"] == 3
         assert c.started_at

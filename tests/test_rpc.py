@@ -410,6 +410,43 @@ async def test_a_parked_poll_is_answered_later_or_expires_with_no_task(
         assert srv.statistics().long_polls == 0
 
 
+async def test_a_parked_polls_sent_callback_comes_after_its_reply_leaves(
+    run_id: str, zmq_ctx: zmq.asyncio.Context
+) -> None:
+    # `sent` is how long a caller really waited: not when the answer was decided (the reply
+    # leaves after that turn of the loop), and a callback that fails loses no other reply.
+    parked: list[Parked] = []
+    two = asyncio.Event()
+
+    def poll(payload: Any, peer: bytes) -> Any:
+        parked.append(Parked(STEP))
+        if len(parked) == 2:
+            two.set()
+        return parked[-1]
+
+    async with (
+        RpcServer(ipc_endpoint(run_id, "sent"), {"poll": poll}, ctx=zmq_ctx,
+                  long_polls={"poll"}) as srv,
+        RpcClient(srv.endpoint, ctx=zmq_ctx, timeout=STEP) as client,
+    ):
+        calls = [asyncio.ensure_future(client.call("poll", i)) for i in range(2)]
+        async with asyncio.timeout(STEP):
+            await two.wait()
+        order: list[str] = []
+
+        def fails() -> None:
+            order.append("first sent")
+            raise RuntimeError("a caller's bookkeeping failed")
+
+        parked[0].sent = fails
+        parked[1].sent = lambda: order.append("second sent")
+        parked[0].answer("a")
+        parked[1].answer("b")
+        order.append("answered")  # this turn goes on: nothing has left yet
+        assert await asyncio.gather(*calls) == ["a", "b"]
+        assert order == ["answered", "first sent", "second sent"]
+
+
 async def test_parked_polls_keep_the_budgets_and_end_with_the_server(
     run_id: str, zmq_ctx: zmq.asyncio.Context
 ) -> None:

@@ -108,7 +108,7 @@ class Parked:
     """
 
     __slots__ = ("_handler", "_open", "_peer", "_result", "_rid", "_server", "expired",
-                 "seconds")
+                 "seconds", "sent")
 
     def __init__(self, seconds: float, expired: Any = None) -> None:
         self.seconds = seconds
@@ -119,6 +119,9 @@ class Parked:
         self._rid = 0
         self._open = False
         self._result: Any = None
+        #: called once its reply has been handed to the socket (after the turn that answered
+        #: it): how long a caller really waited, where `answer` is only when it was decided
+        self.sent: Callable[[], None] | None = None
 
     @property
     def open(self) -> bool:
@@ -457,6 +460,12 @@ class RpcServer(Service):
                 frames = self._error(p._handler, p._rid, exc)
             p._result = None
             self._send(p._peer, frames)
+            if p.sent is not None:
+                sent, p.sent = p.sent, None
+                try:
+                    sent()
+                except Exception:  # a caller's bookkeeping: never the other replies
+                    log.exception("a parked poll's sent callback failed")
 
     def _unpoll(self, peer: bytes) -> None:
         self._polls_by_peer[peer] -= 1

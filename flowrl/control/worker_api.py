@@ -110,17 +110,23 @@ class WorkerApi:
 
     # ---- mailboxes -------------------------------------------------------------------------
 
-    def deliver(self, worker_id: str, a: Assignment) -> None:
-        """``a`` to its worker's oldest open poll, or queued for its next one."""
+    def deliver(self, worker_id: str, a: Assignment,
+                sent: Callable[[], None] | None = None) -> None:
+        """``a`` to its worker's oldest open poll, or queued for its next one. ``sent()`` once
+        the reply carrying it has left (`Parked.sent`); at once if it was queued (its worker's
+        poll is on its way, and takes it as it comes)."""
         box = self._mailboxes[worker_id]
         polls = box.polls
         while polls:
             poll = polls.popleft()
             if poll.open:  # not expired (answered "nothing"), its server not closed
                 a.started_at = time.time()
+                poll.sent = sent
                 poll.answer(a.message())
                 return
         box.tasks.append(a.message())
+        if sent is not None:
+            sent()
 
     def close_mailbox(self, worker_id: str) -> None:
         """The worker is gone: its open polls expire as they would (answered "nothing")."""
