@@ -61,13 +61,13 @@ def grant(lease: int, epoch: int, *msgs: m.TaskMsg) -> dict[str, object]:
     return {"lease": lease, "epoch": epoch, "stage": STAGE, "tasks": list(msgs)}
 
 
-def two_tasks() -> tuple[m.TaskMsg, m.TaskMsg]:
+def tasks(n: int) -> list[m.TaskMsg]:
+    """``n`` tasks of the stage, from one group of ``n`` micro-batches."""
     ix = Index(graph())
-    ix.add_group(6, fields={"response": list(range(6))})
-    t1, t2 = ix.request(STAGE), ix.request(STAGE)
-    assert t1 is not None
-    assert t2 is not None
-    return task_msg(t1), task_msg(t2)
+    ix.add_group(MICRO_BATCH * n, fields={"response": list(range(MICRO_BATCH * n))})
+    out = [ix.request(STAGE) for _ in range(n)]
+    assert all(t is not None for t in out)
+    return [task_msg(t) for t in out if t is not None]
 
 
 # ---- the agent side ------------------------------------------------------------------------
@@ -77,7 +77,7 @@ async def test_a_poll_waits_for_a_lease_and_each_task_goes_to_one_worker() -> No
     agent.joined(1)
     polls = [asyncio.create_task(agent.take(w, STAGE, 5.0)) for w in ("w1", "w2", "w3")]
     await asyncio.sleep(0)  # the polls start waiting (a lease queued first is taken as well)
-    m1, m2 = two_tasks()
+    m1, m2 = tasks(2)
     assert agent.add_lease(grant(7, 1, m1, m2)) == 2
     got = await asyncio.gather(*polls[:2])
     assert sorted(t["task_id"] for t in got if t is not None) == [m1["task_id"], m2["task_id"]]
@@ -98,7 +98,7 @@ async def test_a_grant_wakes_only_as_many_polls_as_it_has_tasks_oldest_first() -
     await asyncio.sleep(0)
     assert polls["w2"].done()
     assert polls["w2"].result() is None
-    m1, m2 = two_tasks()
+    m1, m2 = tasks(2)
     agent.add_lease(grant(7, 1, m1))
     assert await polls["w1"] == m1
     await asyncio.sleep(0)
@@ -117,7 +117,7 @@ async def test_a_poll_cancelled_after_it_was_handed_a_task_puts_the_task_back_fi
     agent.joined(1)
     poll = asyncio.create_task(agent.take("w1", STAGE, 30.0))
     await asyncio.sleep(0)
-    m1, m2 = two_tasks()
+    m1, m2 = tasks(2)
     agent.add_lease(grant(7, 1, m1, m2))  # m1 to the waiting poll, m2 queued
     poll.cancel()  # before the poll's coroutine resumes with m1 (its server closed)
     with pytest.raises(asyncio.CancelledError):
@@ -131,7 +131,7 @@ async def test_a_poll_cancelled_after_it_was_handed_a_task_puts_the_task_back_fi
 async def test_a_report_counts_once_and_only_from_the_worker_holding_the_task() -> None:
     agent = LocalDispatch("a")
     agent.joined(3)
-    m1, m2 = two_tasks()
+    m1, m2 = tasks(2)
     agent.add_lease(grant(7, 3, m1, m2))
     t = await agent.take("w1", STAGE, 1.0)
     assert t == m1
@@ -150,7 +150,7 @@ async def test_a_report_counts_once_and_only_from_the_worker_holding_the_task() 
 async def test_failed_tasks_and_a_dead_workers_tasks_go_back_to_the_controller() -> None:
     agent = LocalDispatch("a")
     agent.joined(1)
-    m1, m2 = two_tasks()
+    m1, m2 = tasks(2)
     agent.add_lease(grant(7, 1, m1, m2))
     await agent.take("w1", STAGE, 1.0)
     await agent.take("w2", STAGE, 1.0)
@@ -163,7 +163,7 @@ async def test_failed_tasks_and_a_dead_workers_tasks_go_back_to_the_controller()
 async def test_a_stopping_agent_gives_back_what_it_queued() -> None:
     agent = LocalDispatch("a")
     agent.joined(1)
-    m1, m2 = two_tasks()
+    m1, m2 = tasks(2)
     agent.add_lease(grant(7, 1, m1, m2))
     await agent.take("w1", STAGE, 1.0)
     assert agent.abandon() == [m2["task_id"]]
@@ -175,7 +175,7 @@ async def test_a_stopping_agent_gives_back_what_it_queued() -> None:
 async def test_a_revoked_lease_is_forgotten_queued_or_running() -> None:
     agent = LocalDispatch("a")
     agent.joined(1)
-    m1, m2 = two_tasks()
+    m1, m2 = tasks(2)
     agent.add_lease(grant(7, 1, m1, m2))
     await agent.take("w1", STAGE, 1.0)
     assert sorted(agent.revoked(7)) == sorted([m1["task_id"], m2["task_id"]])
@@ -189,7 +189,7 @@ async def test_a_revoked_lease_is_forgotten_queued_or_running() -> None:
 async def test_a_grant_to_an_earlier_epoch_is_ignored_and_a_malformed_one_refused() -> None:
     agent = LocalDispatch("a")
     agent.joined(2)
-    m1, m2 = two_tasks()
+    m1, m2 = tasks(2)
     assert agent.add_lease(grant(7, 1, m1)) == 0
     for bad in (None, {"lease": 1, "epoch": 2, "stage": STAGE, "tasks": []},
                 {"lease": "1", "epoch": 2, "stage": STAGE, "tasks": [m1]},
@@ -204,12 +204,6 @@ async def test_a_grant_to_an_earlier_epoch_is_ignored_and_a_malformed_one_refuse
     agent.joined(3)
     assert agent.queued() == 0
     assert agent.take_reports().held == []
-
-
-def tasks(n: int) -> list[m.TaskMsg]:
-    ix = Index(graph())
-    ix.add_group(MICRO_BATCH * n, fields={"response": list(range(MICRO_BATCH * n))})
-    return [task_msg(t) for t in (ix.request(STAGE) for _ in range(n)) if t is not None]
 
 
 def versioned(lease: int, epoch: int, *needed: tuple[m.TaskMsg, int]) -> dict[str, object]:
@@ -256,7 +250,7 @@ async def test_a_task_that_needs_a_version_goes_only_to_a_worker_serving_it() ->
 async def test_a_grant_of_malformed_needs_is_refused_whole() -> None:
     agent = LocalDispatch("a")
     agent.joined(1)
-    m1, m2 = two_tasks()
+    m1, m2 = tasks(2)
     for needs in ([1], [1, -1], [1, "2"], {"a": 1}, [1, 2, 3]):
         with pytest.raises(MalformedLease, match="'needs'"):
             agent.add_lease({**grant(7, 1, m1, m2), "needs": needs})
@@ -506,7 +500,7 @@ async def test_a_poll_outliving_its_worker_takes_no_task() -> None:
     await asyncio.sleep(0)  # the poll waits
     assert api.forget("w1") == []
     assert await poll is None  # ended with the worker
-    m1, _ = two_tasks()
+    m1, _ = tasks(2)
     agent.add_lease(grant(7, 1, m1))
     assert agent.queued(STAGE) == 1  # for the node's other workers
     # Forgotten after a task was handed to its poll, before the poll returned it: the task
@@ -516,7 +510,7 @@ async def test_a_poll_outliving_its_worker_takes_no_task() -> None:
     poll = asyncio.create_task(get_task({"worker_id": "w2", "token": b"t" * 16,
                                          "wait_s": 5.0}, b""))
     await asyncio.sleep(0)  # the poll waits
-    m2 = two_tasks()[1]
+    m2 = tasks(2)[1]
     agent.add_lease(grant(8, 1, m2))  # handed to the poll, which has not returned it yet
     assert api.forget("w2") == [m1["task_id"], m2["task_id"]]
     assert await poll is None
