@@ -77,6 +77,11 @@ run (node agents, workers) on the rest (``pinned`` in the output): a core of the
 own, as on a cluster: no worker preempts a dispatch pass, so its wall time is its CPU time. The
 workers then have one core fewer, so the measured rates fall.
 
+``--node-dispatch``: the agents of the nodes other than the controller's dispatch their rollout
+and reward workers' tasks under leases (``PipelineSpec.node_dispatch``; ``node_dispatch`` in the
+output): the controller's node's workers are the only ones it hands tasks to, and its
+``version_wait`` figures are theirs.
+
 ``--profile FILE`` runs only the 1,024-worker shape, 4 measured steps under cProfile (the event
 loop's thread), writes the stats to FILE (`pstats`) and prints the calls that count messages:
 requests handled by kind, messages sent, function calls in all. Call counts do not depend on the
@@ -125,7 +130,8 @@ SHAPES = ((64, 1), (256, 4), (1024, 8))
 
 
 def workload(workers: int, agents: int, rollout_groups: int = 1,
-             episode_turns: int = 0) -> tuple[PipelineSpec, tuple[str, ...]]:
+             episode_turns: int = 0, node_dispatch: bool = False,
+             ) -> tuple[PipelineSpec, tuple[str, ...]]:
     """``workers`` in all (1/16 reward, one trainer, the rest rollout); rollout and reward
     spread over ``agents`` nodes (the controller's own first), one process per pool and node;
     the trainer on the controller's node. ``rollout_groups``: groups per rollout task;
@@ -146,7 +152,7 @@ def workload(workers: int, agents: int, rollout_groups: int = 1,
         group_size=GROUP, groups_per_step=GROUPS_PER_STEP, max_staleness=2, engine="sim",
         engine_config={**COST, **(episodes(episode_turns) if episode_turns else {})},
         store_capacity_bytes=512 << 20, heartbeat_s=1.0,
-        heartbeat_timeout_s=60.0,
+        heartbeat_timeout_s=60.0, node_dispatch=node_dispatch,
     ), nodes
 
 
@@ -193,8 +199,8 @@ def set_affinity(p: psutil.Process, cpus: list[int]) -> None:
 async def measure(workers: int, agents: int, steps: int, rollout_groups: int = 1,
                   profile: cProfile.Profile | None = None,
                   episode_turns: int = 0, workers_nice: int = 0,
-                  pinned: bool = False) -> dict[str, Any]:
-    spec, nodes = workload(workers, agents, rollout_groups, episode_turns)
+                  pinned: bool = False, node_dispatch: bool = False) -> dict[str, Any]:
+    spec, nodes = workload(workers, agents, rollout_groups, episode_turns, node_dispatch)
     me = psutil.Process()
     rss0 = me.memory_info().rss
     affinity = me.cpu_affinity()
@@ -238,14 +244,16 @@ async def measure(workers: int, agents: int, steps: int, rollout_groups: int = 1
 
 
 async def main_async(quick: bool, rollout_groups: int, episode_turns: int = 0,
-                     workers_nice: int = 0, pinned: bool = False) -> dict[str, Any]:
+                     workers_nice: int = 0, pinned: bool = False,
+                     node_dispatch: bool = False) -> dict[str, Any]:
     steps = 2 if quick else 8
     result: dict[str, Any] = {}
     runs = {}
     for workers, agents in SHAPES:
         r = runs[workers] = await measure(workers, agents, steps, rollout_groups,
                                           episode_turns=episode_turns,
-                                          workers_nice=workers_nice, pinned=pinned)
+                                          workers_nice=workers_nice, pinned=pinned,
+                                          node_dispatch=node_dispatch)
         result[f"samples_per_s_{workers}w"] = round(r["samples_per_s"], 1)
         result[f"cpu_us_per_sample_{workers}w"] = round(r["cpu_us_per_sample"], 1)
         result[f"controller_cpu_share_{workers}w"] = round(r["cpu_share"], 3)
@@ -272,6 +280,7 @@ async def main_async(quick: bool, rollout_groups: int, episode_turns: int = 0,
         "episode_turns": episode_turns,
         "workers_nice": workers_nice,
         "pinned": pinned,
+        "node_dispatch": node_dispatch,
         "steps": steps,
         "quick": quick,
     })
@@ -302,9 +311,11 @@ def profiled_counts(path: str) -> dict[str, Any]:
 
 
 async def profile_async(path: str, rollout_groups: int, episode_turns: int = 0,
-                        workers_nice: int = 0, pinned: bool = False) -> dict[str, Any]:
+                        workers_nice: int = 0, pinned: bool = False,
+                        node_dispatch: bool = False) -> dict[str, Any]:
     prof = cProfile.Profile()
-    r = await measure(1024, 8, 4, rollout_groups, prof, episode_turns, workers_nice, pinned)
+    r = await measure(1024, 8, 4, rollout_groups, prof, episode_turns, workers_nice, pinned,
+                      node_dispatch)
     prof.dump_stats(path)
     return {"samples": 4 * GROUPS_PER_STEP * GROUP,
             "cpu_us_per_sample_1024w": round(r["cpu_us_per_sample"], 1),
@@ -323,6 +334,9 @@ def main() -> None:
                    help="niceness of the node agents and workers (default 0: as started)")
     p.add_argument("--pin", action="store_true",
                    help="the controller on one CPU, the node agents and workers on the others")
+    p.add_argument("--node-dispatch", action="store_true",
+                   help="the agents of the nodes other than the controller's dispatch their "
+                        "workers' rollout and reward tasks under leases")
     args = p.parse_args()
     if not 1 <= args.rollout_groups <= GROUPS_PER_STEP:
         p.error(f"--rollout-groups must be 1..{GROUPS_PER_STEP}")
@@ -336,9 +350,10 @@ def main() -> None:
     nice = args.workers_nice
     if args.pin and len(psutil.Process().cpu_affinity()) < 2:
         p.error("--pin needs 2 CPUs or more")
-    run_and_print(profile_async(args.profile, args.rollout_groups, turns, nice, args.pin)
+    nd = args.node_dispatch
+    run_and_print(profile_async(args.profile, args.rollout_groups, turns, nice, args.pin, nd)
                   if args.profile else
-                  main_async(args.quick, args.rollout_groups, turns, nice, args.pin))
+                  main_async(args.quick, args.rollout_groups, turns, nice, args.pin, nd))
     print(f"# {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
 

@@ -3,10 +3,11 @@
 The same simulated near-zero-compute run as `capacity.py` (its `workload`: 1/16 of the workers
 reward, one trainer, the rest rollout, spread over the node agents), with
 ``PipelineSpec.node_dispatch`` off and on in turn, so both see the same machine load. With it on
-the agents of the nodes other than the controller's dispatch their reward workers' tasks under
-leases; rollout and train stay central (docs/architecture.md, node-local dispatch). Prints one
+the agents of the nodes other than the controller's dispatch their rollout and reward workers'
+tasks under leases; train stays central (docs/architecture.md, node-local dispatch). Prints one
 JSON line: per setting, the samples/s and the controller's CPU µs per trained sample of every
-run, their medians, and the leases granted in the last run with it on.
+run, their medians, and the tasks leased in the last run with it on (``tasks_leased_on``, of
+which rollout's: ``rollout_tasks_leased_on``).
 
     python bench/node_dispatch.py [--workers 256] [--agents 4] [--rounds 2] [--steps 2]
 
@@ -62,7 +63,8 @@ async def measure(workers: int, agents: int, steps: int, node_dispatch: bool) ->
         leases = ctl.node_leases
         return {"samples_per_s": round(out["samples_per_s"], 1),
                 "cpu_us_per_sample": round(cpu / out["samples"] * 1e6, 1),
-                "tasks_leased": None if leases is None else leases.tasks_leased}
+                "tasks_leased": None if leases is None else leases.tasks_leased,
+                "rollout_leased": None if leases is None else leases.rollout_leased}
 
 
 async def main_async(workers: int, agents: int, rounds: int, steps: int) -> dict[str, Any]:
@@ -80,6 +82,7 @@ async def main_async(workers: int, agents: int, rounds: int, steps: int) -> dict
         out[f"cpu_us_per_sample_{key}_median"] = round(
             statistics.median(out[f"cpu_us_per_sample_{key}"]), 1)
     out["tasks_leased_on"] = runs["on"][-1]["tasks_leased"]
+    out["rollout_tasks_leased_on"] = runs["on"][-1]["rollout_leased"]
     return out
 
 

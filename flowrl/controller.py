@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import secrets
 import time
 from collections.abc import Callable
@@ -124,9 +125,11 @@ class Controller:
         #: node-local dispatch (``spec.node_dispatch``); None: every task is dispatched here
         self.node_leases = None if not spec.node_dispatch else NodeLeases(
             self.graph, self.index, self.registry, self.assignments,
-            nodes=dispatching_nodes(spec, node), reported=self.task_reported,
-            failed=self.task_failed, give_back=self.scheduler.fail_task, wake=self._wake,
-            now=self._now)
+            nodes=dispatching_nodes(spec, node),
+            reported=functools.partial(self.task_reported, wake=False),
+            failed=functools.partial(self.task_failed, wake=False),
+            give_back=self.scheduler.fail_task, wake=self._wake,
+            now=self._now, scheduler=None if spec.colocated else self.scheduler)
         # Nodes other than this one (pools placed there): their agents meet us at `nodes`.
         remote = {n for p in spec.pools for n in p.nodes} - {node}
         self._hub = None if not remote else NodeHub(
@@ -410,6 +413,8 @@ class Controller:
             return
         self._paused = True
         self._drained_sent = False
+        # Rollout tasks leased ahead wait for a version a paused run does not reach.
+        self.scheduler.recall_leased()
         self.events.emit("paused", version=self.version, in_flight=len(self.assignments))
         self._check_drained()
         self._changed_now()
@@ -550,9 +555,11 @@ class Controller:
             self._log().exception("admission failed")
             self._fail_run(RunError(f"admission failed: {exc!r}"))
             return
-        if self.scheduler.formed_for(self.version):
+        if self.scheduler.formed_for(self.version) or (
+                admitted and self.scheduler.recall is not None):
             # A task it formed may go now: a worker loaded the version meanwhile, or the gate
-            # moved (a bound raised) and the chunk took groups of the gate's own steps. The
+            # moved (a bound raised) and the chunk took groups of the gate's own steps; or node
+            # agents take rollout tasks, which they hold until their workers may run them. The
             # pass may schedule the next chunk itself.
             self._wake()
         if admitted == ADMIT_AHEAD_CHUNK and not self._admitting_ahead:
@@ -598,14 +605,16 @@ class Controller:
         return {"worker_id": info.worker_id, "token": info.token, "version": self.version,
                 "weights": latest}
 
-    def task_reported(self, a: Assignment, report: TaskReport) -> None:
+    def task_reported(self, a: Assignment, report: TaskReport, *, wake: bool = True) -> None:
         """A task finished; its report was parsed. Checked against the task before anything
-        changes (`flowrl.control.reports` raises `MalformedReport`, which fails the task)."""
+        changes (`flowrl.control.reports` raises `MalformedReport`, which fails the task).
+        ``wake=False``: no dispatch pass (the caller runs one for a batch of reports)."""
         task = a.task
         if self.evaluation is not None and self.evaluation.owns(task.id):
             self._finish(a, ok=True)
             self.store_feed.free(self.evaluation.reported(task.id, report, time.perf_counter()))
-            self._wake()
+            if wake:
+                self._wake()
             return
         train = self.scheduler.is_train(task)
         check_report(report, task, self.graph.stage(task.stage), train=train)
@@ -625,9 +634,11 @@ class Controller:
                                           lengths=report.lengths or None)
             self.store_feed.free(retired)
             self.versions.stage_metrics.fold(task, report)
-        self._wake()
+        if wake:
+            self._wake()
 
-    def task_failed(self, a: Assignment, error: str) -> None:
+    def task_failed(self, a: Assignment, error: str, *, wake: bool = True) -> None:
+        """A task failed (``wake`` as in `task_reported`)."""
         self._finish(a, ok=False)
         task = a.task
         record = {"worker": a.worker, "stage": task.stage, "task": task.id,
@@ -651,7 +662,8 @@ class Controller:
                                                 f"{a.params.get('step')}: {error}")
         else:
             self.scheduler.fail_task(task.id)
-        self._wake()
+        if wake:
+            self._wake()
 
     def worker_serves(self, info: WorkerInfo, version: int, interrupted: int = 0,
                       continued: int = 0) -> None:
@@ -677,7 +689,7 @@ class Controller:
     def _serves(self, info: WorkerInfo, version: int, interrupted: int,
                 continued: int) -> None:
         info.version = version
-        if (not info.tasks and info.role == self.scheduler.source.role
+        if (not info.tasks and not info.leased and info.role == self.scheduler.source.role
                 and self.scheduler.formed_for(version)):
             self._idle_since[info.worker_id] = time.perf_counter()
         self.trace.served(info.worker_id, version, time.time())

@@ -111,6 +111,10 @@ class Registry:
         _take(self._open, info)
         _take(self._idle, info)
 
+    def open_count(self, role: str) -> int:
+        """How many of ``role``'s workers dispatched here have a free slot (O(versions))."""
+        return sum(len(bucket) for bucket in self._open.get(role, {}).values())
+
     def get(self, worker_id: str) -> WorkerInfo | None:
         return self._workers.get(worker_id)
 

@@ -255,6 +255,16 @@ class LeaseMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.open)
     @rule(data=st.data())
+    def revoked(self, data: st.DataObject) -> None:
+        """The controller takes a lease back (`NodeLeases.recall`): its open tasks, once."""
+        lid = self.open[data.draw(st.sampled_from(sorted(self.open)))]
+        back = self.leases.revoke(lid)
+        assert sorted(back) == sorted(t for t, held in self.open.items() if held == lid)
+        assert self.leases.revoke(lid) == []
+        self._fail_back(back)
+
+    @precondition(lambda self: self.open)
+    @rule(data=st.data())
     def renew(self, data: st.DataObject) -> None:
         tid = data.draw(st.sampled_from(sorted(self.open)))
         node, epoch, lid, _ = self.seen[tid]
@@ -281,6 +291,10 @@ class LeaseMachine(RuleBasedStateMachine):
         reward = stats.stages["reward"]
         assert reward.in_flight == sum(len(self.seen[t][3].rows) for t in self.open)
         assert reward.ready + reward.in_flight == stats.rows
+        # Each node's room is asked of counts kept as leases change: they match the leases.
+        for node in NODES:
+            assert self.leases.held(node, "reward") == sum(
+                1 for t in self.open if self.seen[t][0] == node)
 
     def teardown(self) -> None:
         # Finish the run: whatever is leased completes, the rest is leased to a fresh agent.
@@ -308,6 +322,22 @@ TestLeaseMachine.settings = settings(max_examples=150, stateful_step_count=40, d
                                      suppress_health_check=[HealthCheck.too_slow])
 
 
+def one_at_a_time(ready: int, room: dict[str, int]) -> dict[str, int]:
+    """What `split` computes, by its definition: each task to the node with the most room left
+    (ties: by name)."""
+    out: dict[str, int] = {}
+    left = {n: r for n, r in room.items() if r > 0}
+    for _ in range(ready):
+        if not left:
+            break
+        node = min(left, key=lambda n: (-left[n], n))
+        out[node] = out.get(node, 0) + 1
+        left[node] -= 1
+        if not left[node]:
+            del left[node]
+    return out
+
+
 def test_scarce_work_is_spread_over_the_nodes_by_their_room() -> None:
     assert split(3, {"a": 4, "b": 4, "c": 0}) == {"a": 2, "b": 1}
     assert split(5, {"a": 1, "b": 10}) == {"b": 5}
@@ -322,6 +352,7 @@ def test_scarce_work_is_spread_over_the_nodes_by_their_room() -> None:
 def test_a_split_never_exceeds_the_work_or_a_nodes_room_and_is_level(
         ready: int, room: dict[str, int]) -> None:
     out = split(ready, room)
+    assert out == one_at_a_time(ready, room)
     assert sum(out.values()) == min(ready, sum(max(0, r) for r in room.values()))
     assert all(0 < k <= room[n] for n, k in out.items())
     # Level: each task went to a node with the most room left at the time, so a node that got

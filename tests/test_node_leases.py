@@ -1,8 +1,11 @@
 """Node-local dispatch in real runs (``PipelineSpec.node_dispatch``): the controller leases reward
 tasks to the agents of nodes ``a`` and ``b`` (separate processes, each with its own store), whose
-reward workers poll their agent; rollout and train stay on the controller's node, dispatched
-centrally. A seeded run trains exactly the rows central dispatch trains, also when a leased
-worker is killed mid-task or leases expire under live agents."""
+reward workers poll their agent; train stays on the controller's node, dispatched centrally, and
+rollout too unless a rollout worker runs on ``a`` and ``b`` (`SPREAD`), whose agents then take
+rollout tasks formed ahead and hold each until its worker serves the version it needs. A seeded
+run trains exactly the rows central dispatch trains, also when a leased worker is killed
+mid-task or leases expire under live agents; a pause and a lowered staleness bound take back
+the rollout tasks held for the next version."""
 
 from __future__ import annotations
 
@@ -32,11 +35,18 @@ from transport.curve import CurveKeys
 STEPS = 3
 
 
-def spec(*, node_dispatch: bool, reward_token_s: float = 0.0) -> PipelineSpec:
+#: rollout on every node, one worker each: the agents of a and b dispatch their rollout tasks
+SPREAD = ("node0", "a", "b")
+
+
+def spec(*, node_dispatch: bool, reward_token_s: float = 0.0,
+         rollout_nodes: tuple[str, ...] = ()) -> PipelineSpec:
+    rollout = (PoolSpec("rollout", count=3, nodes=rollout_nodes) if rollout_nodes
+               else PoolSpec("rollout", count=2, per_process=2))
     return PipelineSpec(
         stages=grpo_stages(group_size=4, train_micro_groups=2),
         pools=(
-            PoolSpec("rollout", count=2, per_process=2),
+            rollout,
             PoolSpec("reward", count=2, nodes=("a", "b")),
             PoolSpec("train", count=1),
         ),
@@ -174,6 +184,81 @@ async def test_leases_expiring_under_live_agents_lose_no_row(tmp_path: Path) -> 
     assert ctl.node_leases.expired >= sum(expired)
     assert accounting(out, ctl) == (STEPS, STEPS * 4 * 4, STEPS * 4 * 4, 0)
     assert out["status"]["worker_deaths"] == 0
+
+
+async def leased_ahead(ctl: Controller) -> None:
+    """Until an agent holds rollout tasks that no worker may run before the trainer's next
+    version (the leases' own event, no sleep)."""
+    leases = ctl.node_leases
+    assert leases is not None
+
+    def ahead() -> bool:
+        return any(x.stage == "rollout" and x.need > ctl.version
+                   for n in ("a", "b") for x in leases.leases.of_node(n))
+
+    event = asyncio.Event()
+    leases.on_grant.append(event.set)
+    try:
+        while not ahead():
+            event.clear()
+            await event.wait()
+    finally:
+        leases.on_grant.remove(event.set)
+
+
+def rollout_done(out: dict[str, Any]) -> dict[str, int]:
+    """Rollout tasks each node's workers ran."""
+    done: dict[str, int] = {}
+    for w in out["status"]["workers"]:
+        if w["role"] == "rollout":
+            done[w["node"]] = done.get(w["node"], 0) + w["done"]
+    return done
+
+
+@pytest.mark.timeout(240)
+async def test_rollout_leased_to_agents_trains_the_rows_central_dispatch_trains(
+        tmp_path: Path) -> None:
+    central, ctl0 = await run(tmp_path, spec(node_dispatch=False, rollout_nodes=SPREAD))
+    leased, ctl1 = await run(tmp_path, spec(node_dispatch=True, rollout_nodes=SPREAD))
+    assert accounting(leased, ctl1) == accounting(central, ctl0)
+    assert accounting(leased, ctl1) == (STEPS, STEPS * 4 * 4, STEPS * 4 * 4, 0)
+    leases = ctl1.node_leases
+    assert leases is not None
+    assert leases.rollout_leased > 0
+    assert leases.refused == 0
+    # The agents' workers generated, each under a version the bound allows: none stale.
+    assert set(rollout_done(leased)) == {"node0", "a", "b"}, rollout_done(leased)
+    assert set(leased["staleness"]) <= {0, 1}
+    assert leased["status"]["stale_dropped"] == 0
+
+
+@pytest.mark.timeout(240)
+async def test_a_pause_takes_back_rollout_leased_ahead_and_a_lowered_bound_too(
+        tmp_path: Path) -> None:
+    seen: dict[str, int] = {}
+
+    async def pause_then_lower(ctl: Controller) -> None:
+        leases = ctl.node_leases
+        assert leases is not None
+        await leased_ahead(ctl)
+        ctl.pause()  # what the agents hold for the next version would never drain
+        seen["paused_recalled"] = leases.recalled
+        async with asyncio.timeout(60):
+            await ctl.wait_for(lambda: not ctl.assignments)
+        ctl.resume()
+        await leased_ahead(ctl)
+        before = leases.recalled
+        ctl.set_max_staleness(0)  # tasks for the next version hold groups beyond the gate
+        seen["lowered_recalled"] = leases.recalled - before
+
+    out, ctl = await run(tmp_path, spec(node_dispatch=True, rollout_nodes=SPREAD),
+                         pause_then_lower)
+    assert seen["paused_recalled"] > 0, seen
+    assert seen["lowered_recalled"] > 0, seen
+    assert accounting(out, ctl) == (STEPS, STEPS * 4 * 4, STEPS * 4 * 4, 0)
+    assert set(out["staleness"]) <= {0, 1}
+    assert ctl.node_leases is not None
+    assert ctl.node_leases.refused == 0
 
 
 def test_node_dispatch_needs_leased_workers_on_another_node() -> None:

@@ -28,7 +28,7 @@ ROLLOUT = 6
 
 def spec(rollout_nodes: tuple[str, ...], *, node_dispatch: bool = False) -> PipelineSpec:
     """Half the rollout workers on each node; with ``node_dispatch``, a reward worker on each
-    node too, node a's dispatched by its agent under leases."""
+    node too, node a's workers dispatched by its agent under leases."""
     reward = (PoolSpec("reward", count=2, per_process=1, nodes=("node0", "a")) if node_dispatch
               else PoolSpec("reward", count=1))
     return PipelineSpec(
@@ -162,10 +162,11 @@ async def test_a_lost_dispatching_node_gives_its_leases_back_and_no_row_is_train
             await start_joined(ctl, "a", log, keys, procs)
             family = psutil.Process(procs[0].pid).children(recursive=True)
             running = asyncio.ensure_future(ctl.run(steps=8, timeout_s=150))
-            # Killed while it holds leases, not drained: tasks in flight there come back.
+            # Killed while it holds leases, rollout's among them (its agent dispatches both
+            # roles), not drained: tasks in flight there come back.
             granted = asyncio.Event()
             leases.on_grant.append(granted.set)
-            while not leases.leases.leased("a"):
+            while not {x.stage for x in leases.leases.of_node("a") if x.open} >= {"rollout"}:
                 granted.clear()
                 await granted.wait()
             procs[0].send_signal(signal.SIGKILL)

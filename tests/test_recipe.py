@@ -298,8 +298,8 @@ def test_fields_are_documented() -> None:
         ("model={'lora': {'rank': 2}}, placement={'mode': 'colocated'}", "model.lora"),
         # node dispatch: only other nodes' agents dispatch, and not evaluation's scoring
         ("placement={'node_dispatch': True}", "placement.node_dispatch"),
-        ("placement={'node_dispatch': True, 'roles': {'rollout': ('a',)}, 'cluster': "
-         "{'keys_file': '/tmp/k'}}", "placement.node_dispatch"),
+        ("placement={'node_dispatch': True, 'mode': 'colocated', 'roles': {'rollout': "
+         "('a',)}, 'cluster': {'keys_file': '/tmp/k'}}", "placement.node_dispatch"),
         ("placement={'node_dispatch': True, 'roles': {'reward': ('a',)}, 'cluster': "
          "{'keys_file': '/tmp/k'}}, eval={'prompts': 4, 'every': 1}", "placement.node_dispatch"),
     ],

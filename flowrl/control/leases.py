@@ -11,10 +11,10 @@ is leased (cross-node balancing).
 Unit of a lease. The controller still forms the micro-batches (`Index.request`, cheap and
 local, no message): a lease holds index tasks, each naming its rows. So task ids, the index's
 row accounting and what a run trains are those of central dispatch; what moves to the agent is
-choosing a worker, the polls and the per-task reports. Only row-level stages are leased (each
-task's rows independent: reward, reference, critic); group-level and step-level stages
-(rollout groups under the version gate, train micro-batches under the step ledger) stay
-central.
+choosing a worker, the polls and the per-task reports. Row-level stages are leased (each task's
+rows independent: reward, reference, critic), and rollout tasks formed by the scheduler, each
+lease of those with the oldest policy version that may run its tasks (``need``; the agent waits
+for a worker serving it); train micro-batches, under the step ledger, stay central.
 
 Exactly once. A row is in at most one in-flight index task (`flowrl.index`), and this table
 accepts a completion only when it names a live lease, from the node and agent epoch it was
@@ -37,7 +37,6 @@ docs/architecture.md, node-local dispatch).
 from __future__ import annotations
 
 import enum
-import heapq
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -55,19 +54,33 @@ def leasable(stage: StageSpec) -> bool:
 
 def split(ready: int, room: Mapping[str, int]) -> dict[str, int]:
     """Cross-node balancing: how many of ``ready`` tasks to lease each node, given the tasks
-    each has room for (its workers' free slots, less what it holds). Tasks go one at a time to
-    the node with the most room left (ties: by name), so scarce work is spread over the nodes
-    instead of filling the first, and no node gets more than its room."""
-    out: dict[str, int] = {}
-    heap = [(-r, n) for n, r in room.items() if r > 0]
-    heapq.heapify(heap)
-    for _ in range(max(0, ready)):
-        if not heap:
-            break
-        neg, node = heapq.heappop(heap)
-        out[node] = out.get(node, 0) + 1
-        if neg + 1 < 0:
-            heapq.heappush(heap, (neg + 1, node))
+    each has room for (its workers' free slots, less what it holds). As if tasks went one at a
+    time to the node with the most room left (ties: by name): scarce work is spread over the
+    nodes instead of filling the first, and no node gets more than its room.
+
+    Computed as a water level, O(nodes × log(room)) whatever ``ready`` is (a dispatch pass may
+    split a step's tasks): the lowest level ``L`` to which filling every node down leaves at
+    most ``ready`` tasks; the few left over go one each to the nodes at that level, by name."""
+    rooms = {n: r for n, r in room.items() if r > 0}
+    if ready >= sum(rooms.values()):
+        return rooms
+    if ready <= 0:
+        return {}
+
+    def above(level: int) -> int:
+        return sum(r - level for r in rooms.values() if r > level)
+
+    lo, hi = 1, max(rooms.values())  # above(hi) == 0 <= ready < above(0), the total
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if above(mid) <= ready:
+            hi = mid
+        else:
+            lo = mid + 1
+    out = {n: r - lo for n, r in rooms.items() if r > lo}
+    at_level = sorted(n for n, r in rooms.items() if r >= lo)
+    for n in at_level[:ready - above(lo)]:
+        out[n] = out.get(n, 0) + 1
     return out
 
 
@@ -97,6 +110,8 @@ class Lease:
     stage: str
     #: controller clock; renewed by every call of its agent about it
     expires_at: float
+    #: the oldest policy version that may run its tasks (rollout; 0: any)
+    need: int = 0
     #: task id -> its rows, for the tasks not completed or given back yet
     open: dict[int, tuple[int, ...]] = field(default_factory=dict)
     #: tasks completed or given back
@@ -116,6 +131,9 @@ class Leases:
         self._by_node: dict[str, dict[int, None]] = {}
         #: tasks leased and not completed or returned, by task id (the lease holding each)
         self._holder: dict[int, int] = {}
+        #: (node, stage) -> its tasks leased and not completed or returned (a dispatch pass
+        #: asks for each node's room: counted as they change, not over the leases)
+        self._open: dict[tuple[str, str], int] = {}
 
     # ---- agents ----------------------------------------------------------------------------
 
@@ -143,14 +161,14 @@ class Leases:
     # ---- granting --------------------------------------------------------------------------
 
     def grant(self, node: str, epoch: int, stage: str, tasks: Sequence[Task],
-              now: float) -> Lease:
+              now: float, need: int = 0) -> Lease:
         """Lease ``tasks`` (freshly requested from the index, of ``stage``) to ``node``'s agent
-        of ``epoch``."""
+        of ``epoch``; ``need``: the oldest policy version that may run them."""
         if self.epoch(node) != epoch:
             raise ValueError(f"node {node!r} has no live agent of epoch {epoch}")
         if not tasks:
             raise ValueError("a lease holds at least one task")
-        lease = Lease(self._next_id, node, epoch, stage, now + self.ttl_s)
+        lease = Lease(self._next_id, node, epoch, stage, now + self.ttl_s, need)
         for t in tasks:
             if t.stage != stage:
                 raise ValueError(f"task {t.id} is of stage {t.stage!r}, not {stage!r}")
@@ -162,6 +180,7 @@ class Leases:
         self._by_node[node][lease.id] = None
         for tid in lease.open:
             self._holder[tid] = lease.id
+        self._count(lease, len(lease.open))
         return lease
 
     def renew(self, node: str, epoch: int, lease_id: int, now: float) -> Verdict:
@@ -172,6 +191,15 @@ class Leases:
         if lease is not None:
             lease.expires_at = now + self.ttl_s
         return verdict
+
+    def revoke(self, lease_id: int) -> list[int]:
+        """The controller takes ``lease_id`` back: its unfinished tasks, to fail back. A later
+        completion of one is refused (its lease is gone)."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return []
+        del self._by_node[lease.node][lease_id]
+        return self._return(lease_id)
 
     # ---- reports ---------------------------------------------------------------------------
 
@@ -199,6 +227,7 @@ class Leases:
             return Verdict.WRONG_ROWS
         del lease.open[task_id]
         del self._holder[task_id]
+        self._count(lease, -1)
         lease.closed.add(task_id)
         lease.expires_at = now + self.ttl_s
         if not lease.open:
@@ -229,7 +258,12 @@ class Leases:
         lease = self._leases.pop(lease_id)
         for tid in lease.open:
             del self._holder[tid]
+        self._count(lease, -len(lease.open))
         return list(lease.open)
+
+    def _count(self, lease: Lease, n: int) -> None:
+        key = (lease.node, lease.stage)
+        self._open[key] = self._open.get(key, 0) + n
 
     def _end(self, lease: Lease) -> None:
         del self._leases[lease.id]
@@ -244,6 +278,10 @@ class Leases:
 
     def of_node(self, node: str) -> list[Lease]:
         return [self._leases[lid] for lid in self._by_node.get(node, ())]
+
+    def held(self, node: str, stage: str) -> int:
+        """Tasks of ``stage`` leased to ``node`` and not completed or returned (O(1))."""
+        return self._open.get((node, stage), 0)
 
     def leased(self, node: str | None = None) -> int:
         """Tasks leased and unfinished (on ``node``, or on every node)."""

@@ -1,9 +1,21 @@
 """Node-local dispatch wired into a run (``placement.node_dispatch``): the controller's side.
 
-Workers of a row-level stage (`flowrl.control.leases.leasable`: reward, reference, critic) on a
-node whose agent dispatches itself are taken out of central dispatch (`Registry.lease_out`):
-each dispatch pass leases that node's agent ready tasks of their stage instead, as many as its
-workers have room for (`split` balances scarce work over the nodes). The agent runs them on its
+Workers of a row-level stage (`flowrl.control.leases.leasable`: reward, reference, critic), and
+rollout workers unless placement is colocated, on a node whose agent dispatches itself are taken
+out of central dispatch (`Registry.lease_out`): each dispatch pass leases that node's agent ready
+tasks of their stage instead, as many as its workers have room for (`split` balances scarce work
+over the nodes).
+
+Rollout. The scheduler forms every rollout task without a worker (`Scheduler.admit_ahead`: as
+soon as the staleness gate admits its groups, the next step's while the trainer trains; groups
+given back are formed again), each with the oldest policy version that may generate it. Each
+pass splits the formed tasks over the dispatching nodes and the controller's own, by room; a
+node's share is leased in one lease per version needed, which its agent holds until a worker of
+its serves that version (its `served` report reaches the agent first). So at a version switch
+the controller hands out only its own node's share; the rest was granted while the trainer
+trained. A lease whose tasks need a version newer than the trainer's holds no running task, so
+it can be taken back whole (`recall`): on `Controller.pause` (those tasks would never drain)
+and when the scheduler gives back what is past the staleness gate (`withdraw_beyond_gate`). The agent runs them on its
 workers (`flowrl.node_dispatch`) and reports completions in batches; an accepted completion goes
 through the same report path as a central one (`Controller.task_reported`: checked against its
 task, then applied to the index), a refused one is dropped.
@@ -34,7 +46,7 @@ from flowrl import messages as m
 from flowrl.control.assignments import Assignment, Assignments
 from flowrl.control.leases import Leases, Verdict, leasable, split
 from flowrl.control.reports import MalformedReport, TaskReport, parse_report
-from flowrl.control.scheduler import find_source_stage
+from flowrl.control.scheduler import Scheduler, find_source_stage
 from flowrl.graph import StageGraph, StageSpec
 from flowrl.index import Index, Task
 from flowrl.node_dispatch import OP_LEASE_JOIN, OP_LEASE_POLL, OP_LEASE_REPORT, Reports
@@ -52,13 +64,15 @@ LEASE_TTL_S = 30.0
 _POLL_S = 2.0
 
 
-def leased_roles(graph: StageGraph) -> dict[str, StageSpec]:
+def leased_roles(graph: StageGraph, *, rollout: bool = True) -> dict[str, StageSpec]:
     """Role -> the stage its workers run, for the roles node agents may dispatch (each runs
-    exactly one stage, row-level; not the source). ValueError for a role of two stages."""
+    exactly one stage): the row-level ones, and the source (rollout) unless ``rollout`` is
+    False (colocated placement: a rollout worker's process takes turns with a trainer's, which
+    only the controller sees). ValueError for a role of two stages."""
     source = find_source_stage(graph)
     out: dict[str, StageSpec] = {}
     for stage in graph.order:
-        if stage is source or not leasable(stage):
+        if not (leasable(stage) if stage is not source else rollout):
             continue
         if stage.role in out:
             raise ValueError(f"node dispatch needs one stage per role; role {stage.role!r} "
@@ -84,20 +98,31 @@ class _Node:
         return bool(self.admit or self.forget or self.grant or self.revoke)
 
 
+#: `split`'s name for the controller's own node (node names are never empty)
+_HERE = ""
+
+
 class NodeLeases:
     def __init__(
         self, graph: StageGraph, index: Index, registry: Registry, assignments: Assignments,
         *, nodes: set[str], reported: Callable[[Assignment, TaskReport], None],
         failed: Callable[[Assignment, str], None], give_back: Callable[[int], None],
         wake: Callable[[], None], now: Callable[[], float],
+        scheduler: Scheduler | None = None,
         ttl_s: float = LEASE_TTL_S, renew_s: float | None = None,
     ) -> None:
         """``nodes``: the nodes whose agents dispatch themselves. ``reported`` / ``failed``:
-        the controller's report path for an accepted completion (and for one it cannot take);
+        the controller's report path for an accepted completion (and for one it cannot take),
+        without a dispatch pass each: ``wake`` runs one for an agent's whole report;
         ``give_back(task_id)``: a task's rows back to their queue; ``now``: the lease clock.
-        ``renew_s``: how often agents report at the least (so renew), ``ttl_s / 3`` unless
-        told."""
-        self.roles = leased_roles(graph)
+        ``scheduler``: the run's, whose rollout tasks formed ahead are leased too (None: rollout
+        stays central). ``renew_s``: how often agents report at the least (so renew),
+        ``ttl_s / 3`` unless told."""
+        self.roles = leased_roles(graph, rollout=scheduler is not None)
+        self.scheduler = scheduler
+        self.source = None if scheduler is None else scheduler.source
+        if scheduler is not None:
+            scheduler.recall = self.recall
         self.index = index
         self.registry = registry
         self.assignments = assignments
@@ -117,6 +142,10 @@ class NodeLeases:
         self.expired = 0
         #: tasks of leases taken back from lost agents
         self.lost_back = 0
+        #: rollout tasks taken back before any worker could run them (`recall`)
+        self.recalled = 0
+        #: rollout tasks leased
+        self.rollout_leased = 0
         #: leases granted, and tasks in them
         self.granted = 0
         self.tasks_leased = 0
@@ -168,10 +197,13 @@ class NodeLeases:
         """Lease every dispatching node ready tasks of its workers' stages, up to their room.
         ``now``: the controller's dispatch clock (as `Scheduler.dispatch`)."""
         for stage in self.roles.values():
+            if stage is self.source:
+                self._lease_formed(stage, now)
+                continue
             ready = self.index.ready_units(stage.name)
             if not ready:
                 continue
-            room = {n.name: n.slots.get(stage.name, 0) - self._held(n.name, stage.name)
+            room = {n.name: n.slots.get(stage.name, 0) - self.leases.held(n.name, stage.name)
                     for n in self._nodes.values()
                     if self.leases.epoch(n.name) is not None}
             want = -(-ready // max(1, stage.micro_batch))
@@ -188,21 +220,71 @@ class NodeLeases:
                 if len(tasks) < k:
                     break  # the queue ran dry
 
-    def _held(self, node: str, stage: str) -> int:
-        return sum(len(x.open) for x in self.leases.of_node(node) if x.stage == stage)
+    def _lease_formed(self, stage: StageSpec, now: float) -> None:
+        """Rollout: the tasks the scheduler formed (`admit_ahead`, and groups given back) are
+        split over the nodes by room, the controller's own node counted by the free slots of
+        its workers that have one; its share stays with the scheduler, which hands out what its
+        workers may run now (`Scheduler.dispatch_formed`). A node's tasks go in one lease per
+        policy version they need, so that those no worker may run yet can be taken back whole
+        (`recall`)."""
+        scheduler = self.scheduler
+        assert scheduler is not None
+        waiting = scheduler.formed_waiting()
+        if not waiting:
+            return
+        room = {n.name: n.slots.get(stage.name, 0) - self.leases.held(n.name, stage.name)
+                for n in self._nodes.values() if self.leases.epoch(n.name) is not None}
+        room[_HERE] = self.registry.open_count(stage.role) * self.registry.tasks_per_slot
+        shares = split(waiting, room)
+        keep = shares.pop(_HERE, 0)
+        formed = scheduler.take_formed(keep, sum(shares.values()))
+        for name, k in sorted(shares.items()):
+            mine, formed = formed[:k], formed[k:]
+            start = 0
+            for i in range(1, len(mine) + 1):
+                if i == len(mine) or mine[i][1] != mine[start][1]:
+                    tasks = [self.index.bind(t.id, f"lease:{name}") for t, _ in mine[start:i]]
+                    self._grant(self._nodes[name], stage, tasks, now, need=mine[start][1])
+                    self.rollout_leased += len(tasks)
+                    start = i
+        if keep:
+            scheduler.dispatch_formed(now, keep)
 
-    def _grant(self, node: _Node, stage: StageSpec, tasks: list[Task], now: float) -> None:
+    def recall(self, version: int) -> list[int]:
+        """Take back the rollout leases whose tasks no worker may run before a policy version
+        newer than ``version`` (so none has started): their tasks' ids, for the caller to fail
+        back into the index. Their agents are told to drop them."""
+        back: list[int] = []
+        for node in self._nodes.values():
+            gone = [x.id for x in self.leases.of_node(node.name)
+                    if self.source is not None and x.stage == self.source.name
+                    and x.need > version]
+            for lid in gone:
+                back.extend(self.leases.revoke(lid))
+            if gone:
+                node.revoke.extend(gone)
+                node.wake.set()
+        for tid in back:
+            self.assignments.pop(tid)
+        self.recalled += len(back)
+        return back
+
+    def _grant(self, node: _Node, stage: StageSpec, tasks: list[Task], now: float,
+               need: int | None = None) -> None:
         epoch = self.leases.epoch(node.name)
         assert epoch is not None
-        lease = self.leases.grant(node.name, epoch, stage.name, tasks, self._now())
+        lease = self.leases.grant(node.name, epoch, stage.name, tasks, self._now(), need or 0)
         msgs: list[m.TaskMsg] = []
         started = time.time()
         for t in tasks:
             a = Assignment(t, f"lease:{node.name}", {}, now, started)
             self.assignments.add(a)
             msgs.append(a.message())
-        node.grant.append({"lease": lease.id, "epoch": epoch, "stage": stage.name,
-                           "tasks": msgs})
+        grant: dict[str, Any] = {"lease": lease.id, "epoch": epoch, "stage": stage.name,
+                                 "tasks": msgs}
+        if need is not None:
+            grant["needs"] = [need] * len(msgs)
+        node.grant.append(grant)
         node.wake.set()
         self.granted += 1
         self.tasks_leased += len(tasks)
@@ -327,7 +409,7 @@ def dispatching_nodes(spec: PipelineSpec, node: str) -> set[str]:
     """The nodes whose agents dispatch themselves under ``spec.node_dispatch``: those other
     than the controller's ``node`` that run workers of a leased role. ValueError (naming what
     is missing) when there are none, or with evaluation, whose scoring jobs stay central."""
-    roles = leased_roles(spec.graph())
+    roles = leased_roles(spec.graph(), rollout=not spec.colocated)
     nodes = {n for p in spec.pools if p.role in roles for n in p.nodes} - {node}
     if not nodes:
         raise ValueError(f"node_dispatch needs workers of {sorted(roles) or 'a row-level role'} "

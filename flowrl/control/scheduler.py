@@ -84,10 +84,28 @@ class Scheduler:
         #: a group was dropped since the source stage's last turn (its prompt waits to be
         #: admitted again)
         self._requeued = False
+        #: node agents dispatch rollout tasks too (`flowrl.control.node_leases`): the tasks no
+        #: worker here takes are formed (`_formed`) for their leases, and ``recall(version)``
+        #: takes back the leased ones no worker may run before a newer version than ``version``
+        #: (their ids, to fail back)
+        self.recall: Callable[[int], list[int]] | None = None
 
     def formed_for(self, version: int) -> bool:
         """Whether a task formed ahead waits that a worker serving ``version`` may take."""
         return bool(self._formed) and self._formed[0][1] <= version
+
+    def formed_waiting(self) -> int:
+        """Tasks formed ahead that wait for a worker."""
+        return len(self._formed)
+
+    def take_formed(self, keep: int, n: int) -> list[tuple[Task, int]]:
+        """Up to ``n`` tasks formed ahead, each with its need, after the first ``keep`` (those
+        stay for this node's workers), oldest first: for node agents' leases."""
+        formed = self._formed
+        kept = [formed.popleft() for _ in range(min(keep, len(formed)))]
+        out = [formed.popleft() for _ in range(min(n, len(formed)))]
+        formed.extendleft(reversed(kept))
+        return out
 
     def is_train(self, task: Task) -> bool:
         return self.train is not None and task.stage == self.train.name
@@ -148,12 +166,20 @@ class Scheduler:
         """Several groups per task let an engine sample them in one batched call; a task's
         groups are admitted together, so each must be one the worker's version may generate."""
         self._requeued = False
-        self._dispatch_admitted(stage, now)
-        self._dispatch_formed(stage, now)
         adm = self.admission
+        version = self.ledger.version
+        if self.recall is not None:
+            # Node agents dispatch rollout tasks too: every task is formed (`admit_ahead`), and
+            # `NodeLeases` splits them over the nodes and this one (`dispatch_formed`).
+            self._form_given_back(stage)
+            self.may_admit_ahead = (not steps_target or version < steps_target) and (
+                (adm.open(version) and adm.store_admits(version, now))
+                or self._looks_ahead(version, steps_target))
+            return
+        self._dispatch_admitted(stage, now)
+        self.dispatch_formed(now)
         k = stage.micro_batch
         self.may_admit_ahead = False
-        version = self.ledger.version
         if steps_target and version >= steps_target:
             return
         while adm.open(version) and adm.store_admits(version, now):
@@ -202,15 +228,32 @@ class Scheduler:
             assert task is not None
             self._assign(w, task, {}, now)
 
-    def _dispatch_formed(self, stage: StageSpec, now: float) -> None:
-        """Tasks formed ahead (`admit_ahead`) go to their workers in the order formed."""
+    def _form_given_back(self, stage: StageSpec) -> None:
+        """The groups given back become tasks formed for the agents' leases and this node's
+        workers, ahead of those formed ahead (theirs are the older steps). A task's need is the
+        newest its groups' steps need."""
+        adm = self.admission
+        tasks: list[tuple[Task, int]] = []
+        while self.index.ready_units(stage.name):
+            task = self.index.form(stage.name, stage.micro_batch)
+            assert task is not None
+            tasks.append((task, max(adm.min_generation_version(adm.step_of(g))
+                                    for g in task.groups)))
+        self._formed.extendleft(reversed(tasks))
+
+    def dispatch_formed(self, now: float, up_to: int | None = None) -> None:
+        """Tasks formed ahead (`admit_ahead`) go to their workers here in the order formed (at
+        most ``up_to``: this node's share when node agents take the others)."""
         formed = self._formed
-        while formed:
+        role = self.source.role
+        n = len(formed) if up_to is None else min(up_to, len(formed))
+        while n:
             task, need = formed[0]
-            w = self.registry.least_loaded(stage.role, need)
+            w = self.registry.least_loaded(role, need)
             if w is None:
                 return
             formed.popleft()
+            n -= 1
             self._assign(w, self.index.bind(task.id, w.worker_id), {}, now)
 
     def admit_ahead(self, *, steps_target: int, now: float, up_to: int) -> int:
@@ -254,10 +297,7 @@ class Scheduler:
         step ahead, or its bound was lowered since): their prompts are admitted again, for the
         steps the gate allows now. Kept, they would wait for a policy version that the
         trainer cannot reach without the groups they hold back. Returns how many."""
-        formed = self._formed
-        while formed:  # the tasks formed ahead give their groups back first, in order
-            task, _ = formed.pop()
-            self.fail_task(task.id)
+        self._give_back_ahead()
         adm = self.admission
         name = self.source.name
         version = self.ledger.version
@@ -266,6 +306,32 @@ class Scheduler:
         for gid in reversed(beyond):  # newest first: the positions go back in their order
             self._drop(gid)
         return len(beyond)
+
+    def recall_leased(self) -> int:
+        """Take back the rollout tasks leased to node agents that no worker may run before the
+        trainer's next version (`pause`: they would never drain); their groups wait in the
+        queue, first. Returns how many tasks."""
+        if self.recall is None:
+            return 0
+        ids = self.recall(self.ledger.version)
+        self._fail_in_order(ids)
+        return len(ids)
+
+    def _give_back_ahead(self) -> None:
+        """Every task formed ahead, and every leased one no worker may run yet, gives its groups
+        back to the queue, in their order."""
+        ids = [task.id for task, _ in self._formed]
+        self._formed.clear()
+        if self.recall is not None:
+            ids += self.recall(self.ledger.version)
+        self._fail_in_order(ids)
+
+    def _fail_in_order(self, task_ids: list[int]) -> None:
+        # Newest groups first: each goes back to the queue's front, so they end in order.
+        tasks = sorted((self.index.task(tid) for tid in task_ids),
+                       key=lambda t: min(t.groups), reverse=True)
+        for task in tasks:
+            self.fail_task(task.id)
 
     def _admit_group(self) -> None:
         pos = self.admission.take_position()

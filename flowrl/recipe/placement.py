@@ -17,8 +17,9 @@ CONTROLLER_NODE = "node0"
 ROLES = ("rollout", "reward", "reference", "critic", "train")
 """Every worker role a recipe may run (which ones a recipe runs: `Recipe.roles`)."""
 
-LEASED_ROLES = ("reward", "reference", "critic")
-"""The roles of row-level stages, whose tasks node agents may dispatch (`node_dispatch`)."""
+LEASED_ROLES = ("rollout", "reward", "reference", "critic")
+"""The roles whose tasks node agents may dispatch (`node_dispatch`): rollout (not colocated) and
+the roles of row-level stages."""
 
 
 class _FrozenDict(dict[str, Any]):
@@ -156,13 +157,15 @@ class PlacementConfig(_Section):
     heartbeat_timeout_s: float = Field(default=10.0, ge=3.0, le=3600.0)
     """A worker silent this long is declared dead (heartbeats are sent every second)."""
     node_dispatch: bool = False
-    """The agents of nodes other than the controller's dispatch their reward, reference and
-    critic workers' tasks themselves: the controller leases each agent batches of ready tasks
-    (as many as its workers have room for) and takes their completions in batches, instead of a
-    poll and a report per task per worker; rollout and train stay with the controller, which
-    still decides what runs (docs/architecture.md, node-local dispatch). Needs `roles` to
-    place reward, reference or critic workers on such a node; not with ``eval``. A lost node
-    agent still stops the run."""
+    """The agents of nodes other than the controller's dispatch their rollout, reward,
+    reference and critic workers' tasks themselves: the controller leases each agent batches
+    of tasks (as many as its workers have room for; rollout tasks as soon as they are formed,
+    each with the policy version it needs, which the agent waits for) and takes their
+    completions in batches, instead of a poll and a report per task per worker; train stays
+    with the controller, which still decides what runs (docs/architecture.md, node-local
+    dispatch). Needs `roles` to place such workers on a node other than the controller's;
+    not with ``eval``; with ``mode = 'colocated'`` rollout stays central. A lost node agent
+    still stops the run."""
     max_restarts: int = Field(default=3, ge=0, le=10_000)
     """Restarts of one worker process after it died (after 0.5 s, doubling per death, at most
     30 s); one more death stops the run. Data-parallel trainer ranks restart as one group,
@@ -198,12 +201,13 @@ class PlacementConfig(_Section):
             raise _rule(f"ray.nodes.{unknown[0]}", f"not a node roles places on (have "
                         f"{self.remote_nodes})")
         if self.node_dispatch:
+            roles = [r for r in LEASED_ROLES if r != "rollout" or self.mode != "colocated"]
             leased = sorted({r for r, nodes in self.roles.items()
-                             if r in LEASED_ROLES and set(nodes) - {CONTROLLER_NODE}})
+                             if r in roles and set(nodes) - {CONTROLLER_NODE}})
             if not leased:
-                raise _rule("node_dispatch", "needs roles to place reward, reference or critic "
-                            "workers on a node other than the controller's (node0): only other "
-                            "nodes' agents dispatch")
+                raise _rule("node_dispatch", f"needs roles to place {', '.join(roles)} workers "
+                            "on a node other than the controller's (node0): only other nodes' "
+                            "agents dispatch")
         if self.kind == "local" and self.remote_nodes:
             if self.cluster is None:
                 raise _rule("cluster", f"required: roles places processes on "
