@@ -79,8 +79,8 @@ workers then have one core fewer, so the measured rates fall.
 
 ``--node-dispatch``: the agents of the nodes other than the controller's dispatch their rollout
 and reward workers' tasks under leases (``PipelineSpec.node_dispatch``; ``node_dispatch`` in the
-output): the controller's node's workers are the only ones it hands tasks to, and its
-``version_wait`` figures are theirs.
+output; the 64-worker shape has no other node, so it runs as without): the controller's node's
+workers are the only ones it hands tasks to, and its ``version_wait`` figures are theirs.
 
 ``--profile FILE`` runs only the 1,024-worker shape, 4 measured steps under cProfile (the event
 loop's thread), writes the stats to FILE (`pstats`) and prints the calls that count messages:
@@ -136,7 +136,9 @@ def workload(workers: int, agents: int, rollout_groups: int = 1,
     spread over ``agents`` nodes (the controller's own first), one process per pool and node;
     the trainer on the controller's node. ``rollout_groups``: groups per rollout task;
     ``episode_turns``: each response a multi-turn episode of 1 to that many turns (episodes
-    score themselves: no reward stage, and those workers roll out too)."""
+    score themselves: no reward stage, and those workers roll out too); ``node_dispatch``: the
+    agents of the nodes other than the controller's dispatch their workers (with one agent,
+    there is none)."""
     nodes = ("node0", *(f"n{i}" for i in range(1, agents)))
     reward = 0 if episode_turns else max(agents, workers // 16)
     rollout = workers - reward - 1
@@ -152,7 +154,7 @@ def workload(workers: int, agents: int, rollout_groups: int = 1,
         group_size=GROUP, groups_per_step=GROUPS_PER_STEP, max_staleness=2, engine="sim",
         engine_config={**COST, **(episodes(episode_turns) if episode_turns else {})},
         store_capacity_bytes=512 << 20, heartbeat_s=1.0,
-        heartbeat_timeout_s=60.0, node_dispatch=node_dispatch,
+        heartbeat_timeout_s=60.0, node_dispatch=node_dispatch and agents > 1,
     ), nodes
 
 

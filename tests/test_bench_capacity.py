@@ -11,6 +11,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from flowrl.control.node_leases import dispatching_nodes
+
 ROOT = Path(__file__).resolve().parents[1]
 # Loaded from its file, as it runs (``bench`` is not an installed package; the script puts the
 # repository root on the path itself).
@@ -114,3 +116,12 @@ def test_pinning_moves_every_thread_of_a_process() -> None:
             assert [os.sched_getaffinity(t.id) for t in proc.threads()] == [set(cpus[1:])] * 2
         finally:
             child.kill()
+
+
+def test_the_workload_dispatches_on_the_nodes_only_where_there_are_other_nodes() -> None:
+    spec, nodes = workload(1024, 8, 4, node_dispatch=True)
+    assert spec.node_dispatch
+    assert dispatching_nodes(spec, "node0") == set(nodes) - {"node0"}
+    # One agent, the controller's own: no node to lease to, so the shape runs as without.
+    assert not workload(64, 1, 4, node_dispatch=True)[0].node_dispatch
+    assert not workload(1024, 8, 4)[0].node_dispatch
