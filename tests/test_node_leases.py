@@ -30,6 +30,7 @@ from flowrl.node_hub import ClusterConfig
 from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages
 from flowrl.registry import Registry
 from tests.test_multinode import FAST, agents_reaped, start_agent, tail, wait_exit
+from tests.test_scheduler import run as scheduler_run
 from transport.curve import CurveKeys
 
 STEPS = 3
@@ -334,3 +335,68 @@ async def test_a_dispatching_nodes_workers_get_leases_up_to_their_room() -> None
     assert cmds["forget"] == [there.worker_id]
     leases.dispatch(0.0)
     assert leases.granted == 1
+
+
+async def rollout_leases(groups_per_step: int, nodes: tuple[str, ...], *,
+                         agents: str = "ab") -> tuple[Any, NodeLeases, dict[str, int]]:
+    """A scheduler at staleness 0 whose rollout node agents ``agents`` dispatch (joined: their
+    epochs), with 4 idle rollout workers of 1 task slot on each of ``nodes``."""
+    r = scheduler_run(staleness=0, groups_per_step=groups_per_step, micro_groups=1)
+    s = r.scheduler
+    leases = NodeLeases(s.graph, s.index, r.registry, s.assignments, nodes=set(agents),
+                        reported=lambda a, rep: None, failed=lambda a, e: None,
+                        give_back=s.fail_task, wake=lambda: None, now=lambda: 0.0,
+                        scheduler=s)
+    for node in nodes:
+        for i in range(4):
+            leases.registered(r.registry.register(
+                name=f"rollout.{node}.{i}", role="rollout", node=node, pid=i + 1, capacity=1,
+                version=0, now=0.0))
+    epochs = {n: (await call(leases, OP_LEASE_JOIN, node=n))["epoch"] for n in agents}
+    return r, leases, epochs
+
+
+async def test_rollout_tasks_are_split_over_the_nodes_and_this_one_by_room() -> None:
+    """A step's rollout tasks, formed ahead, are spread by room over the agents and the
+    controller's own node, whose idle workers do not take them all first; each agent's share
+    says the version it needs."""
+    r, leases, epochs = await rollout_leases(6, ("node0", "a", "b"))
+    s = r.scheduler
+    s.dispatch(steps_target=1, now=0.0)  # forms nothing itself: admission is ahead of it
+    assert s.may_admit_ahead
+    assert s.admit_ahead(steps_target=1, now=0.0, up_to=100) == 6
+    s.dispatch(steps_target=1, now=0.0)
+    leases.dispatch(0.0)  # as the controller's pass does after the scheduler's
+    assert len(r.sent) == 2  # 6 tasks over rooms of 4, 4 and 4: 2 each
+    for n in "ab":
+        cmds = await call(leases, OP_LEASE_POLL, node=n, epoch=epochs[n], wait_s=0.0)
+        assert [(len(g["tasks"]), g["needs"]) for g in cmds["grant"]] == [(2, [0, 0])]
+    assert leases.rollout_leased == 4
+    assert s.formed_waiting() == 0
+
+
+async def test_rollout_leased_for_the_next_version_is_recalled_and_leased_again() -> None:
+    """Tasks leased for a version the trainer has not reached are taken back whole (a pause),
+    their groups wait first in the queue, and the next pass leases them again, needing the
+    same version; the tasks a worker may run now stay with the agent."""
+    r, leases, epochs = await rollout_leases(2, ("a",), agents="a")
+    s = r.scheduler
+    s.dispatch(steps_target=0, now=0.0)
+    assert s.admit_ahead(steps_target=0, now=0.0, up_to=100) == 4  # step 0, and step 1 ahead
+    leases.dispatch(0.0)
+    cmds = await call(leases, OP_LEASE_POLL, node="a", epoch=epochs["a"], wait_s=0.0)
+    assert [g["needs"] for g in cmds["grant"]] == [[0, 0], [1, 1]]
+    ahead = cmds["grant"][1]["lease"]
+    assert s.recall_leased() == 2
+    assert leases.leases.held("a", "rollout") == 2  # step 0's stay
+    assert not any(a.task.id in {t["task_id"] for t in cmds["grant"][1]["tasks"]}
+                   for a in s.assignments)
+    cmds = await call(leases, OP_LEASE_POLL, node="a", epoch=epochs["a"], wait_s=0.0)
+    assert cmds["revoke"] == [ahead]
+    assert s.recall_leased() == 0  # nothing ahead is leased any more
+    s.dispatch(steps_target=0, now=0.0)
+    leases.dispatch(0.0)
+    cmds = await call(leases, OP_LEASE_POLL, node="a", epoch=epochs["a"], wait_s=0.0)
+    assert [(g["needs"], [r.admission.step_of(gid) for t in g["tasks"]
+                          for gid in s.index.task(t["task_id"]).groups])
+            for g in cmds["grant"]] == [([1, 1], [1, 1])]
