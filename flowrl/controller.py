@@ -869,7 +869,8 @@ class Controller:
             stale_dropped=self.stale_dropped, store_stats=self.store_stats,
             counters=self._counters, restarts=self.restarts, errors=list(self.errors),
             lag=self._lag, events=self.events, monitor_url=self.monitor_url,
-            eval_log=self.eval_log, lost_nodes=self.lost_nodes)
+            eval_log=self.eval_log, lost_nodes=self.lost_nodes,
+            leases=None if self.node_leases is None else self.node_leases.statistics())
 
     def kill_worker_process(self, pid: int) -> None:
         """SIGKILL one child (tests and chaos use this)."""

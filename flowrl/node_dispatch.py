@@ -3,8 +3,9 @@
 The controller leases the agent batches of tasks of row-level stages and of rollout (those with
 the policy version each needs, `needs`); the agent keeps them in a local ready queue per stage
 and hands them to its own node's workers, which long-poll it (`take`) the way they poll the
-controller for the other stages, and report to it (`done`, `failed`). Completions and give-backs leave in batches (`take_reports`, one message for many
-tasks): that is where the controller's messages go down.
+controller for the other stages, and report to it (`done`, `failed`). Completions and
+give-backs leave in batches (`take_reports`, one message for many tasks): that is where the
+controller's messages go down.
 
 Routing. A worker keeps registering with the controller (its id, token, heartbeats and policy
 versions stay central) and polls the agent only for the tasks of leased stages, so nothing else

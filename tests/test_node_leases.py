@@ -231,6 +231,13 @@ async def test_rollout_leased_to_agents_trains_the_rows_central_dispatch_trains(
     assert set(rollout_done(leased)) == {"node0", "a", "b"}, rollout_done(leased)
     assert set(leased["staleness"]) <= {0, 1}
     assert leased["status"]["stale_dropped"] == 0
+    # status says it too: each node's agent and what it holds by stage (the next step's
+    # rollout, admitted as the run ended, may be there), and the counts
+    shown = leased["status"]["leases"]
+    assert shown["rollout_leased"] == leases.rollout_leased
+    assert {n: (x["epoch"], sorted(x["held"])) for n, x in shown["nodes"].items()} == {
+        n: (1, ["reward", "rollout"]) for n in "ab"}
+    assert central["status"]["leases"] is None
 
 
 @pytest.mark.timeout(240)

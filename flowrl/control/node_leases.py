@@ -4,7 +4,10 @@ Workers of a row-level stage (`flowrl.control.leases.leasable`: reward, referenc
 rollout workers unless placement is colocated, on a node whose agent dispatches itself are taken
 out of central dispatch (`Registry.lease_out`): each dispatch pass leases that node's agent ready
 tasks of their stage instead, as many as its workers have room for (`split` balances scarce work
-over the nodes).
+over the nodes). The agent runs them on its workers (`flowrl.node_dispatch`) and reports
+completions in batches; an accepted completion goes through the same report path as a central
+one (`Controller.task_reported`: checked against its task, then applied to the index), a refused
+one is dropped.
 
 Rollout. The scheduler forms every rollout task without a worker (`Scheduler.admit_ahead`: as
 soon as the staleness gate admits its groups, the next step's while the trainer trains; groups
@@ -15,10 +18,7 @@ its serves that version (its `served` report reaches the agent first). So at a v
 the controller hands out only its own node's share; the rest was granted while the trainer
 trained. A lease whose tasks need a version newer than the trainer's holds no running task, so
 it can be taken back whole (`recall`): on `Controller.pause` (those tasks would never drain)
-and when the scheduler gives back what is past the staleness gate (`withdraw_beyond_gate`). The agent runs them on its
-workers (`flowrl.node_dispatch`) and reports completions in batches; an accepted completion goes
-through the same report path as a central one (`Controller.task_reported`: checked against its
-task, then applied to the index), a refused one is dropped.
+and when the scheduler gives back what is past the staleness gate (`withdraw_beyond_gate`).
 
 What the agent is told travels on its long poll (`OP_LEASE_POLL`: grants, workers to admit with
 their tokens or to forget, revoked leases); what it reports on `OP_LEASE_REPORT`, whose reply
@@ -324,6 +324,19 @@ class NodeLeases:
         return len(back)
 
     # ---- the agents' calls ------------------------------------------------------------------
+
+    def statistics(self) -> dict[str, Any]:
+        """What ``status`` shows (``leases``): per dispatching node, its agent's epoch (None:
+        not joined, or lost) and the tasks it holds by stage; the run's counts."""
+        return {
+            "nodes": {n: {"epoch": self.leases.epoch(n),
+                          "held": {s.name: self.leases.held(n, s.name)
+                                   for s in self.roles.values()}}
+                      for n in self._nodes},
+            "granted": self.granted, "tasks_leased": self.tasks_leased,
+            "rollout_leased": self.rollout_leased, "given_back": self.given_back,
+            "expired": self.expired, "lost_back": self.lost_back, "recalled": self.recalled,
+            "refused": self.refused}
 
     def handlers(self) -> dict[str, Handler]:
         return {OP_LEASE_JOIN: self._join, OP_LEASE_POLL: self._poll,

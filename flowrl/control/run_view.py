@@ -48,7 +48,8 @@ def status_snapshot(*, run_id: str, graph: StageGraph, index: Index, registry: R
                     restarts: int, errors: list[dict[str, Any]], lag: LoopLag | None,
                     events: EventBus, monitor_url: str | None,
                     eval_log: list[dict[str, Any]] | None = None,
-                    lost_nodes: LostNodes | None = None) -> dict[str, Any]:
+                    lost_nodes: LostNodes | None = None,
+                    leases: dict[str, Any] | None = None) -> dict[str, Any]:
     stats = index.statistics()
     wall = (time.perf_counter() - counters.started_at) if counters.started_at else 0.0
     now = time.time()
@@ -105,6 +106,7 @@ def status_snapshot(*, run_id: str, graph: StageGraph, index: Index, registry: R
         "worker_deaths": counters.worker_deaths,
         "nodes_lost": [] if lost_nodes is None else list(lost_nodes.nodes),
         "groups_lost": 0 if lost_nodes is None else lost_nodes.groups_dropped,
+        "leases": leases,
         "restarts": restarts,
         "errors": errors,
         "loop_lag": lag.snapshot() if lag is not None else None,
