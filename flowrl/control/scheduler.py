@@ -6,7 +6,9 @@ One `dispatch` pass walks the stages in graph order and hands out whatever is po
   tasks formed ahead of their workers (`admit_ahead`: a step's groups are admitted and their
   tasks formed one step before any worker may generate them), then admits new prompt groups
   (`Admission`) ``micro_batch`` groups a task, each to the least-loaded worker whose policy
-  version may generate for the groups' step;
+  version may generate for the groups' step. When node agents dispatch rollout too
+  (`flowrl.control.node_leases`), every rollout task is formed instead, given-back groups
+  again, and the leases' pass splits them over the nodes and this one;
 - the **train** stage requests micro-batches of the current step (`StepLedger`) with the
   staleness gate's ``min_version``; rows too stale to train are evicted and their groups
   dropped and admitted again; data-parallel ranks get streamed micro-batches by fewest tokens
@@ -84,9 +86,9 @@ class Scheduler:
         #: a group was dropped since the source stage's last turn (its prompt waits to be
         #: admitted again)
         self._requeued = False
-        #: node agents dispatch rollout tasks too (`flowrl.control.node_leases`): the tasks no
-        #: worker here takes are formed (`_formed`) for their leases, and ``recall(version)``
-        #: takes back the leased ones no worker may run before a newer version than ``version``
+        #: node agents dispatch rollout tasks too (`flowrl.control.node_leases`): every rollout
+        #: task is formed (`_formed`) and split over the nodes, and ``recall(version)`` takes
+        #: back the leased ones no worker may run before a newer version than ``version``
         #: (their ids, to fail back)
         self.recall: Callable[[int], list[int]] | None = None
 
