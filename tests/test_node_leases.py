@@ -235,8 +235,9 @@ async def test_rollout_leased_to_agents_trains_the_rows_central_dispatch_trains(
     # rollout, admitted as the run ended, may be there), and the counts
     shown = leased["status"]["leases"]
     assert shown["rollout_leased"] == leases.rollout_leased
-    assert {n: (x["epoch"], sorted(x["held"])) for n, x in shown["nodes"].items()} == {
-        n: (1, ["reward", "rollout"]) for n in "ab"}
+    assert {n: sorted(x["held"]) for n, x in shown["nodes"].items()} == {
+        n: ["reward", "rollout"] for n in "ab"}
+    assert all(x["epoch"] >= 1 for x in shown["nodes"].values())  # joined (maybe again)
     assert central["status"]["leases"] is None
 
 

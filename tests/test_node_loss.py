@@ -71,6 +71,9 @@ async def drained_with_data_on_a(ctl: Controller, running: asyncio.Future[Any]) 
             return
         ctl.resume()
         await next_task(ctl, running)
+    await running  # the run's own error, if it failed
+    pytest.fail(f"the run ended before a drained state with node a's data came up: "
+                f"{state(ctl)}")
 
 
 async def next_task(ctl: Controller, running: asyncio.Future[Any]) -> None:
@@ -117,7 +120,9 @@ async def test_a_lost_node_is_left_behind_its_lost_groups_redone_and_no_row_trai
                 await ctl.wait_for(lambda: ctl.lost_nodes.nodes == ["a"])
             # Waiting groups were dropped at once; held ones (a trained micro-batch of the
             # step in progress) wait for their step.
-            assert ctl.lost_nodes.groups_dropped == len(idle) >= 1
+            assert ctl.lost_nodes.groups_dropped == len(idle) >= 1, (
+                f"dropped {ctl.lost_nodes.groups_dropped} of idle {idle} (held {held}); "
+                f"{state(ctl)}")
             assert ctl.lost_nodes.waiting == len(held) - len(idle)
             assert not [w for w in ctl.registry.all() if w.node == "a"]
             assert ctl.status()["nodes_lost"] == ["a"]

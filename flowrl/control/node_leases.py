@@ -35,6 +35,7 @@ controller's own node has no agent process of that kind).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -240,13 +241,10 @@ class NodeLeases:
         formed = scheduler.take_formed(keep, sum(shares.values()))
         for name, k in sorted(shares.items()):
             mine, formed = formed[:k], formed[k:]
-            start = 0
-            for i in range(1, len(mine) + 1):
-                if i == len(mine) or mine[i][1] != mine[start][1]:
-                    tasks = [self.index.bind(t.id, f"lease:{name}") for t, _ in mine[start:i]]
-                    self._grant(self._nodes[name], stage, tasks, now, need=mine[start][1])
-                    self.rollout_leased += len(tasks)
-                    start = i
+            for need, same in itertools.groupby(mine, key=lambda pair: pair[1]):
+                tasks = [self.index.bind(t.id, f"lease:{name}") for t, _ in same]
+                self._grant(self._nodes[name], stage, tasks, now, need=need)
+                self.rollout_leased += len(tasks)
         if keep:
             scheduler.dispatch_formed(now, keep)
 
