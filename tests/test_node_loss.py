@@ -9,6 +9,7 @@ worker processes on the simulated engine: half the rollout workers on each node.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,7 @@ async def test_a_lost_node_is_left_behind_its_lost_groups_redone_and_no_row_trai
     assert ctl.nodes is not None
     log = tmp_path / "a.log"
     procs: list[asyncio.subprocess.Process] = []
+    family: list[psutil.Process] = []
     async with agents_reaped(procs):
         try:
             await start_joined(ctl, "a", log, keys, procs)
@@ -143,6 +145,11 @@ async def test_a_lost_node_is_left_behind_its_lost_groups_redone_and_no_row_trai
             # The workers left were enough: node0's rollout workers made every later step.
             assert {w.node for w in ctl.registry.of_role("rollout")} == {"node0"}
         finally:
+            # A stopped worker would not act on its agent's death (nor on being reaped) until
+            # continued: after a failure above, it would be left behind, stopped.
+            for p in family:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.resume()
             await ctl.aclose()
         if how == "killed":
             await wait_exit(procs[0], log)
