@@ -204,9 +204,7 @@ class NodeLeases:
             ready = self.index.ready_units(stage.name)
             if not ready:
                 continue
-            room = {n.name: n.slots.get(stage.name, 0) - self.leases.held(n.name, stage.name)
-                    for n in self._nodes.values()
-                    if self.leases.epoch(n.name) is not None}
+            room = self._room(stage)
             want = -(-ready // max(1, stage.micro_batch))
             for name, k in split(want, room).items():
                 tasks: list[Task] = []
@@ -221,6 +219,12 @@ class NodeLeases:
                 if len(tasks) < k:
                     break  # the queue ran dry
 
+    def _room(self, stage: StageSpec) -> dict[str, int]:
+        """Tasks of ``stage`` each node with a live agent has room for: its workers' slots less
+        what it holds."""
+        return {n.name: n.slots.get(stage.name, 0) - self.leases.held(n.name, stage.name)
+                for n in self._nodes.values() if self.leases.epoch(n.name) is not None}
+
     def _lease_formed(self, stage: StageSpec, now: float) -> None:
         """Rollout: the tasks the scheduler formed (`admit_ahead`, and groups given back) are
         split over the nodes by room, the controller's own node counted by the free slots of
@@ -233,8 +237,7 @@ class NodeLeases:
         waiting = scheduler.formed_waiting()
         if not waiting:
             return
-        room = {n.name: n.slots.get(stage.name, 0) - self.leases.held(n.name, stage.name)
-                for n in self._nodes.values() if self.leases.epoch(n.name) is not None}
+        room = self._room(stage)
         room[_HERE] = self.registry.open_count(stage.role) * self.registry.tasks_per_slot
         shares = split(waiting, room)
         keep = shares.pop(_HERE, 0)
@@ -253,10 +256,11 @@ class NodeLeases:
         newer than ``version`` (so none has started): their tasks' ids, for the caller to fail
         back into the index. Their agents are told to drop them."""
         back: list[int] = []
+        if self.source is None:
+            return back
         for node in self._nodes.values():
             gone = [x.id for x in self.leases.of_node(node.name)
-                    if self.source is not None and x.stage == self.source.name
-                    and x.need > version]
+                    if x.stage == self.source.name and x.need > version]
             for lid in gone:
                 back.extend(self.leases.revoke(lid))
             if gone:
