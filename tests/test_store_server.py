@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import signal
 import sys
+import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,7 +20,7 @@ import torch
 import zmq
 import zmq.asyncio
 
-from transport import shm
+from transport import lazy_torch, shm
 from transport.endpoints import ipc_endpoint, remove_run_dir, tcp_endpoint
 from transport.errors import NodeLost, RemoteError, UnknownSegment
 from transport.handles import rows_from_wire
@@ -241,6 +245,67 @@ async def test_reader_on_another_node_reads_through_the_server(run_id: str) -> N
     # The reader freed the handles at node0's server; reading them again fails remotely.
     assert got["after_free"].startswith("RemoteError")
     assert "UnknownSegment" in got["after_free"]
+
+
+_READ_ONCE = """
+import asyncio, json, sys
+from transport.store import Handle
+from transport.store_client import StoreClient
+
+async def main():
+    run_id, endpoint = sys.argv[1], sys.argv[2]
+    handles = [Handle.from_wire(h) for h in json.loads(sys.stdin.readline())]
+    async with StoreClient(run_id, "node1", "ipc:///nonexistent",
+                           peers={"node0": endpoint}) as client:
+        print(json.dumps([v.tolist() for v in await client.get(handles)]), flush=True)
+
+asyncio.run(main())
+"""
+
+
+async def test_the_first_read_from_another_node_imports_torch_off_the_event_loop(
+        run_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A node agent runs without torch until another node first reads through it. That read
+    imports torch in a thread, so the agent's loop goes on (its relay, its heartbeats: a node
+    silent for ``node_timeout_s`` is declared lost). On the loop, the import stalled an agent
+    for ~1 s, and for over 3 s on busy cores."""
+    async with served(run_id, tcp_endpoint()) as (store, server):
+        ids = [torch.arange(n, dtype=torch.int64) for n in (3, 5)]
+        handles = (await store.put({"ids": ids}))["ids"]
+        # This process imported torch long ago, so the proxy is emptied as in a fresh agent and
+        # the import is played by a blocking sleep: what the real one is to the thread it runs
+        # in. A ticker on the loop counts the turns the loop took meanwhile.
+        ticks = 0
+        imports: list[tuple[bool, int]] = []  # (on the loop's thread, ticks during it)
+
+        def slow_import(name: str) -> Any:
+            before = ticks
+            time.sleep(0.5)
+            imports.append((threading.current_thread() is threading.main_thread(),
+                            ticks - before))
+            return importlib.import_module(name)
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.005)
+                ticks += 1
+
+        monkeypatch.setattr(lazy_torch.torch, "_module", None)
+        monkeypatch.setattr(lazy_torch, "importlib", SimpleNamespace(import_module=slow_import))
+        ticker = asyncio.create_task(tick())
+        try:
+            async with child(_READ_ONCE, run_id, server.endpoint) as reader:
+                await reader.send(json.loads(json.dumps(handles)))
+                got = await reader.recv()
+                assert await reader.finish() == 0
+        finally:
+            ticker.cancel()
+    assert got == [t.tolist() for t in ids]
+    assert len(imports) == 1, imports  # once, by the read
+    on_loop, turns = imports[0]
+    assert not on_loop, imports  # in a thread
+    assert turns > 0, imports  # and the loop went on while it ran
 
 
 _FILLER = """

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from transport import shm
+from transport import lazy_torch, shm
 from transport.curve import CurveKeys
 from transport.endpoints import tcp_endpoint
 from transport.errors import MalformedMessage
@@ -260,6 +260,12 @@ class StoreServer:
             checked.append(
                 (_as_str(r[0], "segment"), _as_int(r[1], "offset"), _as_int(r[2], "nbytes"))
             )
+        if not lazy_torch.loaded():
+            # A node agent runs without torch until another node first reads through it. The
+            # import (~1-2 s of CPU, far more on busy cores) goes to a thread: on the event
+            # loop it would stall the agent's relay and heartbeats, and a node silent for
+            # `node_timeout_s` is declared lost.
+            await asyncio.to_thread(lazy_torch.load)
         return self.store.read_ranges(checked)
 
     async def _stats(self, payload: Any, peer: bytes) -> dict[str, Any]:
