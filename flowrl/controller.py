@@ -613,6 +613,7 @@ class Controller:
         if self.evaluation is not None and self.evaluation.owns(task.id):
             self._finish(a, ok=True)
             self.store_feed.free(self.evaluation.reported(task.id, report, time.perf_counter()))
+            self._check_drained()
             if wake:
                 self._wake()
             return
@@ -634,6 +635,7 @@ class Controller:
                                           lengths=report.lengths or None)
             self.store_feed.free(retired)
             self.versions.stage_metrics.fold(task, report)
+        self._check_drained()  # after the report's step committed: "drained" says its version
         if wake:
             self._wake()
 
@@ -662,6 +664,7 @@ class Controller:
                                                 f"{a.params.get('step')}: {error}")
         else:
             self.scheduler.fail_task(task.id)
+        self._check_drained()
         if wake:
             self._wake()
 
@@ -763,7 +766,6 @@ class Controller:
         if a.started_at:
             self.events.span(Span(a.worker, info.role if info else "", a.task.stage, a.task.id,
                                   len(a.task.rows), a.started_at, time.time()))
-        self._check_drained()
         if self._waiters:
             self._changed_now()
 

@@ -219,3 +219,26 @@ async def test_a_resumed_controller_trains_every_position_exactly_once() -> None
     trained = final.trained_below + len(final.trained_above)
     assert final.groups_trained == trained == 6 * 4
     assert all(p < final.trained_below or p in final.trained_above for p in state.redo())
+
+
+@pytest.mark.timeout(90)
+async def test_a_pause_as_a_step_ends_drains_after_its_commit_and_says_its_version() -> None:
+    # The last task of a paused run is the step's last micro-batch: its report commits the
+    # step, and "drained" comes after that, with the new version (it came first, with the
+    # version before, and a client that took "drained" to mean "nothing changes now" saw the
+    # version move).
+    slow_train = {**FAST, "train_step_s": 0.3}
+    async with Controller(dataclasses.replace(spec(0), engine_config=slow_train)) as ctl:
+        train = ctl.scheduler.train
+        assert train is not None
+        running = asyncio.ensure_future(ctl.run(steps=3, timeout_s=60))
+        await ctl.wait_for(lambda: running.done() or any(
+            a.task.stage == train.name and a.params.get("step_end") for a in ctl.assignments))
+        ctl.pause()
+        version = ctl.version
+        await ctl.wait_for(lambda: not ctl.assignments)
+        (drained,) = [e for e in ctl.events.recent if e["kind"] == "drained"]
+        assert ctl.version == version + 1  # the step committed
+        assert drained["version"] == ctl.version
+        ctl.resume()
+        assert (await running)["version"] == 3

@@ -136,7 +136,7 @@ async def test_node_dispatch_trains_the_rows_central_dispatch_trains(tmp_path: P
     leases = ctl1.node_leases
     assert leases is not None
     assert leases.tasks_leased >= STEPS * 4  # every reward task went through a lease
-    assert leases.refused == 0
+    assert leases.refused == 0, leases.statistics()
     assert {w["node"] for w in leased["status"]["workers"] if w["role"] == "reward"} == {"a", "b"}
     assert leased["status"]["worker_deaths"] == 0
 
@@ -226,11 +226,11 @@ async def test_rollout_leased_to_agents_trains_the_rows_central_dispatch_trains(
     leases = ctl1.node_leases
     assert leases is not None
     assert leases.rollout_leased > 0
-    assert leases.refused == 0
+    assert leases.refused == 0, leases.statistics()
     # The agents' workers generated, each under a version the bound allows: none stale.
     assert set(rollout_done(leased)) == {"node0", "a", "b"}, rollout_done(leased)
     assert set(leased["staleness"]) <= {0, 1}
-    assert leased["status"]["stale_dropped"] == 0
+    assert leased["status"]["stale_dropped"] == 0, (leased["staleness"], leases.statistics())
     # status says it too: each node's agent and what it holds by stage (the next step's
     # rollout, admitted as the run ended, may be there), and the counts
     shown = leased["status"]["leases"]
