@@ -474,6 +474,15 @@ class SampleStore:
             raise UnknownSegment(f"segment {name!r} is not held (never written, or freed)")
         return seg
 
+    def check_ranges(self, ranges: Sequence[tuple[str, int, int]]) -> None:
+        """Raise what `read_ranges` would for a range of a segment not held or past its end,
+        without touching the data (nor torch)."""
+        self._check_open()
+        for name, offset, nbytes in ranges:
+            size = self._held(name).size
+            if offset < 0 or nbytes < 0 or offset + nbytes > size:
+                raise ValueError(f"range {offset}+{nbytes} outside segment {name!r}")
+
     def read_ranges(self, ranges: Sequence[tuple[str, int, int]]) -> list[torch.Tensor]:
         """uint8 views of (segment, offset, nbytes) ranges of held segments, for remote reads
         and padded copies: through the store's own mapping, or its cache of read mappings."""

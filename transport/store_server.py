@@ -264,7 +264,9 @@ class StoreServer:
             # A node agent runs without torch until another node first reads through it. The
             # import (~1-2 s of CPU, far more on busy cores) goes to a thread: on the event
             # loop it would stall the agent's relay and heartbeats, and a node silent for
-            # `node_timeout_s` is declared lost.
+            # `node_timeout_s` is declared lost. Only for a read that can be served: a bad
+            # request does not cost the agent torch's ~200 MB.
+            self.store.check_ranges(checked)
             await asyncio.to_thread(lazy_torch.load)
         return self.store.read_ranges(checked)
 
