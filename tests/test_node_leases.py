@@ -227,10 +227,12 @@ async def test_rollout_leased_to_agents_trains_the_rows_central_dispatch_trains(
     assert leases is not None
     assert leases.rollout_leased > 0
     assert leases.refused == 0, leases.statistics()
-    # The agents' workers generated, each under a version the bound allows: none stale.
+    # The agents' workers generated, each under a version its lease allowed. (Not "no group
+    # dropped as stale": on busy cores a group generated in time may still be trained a step
+    # late, as with central dispatch, and then the gate drops it.)
     assert set(rollout_done(leased)) == {"node0", "a", "b"}, rollout_done(leased)
+    assert leases.below_need == 0, leases.statistics()
     assert set(leased["staleness"]) <= {0, 1}
-    assert leased["status"]["stale_dropped"] == 0, (leased["staleness"], leases.statistics())
     # status says it too: each node's agent and what it holds by stage (the next step's
     # rollout, admitted as the run ended, may be there), and the counts
     shown = leased["status"]["leases"]

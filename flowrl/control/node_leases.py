@@ -138,6 +138,8 @@ class NodeLeases:
         self._worker_node: dict[str, str] = {}
         #: completions and give-backs refused (late, repeated, of a returned lease)
         self.refused = 0
+        #: leased tasks reported run under a policy version older than their lease's need
+        self.below_need = 0
         #: tasks given back by agents (failed, their worker gone) and taken back by expiry
         self.given_back = 0
         self.expired = 0
@@ -338,7 +340,7 @@ class NodeLeases:
             "granted": self.granted, "tasks_leased": self.tasks_leased,
             "rollout_leased": self.rollout_leased, "given_back": self.given_back,
             "expired": self.expired, "lost_back": self.lost_back, "recalled": self.recalled,
-            "refused": self.refused}
+            "refused": self.refused, "below_need": self.below_need}
 
     def handlers(self) -> dict[str, Handler]:
         return {OP_LEASE_JOIN: self._join, OP_LEASE_POLL: self._poll,
@@ -391,11 +393,20 @@ class NodeLeases:
             if type(tid) is not int:
                 self.refused += 1
                 continue
+            holder = self.leases.holder(tid)
+            need = 0 if holder is None else holder.need
             verdict = self.leases.complete(node.name, ep, lease, tid, rows, now)
             a = self.assignments.get(tid) if verdict is Verdict.ACCEPTED else None
             if a is None:
                 self.refused += 1
                 continue
+            version = done.get("version")
+            if type(version) is int and version < need:
+                # The agent broke its rule (a worker serving `need` or newer): the staleness
+                # gate still evicts rows too old to train, but the run should say so.
+                self.below_need += 1
+                log.warning("a leased task ran under a policy version older than it needs",
+                            node=node.name, task=tid, version=version, need=need)
             worker = done.get("worker_id")
             if type(worker) is str and self._worker_node.get(worker) == node.name:
                 a.worker = worker  # spans and the trace name the worker that ran it
