@@ -100,7 +100,9 @@ def test_a_collector_frozen_before_the_run_is_left_alone(quiet_collector: None) 
     assert c.full_collections == 0
     c.close()
     assert gc.get_threshold() == before[0]
-    assert gc.get_freeze_count() >= before[1]
+    # Not unfrozen (that empties the permanent generation). A frozen object may still die
+    # meanwhile (a thread of an earlier test ending), so the count is not compared exactly.
+    assert gc.get_freeze_count() > before[1] // 2
     gc.collect()
     assert cycle() is None
 
