@@ -479,9 +479,7 @@ class SampleStore:
         without touching the data (nor torch)."""
         self._check_open()
         for name, offset, nbytes in ranges:
-            size = self._held(name).size
-            if offset < 0 or nbytes < 0 or offset + nbytes > size:
-                raise ValueError(f"range {offset}+{nbytes} outside segment {name!r}")
+            _check_range(name, offset, nbytes, self._held(name).size)
 
     def read_ranges(self, ranges: Sequence[tuple[str, int, int]]) -> list[torch.Tensor]:
         """uint8 views of (segment, offset, nbytes) ranges of held segments, for remote reads
@@ -491,8 +489,7 @@ class SampleStore:
         for name, offset, nbytes in ranges:
             seg = self._held(name)
             data = seg.data if seg.data is not None else self._reads.data(name)
-            if offset < 0 or nbytes < 0 or offset + nbytes > data.numel():
-                raise ValueError(f"range {offset}+{nbytes} outside segment {name!r}")
+            _check_range(name, offset, nbytes, data.numel())
             out.append(data[offset : offset + nbytes])
         return out
 
@@ -565,3 +562,8 @@ class SampleStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_range(name: str, offset: int, nbytes: int, size: int) -> None:
+    if offset < 0 or nbytes < 0 or offset + nbytes > size:
+        raise ValueError(f"range {offset}+{nbytes} outside segment {name!r}")
