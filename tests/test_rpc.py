@@ -413,8 +413,9 @@ async def test_a_parked_poll_is_answered_later_or_expires_with_no_task(
 async def test_a_parked_polls_sent_callback_comes_after_its_reply_leaves(
     run_id: str, zmq_ctx: zmq.asyncio.Context
 ) -> None:
-    # `sent` is how long a caller really waited: not when the answer was decided (the reply
-    # leaves after that turn of the loop), and a callback that fails loses no other reply.
+    # `sent` is how long a caller really waited: not when the answer was decided (answered
+    # outside a request, the reply leaves after that turn of the loop), and a callback that
+    # fails loses no other reply.
     parked: list[Parked] = []
     two = asyncio.Event()
 
@@ -445,6 +446,40 @@ async def test_a_parked_polls_sent_callback_comes_after_its_reply_leaves(
         order.append("answered")  # this turn goes on: nothing has left yet
         assert await asyncio.gather(*calls) == ["a", "b"]
         assert order == ["answered", "first sent", "second sent"]
+
+
+async def test_a_poll_answered_while_a_request_is_handled_leaves_as_that_request_ends(
+    run_id: str, zmq_ctx: zmq.asyncio.Context
+) -> None:
+    # A report that makes a task for a parked poll: the task's reply leaves with the report's
+    # own, not after the rest of the turn of the loop (a socket's drain takes up to 64 requests
+    # a turn, each handler maybe a dispatch pass). What the turn had queued runs after it.
+    parked: list[Parked] = []
+    polled = asyncio.Event()
+    order: list[str] = []
+
+    def poll(payload: Any, peer: bytes) -> Any:
+        parked.append(p := Parked(STEP))
+        p.sent = lambda: order.append("the poll's reply sent")
+        polled.set()
+        return p
+
+    def report(payload: Any, peer: bytes) -> Any:
+        asyncio.get_running_loop().call_soon(order.append, "the turn's next callback")
+        parked[0].answer("a task")
+        return "taken"
+
+    async with (
+        RpcServer(ipc_endpoint(run_id, "ends"), {"poll": poll, "report": report}, ctx=zmq_ctx,
+                  long_polls={"poll"}) as srv,
+        RpcClient(srv.endpoint, ctx=zmq_ctx, timeout=STEP) as client,
+    ):
+        waiting = asyncio.ensure_future(client.call("poll", None))
+        async with asyncio.timeout(STEP):
+            await polled.wait()
+        assert await client.call("report", None) == "taken"
+        assert await waiting == "a task"
+    assert order == ["the poll's reply sent", "the turn's next callback"]
 
 
 async def test_parked_polls_keep_the_budgets_and_end_with_the_server(

@@ -18,8 +18,9 @@ Guarantees:
   polls clients hold open, other operations (heartbeats) are still read and answered. A
   long-poll handler with nothing to answer yet may return a `Parked`: the server holds that poll
   with no task, timer or future of its own, until `Parked.answer` (from any code on the server's
-  loop) or its deadline (then it answers ``expired``); replies answered in one turn of the loop
-  leave together, after it. A handler exception becomes an ERROR reply; a malformed request gets
+  loop) or its deadline (then it answers ``expired``); replies answered while a request is
+  handled (by any server of the loop) leave as that request ends, others after the turn of the
+  loop that answered them. A handler exception becomes an ERROR reply; a malformed request gets
   a REJECTED reply (it always has a routing identity); nothing a peer sends stops the server.
   With an authenticator, a request that fails its check is dropped before it is decoded, without
   a reply, and counted (`refused`). A reply to a peer that is gone or not reading is dropped and
@@ -39,6 +40,7 @@ import asyncio
 import heapq
 import inspect
 import logging
+import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from dataclasses import dataclass
@@ -119,8 +121,8 @@ class Parked:
         self._rid = 0
         self._open = False
         self._result: Any = None
-        #: called once its reply has been handed to the socket (after the turn that answered
-        #: it): how long a caller really waited, where `answer` is only when it was decided
+        #: called once its reply has been handed to the socket (see `answer`): how long a caller
+        #: really waited, where `answer` is only when it was decided
         self.sent: Callable[[], None] | None = None
 
     @property
@@ -129,13 +131,33 @@ class Parked:
         return self._open
 
     def answer(self, result: Any) -> bool:
-        """Reply ``result`` (sent after the current turn of the event loop, with the others
-        answered in it). False, and nothing sent, if the poll is not open."""
+        """Reply ``result``: sent as the request being handled ends (on any server of this
+        loop), or after the current turn of the loop when no request is. False, and nothing
+        sent, if the poll is not open."""
         if not self._open:
             return False
         assert self._server is not None  # open means held
         self._server._answer(self, result)
         return True
+
+
+class _Answered(threading.local):
+    """The servers of this thread (its event loop) with polls answered and not yet sent."""
+
+    def __init__(self) -> None:
+        self.servers: dict[RpcServer, None] = {}
+
+
+_answered = _Answered()
+
+
+def _send_answered() -> None:
+    """The replies of the polls answered while a request was handled, sent as it ends: a
+    report that made a task for a parked poll has it leave with the report's own reply, not
+    after every other request the socket's drain takes in that turn of the loop (up to 64)."""
+    servers, _answered.servers = _answered.servers, {}
+    for server in servers:
+        server._send_answered()
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,6 +329,11 @@ class RpcServer(Service):
         )
 
     def _on_request(self, frames: list[zmq.Frame]) -> None:
+        self._take_request(frames)
+        if _answered.servers:
+            _send_answered()
+
+    def _take_request(self, frames: list[zmq.Frame]) -> None:
         self._requests += 1
         peer = frames[0].bytes
         if self._authenticator is not None:
@@ -448,10 +475,14 @@ class RpcServer(Service):
         self._unpoll(p._peer)
         self._answered.append(p)
         if len(self._answered) == 1:
+            # Sent at the end of the request being handled (any server's, on this thread), or,
+            # answered outside one (a timer, a task), after this turn of the loop.
+            _answered.servers[self] = None
             asyncio.get_running_loop().call_soon(self._send_answered)
 
     def _send_answered(self) -> None:
         """The replies of the polls answered in the last turn of the loop."""
+        _answered.servers.pop(self, None)  # sent: nothing left for the request's end
         answered, self._answered = self._answered, []
         for p in answered:
             try:
