@@ -42,9 +42,14 @@ the workers on these shared cores: the tail a controller with a core of its own 
 ``served`` entry (the worker idle, a task formed ahead waiting that it may take) to the reply
 carrying its task handed to the socket, in wall time (`Controller.version_wait_us`): the rest
 of its node's gathered report, the pass, and the replies sent before its own included (a reply
-leaves after the turn of the event loop that answered it, with every other one answered in it:
-`transport.rpc.Parked.sent`). Until 2026-12-04 it ended at the task's place in the worker's
-mailbox, which left out the rest of the pass and the replies;
+answered while a request is handled leaves as that request ends, with every other one answered
+in it: `transport.rpc.Parked.sent`). Until 2026-12-04 it ended at the task's place in the
+worker's mailbox, which left out the rest of the pass and the replies;
+``reference_us_1024w``: the CPU time of a fixed piece of Python like the controller's (dict and
+list operations, small tuples, msgpack round trips of a report's size; `reference_us`) in the
+controller's process, before and after the 1,024-worker shape's measured steps (the median of
+both), between runs of the controller: how fast this host ran such code at the time, so that
+the CPU figures of runs hours or days apart can be told from the host's speed;
 ``controller_rss_mb``: the controller process's resident memory after the 1,024-worker run, and
 ``controller_rss_growth_mb`` over what it held before starting.
 
@@ -106,6 +111,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import msgpack
 import psutil
 
 from bench.pipeline import pct
@@ -165,6 +171,28 @@ def episodes(turns: int) -> dict[str, Any]:
             "max_new_tokens": 8 * turns + 2 * (turns - 1)}
 
 
+def reference_us(repeats: int = 5) -> float:
+    """CPU µs (this thread's) of a fixed piece of Python like the controller's per-task work,
+    the median of ``repeats``: dict gets and sets, list appends, small tuples, and msgpack round
+    trips of a message of a report's size with handles in their ext form."""
+    handle = msgpack.ExtType(1, msgpack.packb(["node1", "flowrl-seg", 1024, "int64", [8]]))
+    report = msgpack.packb({"worker_id": "w-17", "task_id": 4242, "version": 3,
+                            "fields": {f: [handle] * 16 for f in ("a", "b", "c")},
+                            "lengths": [8] * 16, "metrics": {"loss": 0.5}})
+    times = []
+    for _ in range(repeats):
+        t0 = time.thread_time()
+        counts: dict[int, int] = {}
+        rows: list[tuple[int, str]] = []
+        for i in range(20_000):
+            counts[i % 97] = counts.get(i % 89, 0) + 1
+            rows.append((i, "row"))
+        for _ in range(200):
+            msgpack.unpackb(msgpack.packb(msgpack.unpackb(report)))
+        times.append((time.thread_time() - t0) * 1e6)
+    return statistics.median(times)
+
+
 def loop_cpu(me: psutil.Process) -> float:
     """CPU seconds of this process's main thread (the event loop: everything but ZeroMQ's
     I/O threads)."""
@@ -212,6 +240,7 @@ async def measure(workers: int, agents: int, steps: int, rollout_groups: int = 1
         if pinned:
             pin(me, affinity)
         await ctl.run(steps=1, timeout_s=300)  # warm-up: every worker polling, first version
+        reference = [reference_us()]  # between runs: the controller handles little meanwhile
         ctl.dispatch_us.clear()
         ctl.dispatch_cpu_us.clear()
         ctl.dispatch_pass_tasks.clear()
@@ -227,6 +256,7 @@ async def measure(workers: int, agents: int, steps: int, rollout_groups: int = 1
                 profile.disable()
         cpu1, loop1 = me.cpu_times(), loop_cpu(me)
         cpu = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
+        reference.append(reference_us())
         samples = out["samples"]
         if out["rows_trained_twice"]:  # exactly once holds at any load
             raise RuntimeError(f"{out['rows_trained_twice']} rows trained twice")
@@ -241,6 +271,7 @@ async def measure(workers: int, agents: int, steps: int, rollout_groups: int = 1
             "dispatch_cpu_us": list(ctl.dispatch_cpu_us),
             "version_wait_us": list(ctl.version_wait_us),
             "pass_max": max(ctl.dispatch_pass_tasks, default=0),
+            "reference_us": statistics.median(reference),
             "rss": me.memory_info().rss, "rss_growth": me.memory_info().rss - rss0,
         }
 
@@ -275,6 +306,7 @@ async def main_async(quick: bool, rollout_groups: int, episode_turns: int = 0,
         "dispatch_pass_max_tasks_1024w": big["pass_max"],
         "version_wait_p50_us_1024w": round(statistics.median(vw), 1) if vw else None,
         "version_wait_p99_us_1024w": round(pct(vw, 0.99), 1) if vw else None,
+        "reference_us_1024w": round(big["reference_us"]),
         "controller_rss_mb": round(big["rss"] / 2**20, 1),
         "controller_rss_growth_mb": round(big["rss_growth"] / 2**20, 1),
         "samples_per_step": GROUPS_PER_STEP * GROUP,

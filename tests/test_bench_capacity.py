@@ -125,3 +125,11 @@ def test_the_workload_dispatches_on_the_nodes_only_where_there_are_other_nodes()
     # One agent, the controller's own: no node to lease to, so the shape runs as without.
     assert not workload(64, 1, 4, node_dispatch=True)[0].node_dispatch
     assert not workload(1024, 8, 4)[0].node_dispatch
+
+
+def test_the_reference_workload_is_timed_in_this_threads_cpu(monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    # Its figure is the median of its repeats, each the thread's CPU time around the workload.
+    ticks = iter([0.0, 0.001, 1.0, 1.003, 2.0, 2.002])
+    monkeypatch.setattr(capacity.time, "thread_time", lambda: next(ticks))
+    assert capacity.reference_us(repeats=3) == pytest.approx(2000.0)
