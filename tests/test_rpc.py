@@ -448,12 +448,14 @@ async def test_a_parked_polls_sent_callback_comes_after_its_reply_leaves(
         assert order == ["answered", "first sent", "second sent"]
 
 
+@pytest.mark.parametrize("servers", ["one server", "the poll on another server"])
 async def test_a_poll_answered_while_a_request_is_handled_leaves_as_that_request_ends(
-    run_id: str, zmq_ctx: zmq.asyncio.Context
+    run_id: str, zmq_ctx: zmq.asyncio.Context, servers: str
 ) -> None:
     # A report that makes a task for a parked poll: the task's reply leaves with the report's
     # own, not after the rest of the turn of the loop (a socket's drain takes up to 64 requests
-    # a turn, each handler maybe a dispatch pass). What the turn had queued runs after it.
+    # a turn, each handler maybe a dispatch pass). What the turn had queued runs after it. The
+    # poll may be held by another server of the loop (a node's agent and the controller's).
     parked: list[Parked] = []
     polled = asyncio.Event()
     order: list[str] = []
@@ -469,15 +471,18 @@ async def test_a_poll_answered_while_a_request_is_handled_leaves_as_that_request
         parked[0].answer("a task")
         return "taken"
 
+    across = servers != "one server"
     async with (
         RpcServer(ipc_endpoint(run_id, "ends"), {"poll": poll, "report": report}, ctx=zmq_ctx,
                   long_polls={"poll"}) as srv,
+        RpcServer(ipc_endpoint(run_id, "other"), {"report": report}, ctx=zmq_ctx) as other,
         RpcClient(srv.endpoint, ctx=zmq_ctx, timeout=STEP) as client,
+        RpcClient(other.endpoint, ctx=zmq_ctx, timeout=STEP) as reporter,
     ):
         waiting = asyncio.ensure_future(client.call("poll", None))
         async with asyncio.timeout(STEP):
             await polled.wait()
-        assert await client.call("report", None) == "taken"
+        assert await (reporter if across else client).call("report", None) == "taken"
         assert await waiting == "a task"
     assert order == ["the poll's reply sent", "the turn's next callback"]
 
