@@ -90,12 +90,13 @@ _SPIN = "while True: pass"
 
 
 @contextlib.contextmanager
-def cpu_load(procs: int) -> Iterator[None]:
-    """``procs`` processes that each keep one CPU busy while the block runs."""
+def cpu_load(procs: int) -> Iterator[list[int]]:
+    """``procs`` processes that each keep one CPU busy while the block runs; yields their
+    pids."""
     spinners = [subprocess.Popen([sys.executable, "-c", _SPIN], stdin=subprocess.DEVNULL)
                 for _ in range(procs)]
     try:
-        yield
+        yield [p.pid for p in spinners]
     finally:
         for p in spinners:
             p.kill()

@@ -72,10 +72,13 @@ def test_summary_of_hand_made_runs() -> None:
 
 
 def test_cpu_load_runs_busy_processes_and_stops_them() -> None:
-    with learning.cpu_load(2):
+    with learning.cpu_load(2) as pids:
+        # By pid, not by command line: `Popen` may return before the kernel has set the new
+        # program's arguments, and a command line read then is empty.
         me = psutil.Process()
-        spinners = [p for p in me.children() if learning._SPIN in " ".join(p.cmdline())]
-        assert len(spinners) == 2
+        assert len(pids) == 2
+        assert set(pids) <= {p.pid for p in me.children()}
+        spinners = [psutil.Process(pid) for pid in pids]
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and not all(
                 p.cpu_times().user > 0.05 for p in spinners):
