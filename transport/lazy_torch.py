@@ -27,10 +27,7 @@ class _Torch:
         self._module: ModuleType | None = None
 
     def __getattr__(self, name: str) -> Any:
-        module = self._module
-        if module is None:
-            module = self._module = importlib.import_module("torch")
-        return getattr(module, name)
+        return getattr(self._module or load(), name)
 
 
 torch: Any = _Torch()
