@@ -119,6 +119,7 @@ from bench.runner import run_and_print
 from bench.scale import started_with_agents
 from flowrl.logs import configure
 from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages
+from transport.codec import HANDLE_EXT
 
 #: near-zero compute: a rollout task is a 1 ms sleep, every response 8 tokens.
 COST = {
@@ -175,7 +176,7 @@ def reference_us(repeats: int = 5) -> float:
     """CPU µs (this thread's) of a fixed piece of Python like the controller's per-task work,
     the median of ``repeats``: dict gets and sets, list appends, small tuples, and msgpack round
     trips of a message of a report's size with handles in their ext form."""
-    handle = msgpack.ExtType(1, msgpack.packb(["node1", "flowrl-seg", 1024, "int64", [8]]))
+    handle = msgpack.ExtType(HANDLE_EXT, msgpack.packb(["node1", "flowrl-seg", 1024, "int64", [8]]))
     report = msgpack.packb({"worker_id": "w-17", "task_id": 4242, "version": 3,
                             "fields": {f: [handle] * 16 for f in ("a", "b", "c")},
                             "lengths": [8] * 16, "metrics": {"loss": 0.5}})
