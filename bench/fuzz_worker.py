@@ -27,6 +27,8 @@ from bench.fuzz_common import (
 from bench.fuzz_messages import Gen, packed
 from transport.codec import decode, encode
 from transport.endpoints import ipc_endpoint, remove_run_dir, run_dir
+from transport.errors import MalformedMessage
+from transport.handles import Handle, is_handle, is_run, run_rows
 
 OK: Final = 0
 ERROR: Final = 1
@@ -120,7 +122,7 @@ class HostileController:
 
     def take_report(self, report: dict[str, Any]) -> None:
         tid = report.get("task_id")
-        fields = report.get("fields", {})
+        fields = {k: _rows(v) for k, v in report.get("fields", {}).items()}
         # Free every output, also of the malformed tasks the worker ran: a controller that
         # never frees would fill the store (its puts would then wait).
         self.on_done([h for f in fields.values() for h in f])
@@ -226,6 +228,17 @@ class HostileController:
                                        msgpack.packb({"reason": "fuzz over"})])
 
 
+def _rows(value: Any) -> Any:
+    """A reported field's values, a value a row (a field's rows of one put come as one run, as
+    the controller takes them: `transport.handles.run_rows`); none for a malformed run."""
+    if not is_run(value):
+        return value
+    try:
+        return run_rows(value)
+    except MalformedMessage:
+        return []
+
+
 def worker_argv(run_id: str, hostile: HostileController, store_ep: str) -> list[str]:
     from flowrl.worker_launch import worker_command
     from flowrl.worker_spec import Endpoints, ProcessSpec, WorkerSpec
@@ -240,7 +253,6 @@ def worker_argv(run_id: str, hostile: HostileController, store_ep: str) -> list[
 
 async def fuzz_worker(count: int, seed: int) -> dict[str, Any]:
     from transport.endpoints import new_run_id
-    from transport.handles import Handle
     from transport.store import SampleStore
     from transport.store_server import StoreServer
 
@@ -255,7 +267,7 @@ async def fuzz_worker(count: int, seed: int) -> dict[str, Any]:
         async with StoreServer(store, ipc_endpoint(run_id, "store-node0")) as server:
             hostile = HostileController(run_id, seed, ctx, count)
             hostile.on_done = lambda handles: store.free(
-                [Handle.from_wire(h) for h in handles if isinstance(h, list)])
+                [Handle.from_wire(h) for h in handles if is_handle(h)])
             log_path = os.environ.get("FLOWRL_FUZZ_WORKER_LOG")  # to see what the worker saw
             log_file = open(log_path, "wb") if log_path else None  # noqa: SIM115, ASYNC230
             proc = await asyncio.create_subprocess_exec(

@@ -2,8 +2,9 @@
 
 Pure definitions (no I/O, nothing heavy imported) so that `workers` may import them without
 pulling in the controller. Every payload is a msgpack map; tensors never ride in these messages,
-only store handles (msgpack ext type ``transport.codec.HANDLE_EXT``, so a field's values are
-told apart from inline ones by type: `transport.handles.is_handle`) and small scalars.
+only store handles (msgpack ext type ``transport.codec.HANDLE_EXT``, or a row of a run,
+``[run, i]`` with the run of ext type ``transport.codec.RUN_EXT``, so a field's values are told
+apart from inline ones by type: `transport.handles.is_handle`) and small scalars.
 
 Requests (worker -> controller, over the controller's ROUTER socket):
 
@@ -119,8 +120,9 @@ class FailedRows(TypedDict):
 class DoneMsg(TypedDict):
     worker_id: str
     task_id: int
-    #: produced field name -> one value per row (store handle or inline scalar).
-    fields: dict[str, list[Any]]
+    #: produced field name -> one value per row (store handle or inline scalar), or a run of
+    #: rows (`transport.handles.run_to_wire`) for a field's rows of one put.
+    fields: dict[str, Any]
     #: per-row token counts of what was produced (used for load balancing), or empty.
     lengths: list[int]
     #: the policy version that produced these rows, when the stage generates samples.

@@ -16,9 +16,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from transport._zsocket import new_socket
-from transport.codec import DTYPES, MAX_MESSAGE_BYTES, decode, encode, frames_nbytes
+from transport.codec import DTYPES, MAX_MESSAGE_BYTES, RUN_EXT, decode, encode, frames_nbytes
 from transport.errors import MalformedMessage, MessageTooLarge
-from transport.handles import Handle, is_handle, rows_from_wire, to_wire
+from transport.handles import (
+    Handle,
+    handle_node,
+    handle_nodes,
+    is_handle,
+    rows_from_wire,
+    run_rows,
+    run_to_wire,
+    to_wire,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -416,3 +425,86 @@ def test_a_malformed_handle_is_a_malformed_message(bad: msgpack.ExtType) -> None
         rows_from_wire([bad])
     with pytest.raises(MalformedMessage):
         rows_from_wire([*to_wire(_handles(2)), bad])
+
+
+# ---- a field's rows of one put as one run ------------------------------------------------------
+
+
+def test_a_run_is_its_rows_wherever_a_handle_is_taken() -> None:
+    hs = _handles(4)
+    run = decode(encode({"f": run_to_wire(hs)}))["f"]  # as a worker reports it
+    rows = run_rows(run)  # as the controller keeps it: (run, i) a row
+    assert [Handle.from_wire(r) for r in rows] == hs
+    assert all(map(is_handle, rows))
+    assert handle_nodes(rows) == ["n"] * 4
+    assert handle_node(rows[2]) == "n"
+    sent = decode(encode({"inputs": rows}))["inputs"]  # as a reader gets them: lists
+    assert all(map(is_handle, sent))
+    assert handle_nodes(sent) == ["n"] * 4
+    whole = rows_from_wire(sent)
+    assert list(whole) == hs
+    assert whole.run is not None
+    assert (whole.run.offset, whole.run.nbytes) == (64, 4 * 32)
+    middle = rows_from_wire(sent[1:3])
+    assert list(middle) == hs[1:3]
+    assert middle.run is not None
+    assert (middle.run.offset, middle.lens) == (96, (4, 4))
+    # Out of order, or mixed with handles of their own: the rows all the same.
+    assert list(rows_from_wire([sent[3], sent[0]])) == [hs[3], hs[0]]
+    mixed = rows_from_wire([*to_wire(_handles(5)[4:]), *sent[:2]])
+    assert list(mixed) == [_handles(5)[4], *hs[:2]]
+    assert not is_handle([run, 0, 1])
+    assert not is_handle([1, 0])
+
+
+def test_only_one_puts_one_dimensional_rows_make_a_run() -> None:
+    hs = _handles(3)
+    assert run_to_wire(hs[:1]) is None  # one row: a handle is as short
+    assert run_to_wire([hs[0], hs[2]]) is None  # not back to back
+    assert run_to_wire([*hs[:2], hs[2]._replace(segment="flowrl-run1-10-20-10-4")]) is None
+    assert run_to_wire([Handle("n", _SEG, 64 * i, "int64", (2, 4)) for i in range(2)]) is None
+    assert run_to_wire([Handle("n", _SEG, 64, "int64", (0,)), hs[0]]) is None
+    widths = [Handle("n", _SEG, 64, "int64", (4,)), Handle("n", _SEG, 96, "int64", (2,))]
+    assert [Handle.from_wire(r) for r in run_rows(run_to_wire(widths))] == widths
+
+
+def _bad_run(fields: Any) -> msgpack.ExtType:
+    return msgpack.ExtType(RUN_EXT, msgpack.packb(fields))
+
+
+@pytest.mark.parametrize("bad", [
+    msgpack.ExtType(RUN_EXT, b"\xc1"),  # not msgpack
+    _bad_run(["n", _SEG, 64, "int64"]),  # not a run's fields
+    _bad_run(["n", _SEG, 64, "int64", []]),  # no rows
+    _bad_run(["n", _SEG, 64, "int64", [4, 0]]),  # an empty row
+    _bad_run(["n", _SEG, 64, "int64", [4, True]]),  # not a length
+    _bad_run(["n", _SEG, 64, "int64", 4]),
+    _bad_run(["n", "nope", 64, "int64", [4]]),  # bad segment
+    _bad_run(["n", "", 64, "int64", [4]]),  # names no segment
+    _bad_run(["n", _SEG, 63, "int64", [4]]),  # misaligned
+    _bad_run(["n", _SEG, -8, "int64", [4]]),
+    _bad_run(["n", _SEG, 64, "complex", [4]]),
+    _bad_run([1, _SEG, 64, "int64", [4]]),
+    msgpack.ExtType(2, msgpack.packb(["n", _SEG, 64, "int64", [4]])),  # a handle, not a run
+])
+def test_a_malformed_run_is_a_malformed_message(bad: msgpack.ExtType) -> None:
+    with pytest.raises(MalformedMessage):
+        run_rows(bad)
+    with pytest.raises(MalformedMessage):
+        Handle.from_wire([bad, 0])
+    with pytest.raises(MalformedMessage):
+        rows_from_wire([[bad, 0], [bad, 1]])
+
+
+@pytest.mark.parametrize("row", [-1, 2, "0", 1.0, True, None])
+def test_a_row_outside_its_run_is_a_malformed_message(row: Any) -> None:
+    run = run_to_wire(_handles(2))
+    with pytest.raises(MalformedMessage):
+        Handle.from_wire([run, row])
+    with pytest.raises(MalformedMessage):
+        rows_from_wire([[run, row], [run, 0]])
+    if row in (1.0, True):  # equal to a valid row: taken as it, as `rows_from_wire` says
+        assert list(rows_from_wire([[run, 0], [run, row]])) == _handles(2)
+    else:
+        with pytest.raises(MalformedMessage):
+            rows_from_wire([[run, 0], [run, row]])

@@ -7,6 +7,7 @@ import random
 from collections.abc import Iterator
 from typing import Any
 
+import msgpack
 import pytest
 
 from flowrl.backpressure import StoreBackpressure
@@ -22,7 +23,8 @@ from flowrl.graph import StageGraph, StageSpec
 from flowrl.index import Index, Task
 from flowrl.registry import Registry, WorkerInfo
 from flowrl.staleness import StalenessGate
-from transport.handles import Handle, handle_to_wire
+from transport.codec import RUN_EXT
+from transport.handles import Handle, handle_to_wire, run_to_wire
 
 REWARD = StageSpec("reward", ("response",), ("reward", "score"))
 SEGMENT = "flowrl-run1-10-20-10-1"
@@ -93,6 +95,36 @@ def test_a_malformed_report_is_refused_naming_what_is_wrong(changes: dict[str, A
 def test_a_report_of_the_wrong_shape_is_refused(changes: dict[str, Any], says: str) -> None:
     with pytest.raises(MalformedReport) as info:
         parse_report(report(**changes))
+    assert says in str(info.value)
+
+
+def _run(rows: int, segment: str = SEGMENT, lens: list[Any] | None = None) -> Any:
+    wire = run_to_wire([Handle("node0", SEGMENT, 12 * i, "float32", (3,)) for i in range(rows)])
+    if lens is None and segment == SEGMENT:
+        return wire
+    fields = msgpack.unpackb(wire.data)
+    return msgpack.ExtType(wire.code, msgpack.packb(
+        [fields[0], segment, fields[2], fields[3], fields[4] if lens is None else lens]))
+
+
+def test_a_field_sent_as_one_run_is_checked_once_and_kept_a_value_a_row() -> None:
+    parsed = parse_report(report(fields={"reward": [1.0, 0.5], "score": _run(2)}))
+    check_report(parsed, task(), REWARD, train=False)
+    assert parsed.runs == {"score"}
+    assert [Handle.from_wire(v) for v in parsed.fields["score"]] == [
+        Handle("node0", SEGMENT, 0, "float32", (3,)), Handle("node0", SEGMENT, 12, "float32", (3,))]
+
+
+@pytest.mark.parametrize(("score", "says"), [
+    (_run(3), "'score' has 3 values for 2 rows"),
+    (_run(2, segment="nope"), "field 'score': bad segment name"),
+    (_run(2, lens=[3, 0]), "field 'score': a run's lengths are positive"),
+    (_run(2, lens=[]), "field 'score': a run's lengths are a non-empty list"),
+    (msgpack.ExtType(RUN_EXT, b"\xc1"), "field 'score': undecodable run"),
+])
+def test_a_malformed_run_is_refused_naming_its_field(score: Any, says: str) -> None:
+    with pytest.raises(MalformedReport) as info:
+        check(report(fields={"reward": [1.0, 0.5], "score": score}))
     assert says in str(info.value)
 
 

@@ -4,9 +4,11 @@ Wire format. Frame 0 is msgpack. Every torch.Tensor or numpy.ndarray inside the 
 replaced by msgpack ExtType 1 whose data is msgpack `[kind, dtype, shape, frame]` (kind 0 =
 torch, 1 = numpy; dtype a name from `DTYPES`; frame the index of the extra frame holding the
 raw little-endian, C-ordered bytes). A store handle in a field value travels as ExtType 2
-(`HANDLE_EXT`, made by `transport.handles.handle_to_wire`) and decodes as that `msgpack.ExtType`,
-unvalidated (`transport.handles` validates it where it is used), so a receiver tells handles from
-inline values by type, never by shape. No pickle: nothing on the wire can name a Python type.
+(`HANDLE_EXT`, made by `transport.handles.handle_to_wire`), and a field's rows of one put may
+travel as one ExtType 3 (`RUN_EXT`, made by `transport.handles.run_to_wire`); both decode as that
+`msgpack.ExtType`, unvalidated (`transport.handles` validates them where they are used), so a
+receiver tells handles from inline values by type, never by shape. No pickle: nothing on the
+wire can name a Python type.
 
 Guarantees:
 - `encode` copies no tensor bytes: an extra frame is a memoryview over the tensor's own memory
@@ -43,8 +45,8 @@ if TYPE_CHECKING:
 else:
     from transport.lazy_torch import torch
 
-__all__ = ["DTYPES", "HANDLE_EXT", "MAX_MESSAGE_BYTES", "decode", "encode", "frames_nbytes",
-           "wire_dtype"]
+__all__ = ["DTYPES", "HANDLE_EXT", "MAX_MESSAGE_BYTES", "RUN_EXT", "decode", "encode",
+           "frames_nbytes", "wire_dtype"]
 
 MAX_MESSAGE_BYTES: Final = 1 << 30
 """Default cap on one message: the sum of its frames (and of the sizes its header declares)."""
@@ -52,6 +54,9 @@ MAX_MESSAGE_BYTES: Final = 1 << 30
 _EXT_TENSOR: Final = 1
 HANDLE_EXT: Final = 2
 """msgpack ext type of a store handle: its data is the msgpack array of the handle's fields."""
+RUN_EXT: Final = 3
+"""msgpack ext type of a field's rows of one put, back to back: its data is the msgpack array
+``[node, segment, start, dtype, lengths]`` (`transport.handles.run_to_wire`)."""
 _TORCH: Final = 0
 _NUMPY: Final = 1
 _MAX_NDIM: Final = 32
@@ -192,7 +197,7 @@ def _tensor_hook(
     used: set[int] = set()
 
     def hook(code: int, data: bytes) -> Any:
-        if code == HANDLE_EXT:
+        if code in (HANDLE_EXT, RUN_EXT):
             # ExtType's own constructor re-checks what msgpack guarantees, in three Python
             # frames per handle; the controller decodes every row's handles.
             return _tuple_new(msgpack.ExtType, (code, data))

@@ -6,6 +6,13 @@ a report: rewards and prompt positions travel inline), a handle travels as msgpa
 `transport.codec.HANDLE_EXT` (`to_wire`), so `is_handle` tells them apart by type, never by
 shape. Messages that carry nothing but handles (store reads and frees) may send them as lists.
 
+A field's rows of one put may also travel as one value, a *run* (`run_to_wire`: msgpack ext
+type `transport.codec.RUN_EXT`, ``[node, segment, start, dtype, lengths]`` of 1-D rows back to
+back): a worker reports what it wrote so, and the controller checks the run once (`run_rows`)
+and keeps each row as the pair ``(run, i)``, which is a handle wherever one is taken
+(`is_handle`, `Handle.from_wire`, `rows_from_wire`, `handle_nodes`). So no per-row handle is
+decoded, checked or built where every row of every report passes: the controller.
+
 Rows of one field of one put are packed back to back, so the handles of a micro-batch read
 back in order form one contiguous byte range: `contiguous_runs` finds such runs, so a read costs
 one operation per run, not per row.
@@ -30,7 +37,7 @@ import msgpack
 
 from transport import shm
 from transport.codec import DTYPES as WIRE_DTYPES
-from transport.codec import HANDLE_EXT, wire_dtype
+from transport.codec import HANDLE_EXT, RUN_EXT, wire_dtype
 from transport.errors import MalformedMessage
 
 if TYPE_CHECKING:
@@ -50,7 +57,10 @@ __all__ = [
     "handle_nodes",
     "handle_to_wire",
     "is_handle",
+    "is_run",
     "rows_from_wire",
+    "run_rows",
+    "run_to_wire",
     "single_run",
     "to_wire",
 ]
@@ -114,11 +124,15 @@ class Handle(NamedTuple):
         """Validate a decoded handle (its ext form, a list or a tuple) and return it;
         MalformedMessage if bad.
 
+        A row of a run, the pair ``(run, i)`` (`run_rows`), is taken as the handle of that row.
+
         Called once per row on every decoded message: kept to type checks and dict lookups
-        (segment names are parsed once, then remembered).
+        (segment names and runs are checked once, then remembered).
         """
         if type(value) is msgpack.ExtType:
             value = _unwrap(value)
+        elif type(value) in _PAIRS and len(value) == 2:
+            return _run_row(value)
         if type(value) not in (list, tuple, cls) or len(value) != 5:
             raise MalformedMessage(f"a handle is a 5-element list, got {value!r:.200}")
         node, segment, offset, dtype, shape = value
@@ -160,19 +174,34 @@ def to_wire(handles: Iterable[Handle]) -> list[msgpack.ExtType]:
 
 
 def is_handle(value: Any) -> bool:
-    """Whether a decoded field value is a store handle (sent by `to_wire`) rather than an inline
-    value such as a prompt position or a reward. Its validity is `Handle.from_wire`'s check."""
-    return type(value) is msgpack.ExtType and value.code == HANDLE_EXT
+    """Whether a decoded field value is a store handle (sent by `to_wire`, or a run's row
+    ``(run, i)``) rather than an inline value such as a prompt position or a reward. Its
+    validity is `Handle.from_wire`'s check."""
+    kind = type(value)
+    if kind is msgpack.ExtType:
+        return bool(value.code == HANDLE_EXT)
+    return kind in _PAIRS and len(value) == 2 and is_run(value[0])
+
+
+def is_run(value: Any) -> bool:
+    """Whether a decoded value is a run of rows (sent by `run_to_wire`); `run_rows` checks it."""
+    return type(value) is msgpack.ExtType and value.code == RUN_EXT
 
 
 def handle_node(value: Any) -> str | None:
-    """The node whose store holds handle ``value`` (in its ext form); None for an inline value
-    or an undecodable handle (what `Handle.from_wire` refuses holds no memory anywhere)."""
+    """The node whose store holds handle ``value`` (in its ext form, or a run's row); None for
+    an inline value or an undecodable handle (what `Handle.from_wire` refuses holds no memory
+    anywhere)."""
     if not is_handle(value):
         return None
+    return _ext_node(value if type(value) is msgpack.ExtType else value[0])  # a row: its run's
+
+
+def _ext_node(value: msgpack.ExtType) -> str | None:
+    """The node a handle's or a run's ext form names, unvalidated; None if undecodable."""
     try:
-        return _node_of(_unwrap(value))
-    except MalformedMessage:
+        return _node_of(msgpack.unpackb(value.data))
+    except Exception:  # whatever msgpack raises on hostile bytes
         return None
 
 
@@ -181,14 +210,16 @@ def handle_nodes(values: Sequence[Any]) -> list[str | None]:
     them); None where a value is not a handle or cannot be decoded. Unvalidated: for routing a
     store operation, whose store checks each handle.
 
-    A handle packs as an array of 5 whose first item is its node, a short string: its first
-    bytes are the node's name, so they are looked up instead of decoding every handle (a
-    step's frees are a few handles a sample, most of them of a few nodes).
+    A handle, and a run, packs as an array of 5 whose first item is its node, a short string:
+    its first bytes are the node's name, so they are looked up instead of decoding every
+    handle (a step's frees are a few handles a sample, most of them of a few nodes).
     """
     seen: dict[bytes, str | None] = {}  # a handle's leading bytes -> its node
     out: list[str | None] = []
     for v in values:
-        if type(v) is msgpack.ExtType and v.code == HANDLE_EXT:
+        if (type(v) is tuple or type(v) is list) and len(v) == 2:  # a run's row
+            v = v[0]  # its run names the node
+        if type(v) is msgpack.ExtType and (v.code == HANDLE_EXT or v.code == RUN_EXT):
             data = v.data
             if len(data) > 2 and data[0] == 0x95 and data[1] & 0xE0 == 0xA0:  # fixstr node
                 lead = data[:2 + (data[1] & 0x1F)]
@@ -197,7 +228,7 @@ def handle_nodes(values: Sequence[Any]) -> list[str | None]:
                     node = seen[lead] = _fixstr(lead[2:])
                 out.append(node)
                 continue
-            out.append(handle_node(v))
+            out.append(_ext_node(v))
         else:
             out.append(_node_of(v))
     return out
@@ -242,6 +273,80 @@ def _unwrap(value: Any) -> Any:
         return msgpack.unpackb(value.data)
     except Exception as exc:  # whatever msgpack raises on hostile bytes
         raise MalformedMessage(f"undecodable handle: {type(exc).__name__}: {exc}") from None
+
+
+class _RunRows(NamedTuple):
+    """A run's rows, checked (`_run_from_wire`): each row's offset (and the end), and length."""
+
+    node: str
+    segment: str
+    dtype: str
+    bounds: tuple[int, ...]
+    lens: tuple[int, ...]
+
+
+# Runs already checked, by their bytes: a run is named by every row of it that is read or freed.
+_RUNS: dict[bytes, _RunRows] = {}
+_RUNS_MAX = 4096
+_PAIRS = {list, tuple}
+
+
+def run_to_wire(handles: Sequence[Handle]) -> msgpack.ExtType | None:
+    """``handles`` as one value, a run (ext type `RUN_EXT`), when they are 1-D rows of one field
+    of one put, in order, and more than one; else None (send them with `to_wire`)."""
+    found = single_run(handles) if len(handles) > 1 else None
+    if found is None:
+        return None
+    run, lens = found
+    return msgpack.ExtType(RUN_EXT, msgpack.packb(
+        (run.node, run.segment, run.offset, handles[0].dtype, list(lens))))
+
+
+def run_rows(value: Any) -> list[tuple[msgpack.ExtType, int]]:
+    """The rows of a run (as `run_to_wire` sends it), checked: ``(run, i)`` for each row i,
+    each a handle wherever one is taken. MalformedMessage if the run is bad."""
+    return list(zip(repeat(value), range(len(_run_from_wire(value).lens))))
+
+
+def _run_from_wire(value: Any) -> _RunRows:
+    """A run's rows, checked as `Handle.from_wire` checks a handle (and every length a positive
+    int); MalformedMessage if bad."""
+    if not is_run(value):
+        raise MalformedMessage(f"a run is ext type {RUN_EXT}, got {value!r:.100}")
+    found = _RUNS.get(value.data)
+    if found is not None:
+        return found
+    try:
+        fields = msgpack.unpackb(value.data)
+    except Exception as exc:  # whatever msgpack raises on hostile bytes
+        raise MalformedMessage(f"undecodable run: {type(exc).__name__}: {exc}") from None
+    if type(fields) is not list or len(fields) != 5:
+        raise MalformedMessage(f"a run is [node, segment, start, dtype, lengths], got "
+                               f"{fields!r:.200}")
+    node, segment, start, dtype, lens = fields
+    if type(lens) is not list or not lens:
+        raise MalformedMessage(f"a run's lengths are a non-empty list, got {lens!r:.200}")
+    first = Handle.from_wire([node, segment, start, dtype, lens[:1]])
+    if not first.segment:
+        raise MalformedMessage("a run names a segment")
+    if set(map(type, lens)) != {int} or min(lens) <= 0:
+        raise MalformedMessage(f"a run's lengths are positive integers, got {lens!r:.200}")
+    itemsize = ITEMSIZE[dtype]
+    bounds = tuple(itertools.accumulate([n * itemsize for n in lens], initial=start))
+    if len(_RUNS) >= _RUNS_MAX:
+        _RUNS.clear()
+    found = _RUNS[value.data] = _RunRows(node, first.segment, dtype, bounds, tuple(lens))
+    return found
+
+
+def _run_row(value: list[Any] | tuple[Any, ...]) -> Handle:
+    """The handle of a run's row ``(run, i)``; MalformedMessage if bad."""
+    ext, i = value
+    run = _run_from_wire(ext)
+    if type(i) is not int or not 0 <= i < len(run.lens):
+        raise MalformedMessage(f"row {i!r:.50} of a run of {len(run.lens)} rows")
+    return tuple.__new__(Handle, (run.node, run.segment, run.bounds[i], run.dtype,
+                                  (run.lens[i],)))
 
 
 class Run(NamedTuple):
@@ -369,6 +474,9 @@ def rows_from_wire(value: Any) -> Rows:
         raise MalformedMessage(f"handles travel as a list, got {type(value).__name__}")
     if isinstance(value, Rows):
         return value
+    if value and type(value[0]) in _PAIRS and len(value[0]) == 2:  # rows of runs
+        fast = _run_slice(value)
+        return fast if fast is not None else Rows(map(Handle.from_wire, value))
     if value and type(value[0]) is msgpack.ExtType:  # a field's handles, in their ext form
         value = _unwrap_all(value)
     fast = _uniform_from_wire(value) if len(value) > 1 else None
@@ -402,9 +510,34 @@ def _uniform_from_wire(value: list[Any] | tuple[Any, ...]) -> Rows | None:
     lens, bounds = packed
     # Every row equals the one validated above but for its offset and width, both checked
     # by `_packed`: build the handles from validated values (ints, strs, tuple shapes).
+    return _packed_rows(node, segment, dtype, bounds, lens)
+
+
+def _packed_rows(node: str, segment: str, dtype: str, bounds: Sequence[int],
+                 lens: tuple[int, ...]) -> Rows:
+    """`Rows` of checked 1-D rows back to back: row k at ``bounds[k]``, ``lens[k]`` long."""
     columns_out = zip(repeat(node), repeat(segment), bounds[:-1], repeat(dtype), zip(lens))
     rows = tuple.__new__(Rows, map(tuple.__new__, repeat(Handle), columns_out))
-    return _settled(rows, Run(0, count, node, segment, start, bounds[-1] - start), lens)
+    start = bounds[0]
+    return _settled(rows, Run(0, len(lens), node, segment, start, bounds[-1] - start), lens)
+
+
+def _run_slice(value: list[Any] | tuple[Any, ...]) -> Rows | None:
+    """`Rows` of consecutive rows of one run, in order (what a reader is sent of one put's
+    rows), checked once; None for anything else."""
+    ext, first = value[0]
+    run = _run_from_wire(ext)
+    count = len(value)
+    if type(first) is not int or first < 0 or first + count > len(run.lens):
+        return None
+    try:
+        exts, rows = zip(*value, strict=True)
+    except (TypeError, ValueError):  # not all pairs: the slow path says which is bad
+        return None
+    if exts.count(ext) != count or rows != tuple(range(first, first + count)):
+        return None
+    return _packed_rows(run.node, run.segment, run.dtype, run.bounds[first:first + count + 1],
+                        run.lens[first:first + count])
 
 
 def contiguous_runs(handles: Sequence[Handle]) -> list[Run]:

@@ -53,7 +53,14 @@ import torch
 from flowrl import messages as m
 from transport.curve import CurveKeys, for_endpoint
 from transport.errors import ClosedError, DeadlineExceeded, TransportError
-from transport.handles import Handle, handle_to_wire, is_handle, rows_from_wire, to_wire
+from transport.handles import (
+    Handle,
+    handle_to_wire,
+    is_handle,
+    rows_from_wire,
+    run_to_wire,
+    to_wire,
+)
 from transport.pubsub import Subscriber
 from transport.rpc import RpcClient
 
@@ -400,11 +407,12 @@ class Worker:
 
     async def _write_outputs(self, task: m.TaskMsg, out: RoleOutput) -> m.DoneMsg:
         tensors = {k: v for k, v in out.fields.items() if v and isinstance(v[0], torch.Tensor)}
-        fields: dict[str, list[Any]] = {
-            k: list(v) for k, v in out.fields.items() if k not in tensors
-        }
+        fields: dict[str, Any] = {k: list(v) for k, v in out.fields.items() if k not in tensors}
         if tensors:
-            fields.update({k: to_wire(hs) for k, hs in (await self.store.put(tensors)).items()})
+            # A field's rows of one put leave as one run where they can (the controller then
+            # checks one value, not a handle a row).
+            fields.update({k: run_to_wire(hs) or to_wire(hs)
+                           for k, hs in (await self.store.put(tensors)).items()})
         done: m.DoneMsg = {
             "worker_id": self.worker_id,
             "task_id": task["task_id"],

@@ -19,7 +19,7 @@ import msgpack
 from flowrl.graph import StageSpec
 from flowrl.index import Task
 from transport.errors import MalformedMessage
-from transport.handles import Handle, is_handle, rows_from_wire
+from transport.handles import Handle, is_handle, is_run, rows_from_wire, run_rows
 
 __all__ = ["MalformedReport", "TaskReport", "check_report", "parse_report"]
 
@@ -40,7 +40,8 @@ class MalformedReport(ValueError):
 class TaskReport:
     worker_id: str
     task_id: int
-    #: produced field -> one value per row: a store handle (a list) or an inline number
+    #: produced field -> one value per row: a store handle (its ext form, or a run's row
+    #: ``(run, i)`` where the field came as one run) or an inline number
     fields: dict[str, list[Any]]
     lengths: list[int]
     version: int | None
@@ -49,6 +50,8 @@ class TaskReport:
     raw: dict[str, Any]
     #: failure kind -> (offsets into the task's rows whose values are fallbacks, an error)
     failed: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
+    #: the fields that came as one run (`transport.handles.run_to_wire`), checked by the parse
+    runs: frozenset[str] = frozenset()
 
 
 def parse_report(p: Any) -> TaskReport:
@@ -63,10 +66,7 @@ def parse_report(p: Any) -> TaskReport:
         raise MalformedReport("'worker_id' must be a string")
     if type(task_id) is not int:
         raise MalformedReport("'task_id' must be an integer")
-    fields = p.get("fields")
-    if not (isinstance(fields, dict)
-            and all(type(k) is str and type(v) is list for k, v in fields.items())):
-        raise MalformedReport("'fields' must map field names to lists")
+    fields, runs = _parse_fields(p.get("fields"))
     lengths = p.get("lengths") or []
     if not (type(lengths) is list
             and all(type(n) is int and 0 <= n <= _MAX_INT for n in lengths)):
@@ -78,7 +78,26 @@ def parse_report(p: Any) -> TaskReport:
     if not isinstance(metrics, dict):
         raise MalformedReport("'metrics' must be a map")
     return TaskReport(worker_id, task_id, fields, lengths, version, metrics, p,
-                      _parse_failed(p.get("failed") or {}))
+                      _parse_failed(p.get("failed") or {}), runs)
+
+
+def _parse_fields(fields: Any) -> tuple[dict[str, list[Any]], frozenset[str]]:
+    """A report's fields, one value per row, and the names of those that came as one run:
+    a run is checked here, once, and becomes its rows (`transport.handles.run_rows`)."""
+    if not (isinstance(fields, dict)
+            and all(type(k) is str and (type(v) is list or is_run(v))
+                    for k, v in fields.items())):
+        raise MalformedReport("'fields' must map field names to lists or runs")
+    runs = frozenset(k for k, v in fields.items() if type(v) is not list)
+    if not runs:
+        return fields, runs
+    out = dict(fields)
+    for name in runs:
+        try:
+            out[name] = run_rows(fields[name])
+        except MalformedMessage as exc:
+            raise MalformedReport(f"field {name!r}: {exc}") from None
+    return out, runs
 
 
 def _parse_failed(failed: Any) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -116,6 +135,8 @@ def check_report(report: TaskReport, task: Task, stage: StageSpec, *, train: boo
     for name, values in report.fields.items():
         if len(values) != n:
             raise MalformedReport(f"field {name!r} has {len(values)} values for {n} rows")
+        if name in report.runs:
+            continue  # checked as it was parsed
         if values and set(map(type, values)) == _HANDLES:
             # A field of handles (most are): decoded and checked as one list, column by
             # column where they are one put's rows, rather than one handle at a time.
