@@ -48,7 +48,7 @@ from flowrl.control.workforce import Workforce, rank_rendezvous
 from flowrl.dp import StepDivergence
 from flowrl.events import EventBus, Span
 from flowrl.index import Index, Task
-from flowrl.node_hub import ClusterConfig, NodeHub, StoreRouter, relay_heartbeat_s
+from flowrl.node_hub import ClusterConfig, NodeHub, StoreRouter, relay_heartbeat_s, relay_renew_s
 from flowrl.pipeline import PipelineSpec
 from flowrl.recipe.stability import StabilityConfig
 from flowrl.registry import Registry, WorkerInfo
@@ -135,6 +135,7 @@ class Controller:
         self._hub = None if not remote else NodeHub(
             self.run_id, remote, cluster or ClusterConfig(),
             capacity=spec.store_capacity_bytes, heartbeat_s=relay_heartbeat_s(spec.heartbeat_s),
+            renew_s=relay_renew_s(spec.heartbeat_timeout_s),
             on_lost=self._on_node_lost,
             on_exit=lambda *a: self.workforce.on_remote_exit(*a))
         self.workforce = Workforce(

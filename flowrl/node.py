@@ -135,6 +135,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heartbeat-s", type=float, default=0.5,
                    help="beside the controller, with --broadcast: how often the relay passes "
                    "the workers' heartbeats on")
+    p.add_argument("--renew-s", type=float, default=0.0,
+                   help="beside the controller, with --broadcast: how often the relay passes "
+                   "on one worker's heartbeat (0: each one)")
     p.add_argument("--peer-store", help="beside the controller: also serve the store here "
                    "(tcp, curve) to other nodes")
     p.add_argument("--data-plane", choices=["encrypted", "plaintext"],
@@ -201,7 +204,8 @@ async def serve_beside(args: argparse.Namespace) -> None:
             relay = None
             if args.broadcast:
                 relay = NodeRelay(args.run_id, args.node, args.broadcast, token,
-                                  ctl.call, heartbeat_s=args.heartbeat_s)
+                                  ctl.call, heartbeat_s=args.heartbeat_s,
+                                  renew_s=args.renew_s)
                 stack.push_async_callback(relay.aclose)
                 await relay.start(timeout=POLL_S + CALL_SLACK_S)
                 up.update(broadcast=relay.broadcast, relay=relay.served)
@@ -284,7 +288,8 @@ class _Agent:
                 relay = self.relay = NodeRelay(
                     self.run_id, self.node, self.broadcast, bytes(join.get("token", b"")),
                     self._send_up, curve=for_endpoint(self.keys, self.broadcast),
-                    heartbeat_s=float(join.get("heartbeat_s", HEARTBEAT_S)))
+                    heartbeat_s=float(join.get("heartbeat_s", HEARTBEAT_S)),
+                    renew_s=float(join.get("renew_s", 0.0)))
                 stack.push_async_callback(relay.aclose)
                 await relay.start(timeout=POLL_S + CALL_SLACK_S)
                 if await self._call(OP_READY, {"node": self.node,

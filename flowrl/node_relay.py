@@ -15,9 +15,12 @@ agent (`flowrl.node`, either kind) runs a `NodeRelay`:
   ``node_served``, where the controller treats it as hung, as before.
 - *heartbeats*: workers send their heartbeats to the relay too; every `HEARTBEAT_S` (or the
   workers' heartbeat period when shorter: `flowrl.node_hub.relay_heartbeat_s`) it passes
-  on the workers it heard from since the last time in one ``node_heartbeat``, and answers a
-  worker the controller no longer knows ``ok: False`` (it exits, as before). A worker that
-  stops (dies, hangs) is no longer passed on, so its deadline at the controller runs out.
+  on the workers it heard from since the last time in one ``node_heartbeat``, each worker at
+  most once every ``renew_s`` (a fifth of the controller's heartbeat timeout:
+  `flowrl.node_hub.relay_renew_s`), and answers a worker the controller no longer knows
+  ``ok: False`` (it exits, as before). A worker that stops (dies, hangs) is no longer passed
+  on, so its deadline at the controller runs out, no later than if each of its heartbeats had
+  been passed on.
 - *served*: workers send ``served`` (the same request, with their id and token) to the relay's
   ipc endpoint, which answers at once and keeps each worker's latest report. One ``node_served``
   is in flight at a time; what arrives meanwhile goes in the next, so the first report of a
@@ -41,7 +44,10 @@ is never counted as serving, nor kept alive. An agent that dies ends the run
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import itertools
+import math
+import time
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any, Final
 
 import structlog
@@ -53,7 +59,7 @@ from transport.errors import DeadlineExceeded, TransportError
 from transport.pubsub import DroppedSubscriber, Publisher, Subscriber
 from transport.rpc import RpcServer
 
-__all__ = ["HEARTBEAT_S", "NodeRelay"]
+__all__ = ["HEARTBEAT_S", "Beat", "NodeRelay", "Renewals"]
 
 log = structlog.get_logger("flowrl.node")
 
@@ -67,15 +73,49 @@ Send = Callable[[str, dict[str, Any]], Awaitable[Any]]
 None back means the controller is gone."""
 
 
+Beat = tuple[str, bytes]
+"""A worker's heartbeat as a relay keeps it: (worker id, token)."""
+
+
+class Renewals:
+    """Which of the heartbeats heard are passed on: each at most once every ``renew_s`` (0:
+    every one). Pure: the caller says the time.
+
+    Keyed by (worker id, token), so a process that sends another's id with a wrong token
+    cannot hold the right one back. A worker that stops is not heard from, so its deadline at
+    the controller runs out no later than if each of its heartbeats were passed on."""
+
+    def __init__(self, renew_s: float) -> None:
+        self.renew_s = renew_s
+        self._passed: dict[Beat, float] = {}  # when each was last passed on
+
+    def __len__(self) -> int:
+        """How many heartbeats it remembers passing on (bounded by the workers it hears)."""
+        return len(self._passed)
+
+    def due(self, heard: Collection[Beat], now: float) -> list[Beat]:
+        """The heartbeats of ``heard`` to pass on at ``now``."""
+        if not self.renew_s:
+            return list(heard)
+        passed, renew_s = self._passed, self.renew_s
+        due = [b for b in heard if now - passed.get(b, -math.inf) >= renew_s]
+        passed.update(zip(due, itertools.repeat(now)))
+        if len(passed) > 2 * len(heard) + 64:  # workers gone: keep only what holds one back
+            self._passed = {b: t for b, t in passed.items() if now - t < renew_s}
+        return due
+
+
 class NodeRelay:
     """The relay of node ``node``: start it, hand its endpoints (`broadcast`, `served`) to the
     node's workers, and run `run` until the agent stops."""
 
     def __init__(self, run_id: str, node: str, upstream: str, token: bytes, send: Send, *,
-                 curve: CurveKeys | None = None, heartbeat_s: float = HEARTBEAT_S) -> None:
+                 curve: CurveKeys | None = None, heartbeat_s: float = HEARTBEAT_S,
+                 renew_s: float = 0.0) -> None:
         """``upstream``: the controller's broadcast endpoint; ``token``: this node's token;
         ``send``: how a request reaches the controller; ``heartbeat_s``: how often the
-        workers' heartbeats are passed on."""
+        workers' heartbeats are passed on; ``renew_s``: how often one worker's is (0: every
+        one heard; `flowrl.node_hub.relay_renew_s`)."""
         self.node = node
         self._token = token
         self._send = send
@@ -86,9 +126,10 @@ class NodeRelay:
                                  {m.OP_SERVED: self._served, m.OP_HEARTBEAT: self._heartbeat},
                                  tensors=False)
         self._heartbeat_s = heartbeat_s
+        self._renewals = Renewals(renew_s)
         # Heartbeats heard since the last were passed on, as (worker id, token): a process
         # that sends another's id with a wrong token cannot replace the right one.
-        self._beats: set[tuple[str, bytes]] = set()
+        self._beats: set[Beat] = set()
         # Workers the controller no longer knows: their next heartbeat is answered ok False.
         self._forgotten: set[str] = set()
         # Each worker's latest report, by worker id, and the drops: sent with the next request.
@@ -165,7 +206,8 @@ class NodeRelay:
         worker not heard from is not passed on and its deadline at the controller runs out."""
         while True:
             await asyncio.sleep(self._heartbeat_s)
-            beats, self._beats = list(self._beats), set()
+            heard, self._beats = self._beats, set()
+            beats = self._renewals.due(heard, time.monotonic())
             for i in range(0, len(beats), m.MAX_NODE_SERVED):
                 chunk = beats[i:i + m.MAX_NODE_SERVED]
                 payload = {"node": self.node, "token": self._token,
@@ -178,9 +220,9 @@ class NodeRelay:
                 if reply is None:
                     return  # the controller is gone; the agent exits
                 unknown = reply.get("unknown") if isinstance(reply, dict) else None
-                heard = {w for w, _ in chunk}
+                sent = {w for w, _ in chunk}
                 # Only ids this relay passed on: the set stays bounded by the node's workers.
-                self._forgotten.update(w for w in unknown or () if w in heard)
+                self._forgotten.update(w for w in unknown or () if w in sent)
 
     def _dropped(self, dropped: DroppedSubscriber) -> None:
         if len(self._drops) < _MAX_DROPS:

@@ -26,7 +26,7 @@ import zmq.asyncio
 
 from flowrl import messages as m
 from flowrl.node_dispatch import DispatchApi, LocalDispatch
-from flowrl.node_relay import NodeRelay
+from flowrl.node_relay import NodeRelay, Renewals
 from transport.endpoints import ipc_endpoint
 from transport.errors import DeadlineExceeded, RemoteError
 from transport.pubsub import DroppedSubscriber, Publisher, Subscriber
@@ -322,3 +322,25 @@ async def test_a_served_report_reaches_the_nodes_local_dispatch_before_the_contr
         first = await script.next()  # the controller hears of it all the same
         assert by_worker(first.payload["served"])["w1"][2] in (1, 2)
         first.reply({"ok": True, "served": 1})
+
+
+def test_each_heartbeat_is_passed_on_once_a_renewal_period_and_a_wrong_token_holds_none_back(
+) -> None:
+    a, b = ("rollout-1", b"token-a"), ("rollout-2", b"token-b")
+    spoof = ("rollout-1", b"wrong")
+    every = Renewals(0.0)
+    assert sorted(every.due({a, b}, 0.0)) == [a, b]
+    assert sorted(every.due({a, b}, 0.1)) == [a, b]  # without a period: every one heard
+
+    renewals = Renewals(2.0)
+    assert sorted(renewals.due({spoof, a, b}, 10.0)) == [a, spoof, b]  # first heard: at once
+    assert renewals.due({a, b}, 11.0) == []  # renewed 1 s ago: not yet
+    assert renewals.due({spoof}, 11.5) == []
+    assert renewals.due({a}, 12.0) == [a]  # a period on, with a wrong one heard meanwhile
+    assert renewals.due({b}, 13.9) == [b]  # b was not heard at 12: due when next heard
+    assert renewals.due(set(), 20.0) == []  # a worker that stops is not passed on
+    assert renewals.due({a}, 20.0) == [a]
+    # Workers gone for good do not stay: what it keeps is bounded by the workers it hears.
+    for i in range(500):
+        renewals.due({(f"w{i}", b"t")}, 100.0 + 3.0 * i)
+    assert len(renewals) <= 2 + 64

@@ -36,7 +36,7 @@ from typing import Any, cast
 import structlog
 
 from flowrl.events import EventBus
-from flowrl.node_hub import NODE_TOKEN_ENV, NodeHub, relay_heartbeat_s
+from flowrl.node_hub import NODE_TOKEN_ENV, NodeHub, relay_heartbeat_s, relay_renew_s
 from flowrl.pipeline import PipelineSpec, PoolSpec
 from flowrl.procs import Child, Supervisor
 from flowrl.registry import Registry, WorkerInfo
@@ -185,6 +185,7 @@ class Workforce:
             [sys.executable, "-m", "flowrl.node", "--run-id", self.run_id, "--node", self.node,
              "--controller", self.endpoints.controller, "--broadcast", self.endpoints.broadcast,
              "--heartbeat-s", str(relay_heartbeat_s(self.spec.heartbeat_s)),
+             "--renew-s", str(relay_renew_s(self.spec.heartbeat_timeout_s)),
              "--store", ipc_endpoint(self.run_id, f"store-{self.node}"),
              "--capacity", str(self.spec.store_capacity_bytes), *peer_store],
             env={**env, NODE_TOKEN_ENV: token.hex()})
