@@ -79,7 +79,8 @@ Beat = tuple[str, bytes]
 
 class Renewals:
     """Which of the heartbeats heard are passed on: each at most once every ``renew_s`` (0:
-    every one). Pure: the caller says the time.
+    every one), counted from when the controller took it (`sent`), so a pass that failed
+    delays none. Pure: the caller says the time.
 
     Keyed by (worker id, token), so a process that sends another's id with a wrong token
     cannot hold the right one back. A worker that stops is not heard from, so its deadline at
@@ -98,11 +99,16 @@ class Renewals:
         if not self.renew_s:
             return list(heard)
         passed, renew_s = self._passed, self.renew_s
-        due = [b for b in heard if now - passed.get(b, -math.inf) >= renew_s]
-        passed.update(zip(due, itertools.repeat(now)))
-        if len(passed) > 2 * len(heard) + 64:  # workers gone: keep only what holds one back
-            self._passed = {b: t for b, t in passed.items() if now - t < renew_s}
-        return due
+        return [b for b in heard if now - passed.get(b, -math.inf) >= renew_s]
+
+    def sent(self, beats: Collection[Beat], now: float) -> None:
+        """The controller took ``beats`` at ``now``."""
+        if not self.renew_s:
+            return
+        passed = self._passed
+        passed.update(zip(beats, itertools.repeat(now)))
+        if len(passed) > 2 * len(beats) + 64:  # workers gone: keep only what holds one back
+            self._passed = {b: t for b, t in passed.items() if now - t < self.renew_s}
 
 
 class NodeRelay:
@@ -207,7 +213,8 @@ class NodeRelay:
         while True:
             await asyncio.sleep(self._heartbeat_s)
             heard, self._beats = self._beats, set()
-            beats = self._renewals.due(heard, time.monotonic())
+            now = time.monotonic()
+            beats = self._renewals.due(heard, now)
             for i in range(0, len(beats), m.MAX_NODE_SERVED):
                 chunk = beats[i:i + m.MAX_NODE_SERVED]
                 payload = {"node": self.node, "token": self._token,
@@ -219,6 +226,7 @@ class NodeRelay:
                     continue
                 if reply is None:
                     return  # the controller is gone; the agent exits
+                self._renewals.sent(chunk, now)
                 unknown = reply.get("unknown") if isinstance(reply, dict) else None
                 sent = {w for w, _ in chunk}
                 # Only ids this relay passed on: the set stays bounded by the node's workers.

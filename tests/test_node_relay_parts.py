@@ -26,7 +26,7 @@ import zmq.asyncio
 
 from flowrl import messages as m
 from flowrl.node_dispatch import DispatchApi, LocalDispatch
-from flowrl.node_relay import NodeRelay, Renewals
+from flowrl.node_relay import Beat, NodeRelay, Renewals
 from transport.endpoints import ipc_endpoint
 from transport.errors import DeadlineExceeded, RemoteError
 from transport.pubsub import DroppedSubscriber, Publisher, Subscriber
@@ -328,19 +328,29 @@ def test_each_heartbeat_is_passed_on_once_a_renewal_period_and_a_wrong_token_hol
 ) -> None:
     a, b = ("rollout-1", b"token-a"), ("rollout-2", b"token-b")
     spoof = ("rollout-1", b"wrong")
+
+    def passed_on(renewals: Renewals, heard: set[Beat], now: float) -> list[Beat]:
+        """What a relay's pass sends at ``now``, the controller taking it."""
+        due = renewals.due(heard, now)
+        renewals.sent(due, now)
+        return sorted(due)
+
     every = Renewals(0.0)
-    assert sorted(every.due({a, b}, 0.0)) == [a, b]
-    assert sorted(every.due({a, b}, 0.1)) == [a, b]  # without a period: every one heard
+    assert passed_on(every, {a, b}, 0.0) == [a, b]
+    assert passed_on(every, {a, b}, 0.1) == [a, b]  # without a period: every one heard
 
     renewals = Renewals(2.0)
-    assert sorted(renewals.due({spoof, a, b}, 10.0)) == [a, spoof, b]  # first heard: at once
-    assert renewals.due({a, b}, 11.0) == []  # renewed 1 s ago: not yet
-    assert renewals.due({spoof}, 11.5) == []
-    assert renewals.due({a}, 12.0) == [a]  # a period on, with a wrong one heard meanwhile
-    assert renewals.due({b}, 13.9) == [b]  # b was not heard at 12: due when next heard
-    assert renewals.due(set(), 20.0) == []  # a worker that stops is not passed on
-    assert renewals.due({a}, 20.0) == [a]
+    assert passed_on(renewals, {spoof, a, b}, 10.0) == [a, spoof, b]  # first heard: at once
+    assert passed_on(renewals, {a, b}, 11.0) == []  # renewed 1 s ago: not yet
+    assert passed_on(renewals, {spoof}, 11.5) == []
+    assert passed_on(renewals, {a}, 12.0) == [a]  # a period on, a wrong one heard meanwhile
+    assert passed_on(renewals, {b}, 13.9) == [b]  # b was not heard at 12: due when next heard
+    assert passed_on(renewals, set(), 20.0) == []  # a worker that stops is not passed on
+    assert passed_on(renewals, {a}, 20.0) == [a]
+    # A pass the controller did not take (refused, timed out) renews nothing: due again next.
+    assert renewals.due({a}, 22.5) == [a]
+    assert passed_on(renewals, {a}, 23.0) == [a]
     # Workers gone for good do not stay: what it keeps is bounded by the workers it hears.
     for i in range(500):
-        renewals.due({(f"w{i}", b"t")}, 100.0 + 3.0 * i)
+        passed_on(renewals, {(f"w{i}", b"t")}, 100.0 + 3.0 * i)
     assert len(renewals) <= 2 + 64
