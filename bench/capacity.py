@@ -22,7 +22,12 @@ Keys, per ``<n>w`` (64, 256, 1024 workers):
 - ``controller_cpu_share_<n>w``: that CPU time ÷ wall time (near 1.0: the controller is the
   bottleneck; well under: the workers are, on cores they share with it);
 - ``event_loop_cpu_share_<n>w``: the part of that CPU time spent in the event loop's thread
-  (the rest is ZeroMQ's I/O threads: socket I/O, and curve encryption for other nodes).
+  (the rest is ZeroMQ's I/O threads: socket I/O, and curve encryption for other nodes);
+- ``agents_cpu_us_per_sample_<n>w`` / ``workers_cpu_us_per_sample_<n>w``: the CPU time of the
+  node agents' processes (their stores and relays) / of the worker processes over the same
+  steps ÷ trained samples: what the simulated cluster costs a sample. On 2 cores it is what
+  bounds the measured rate: the cores offer at most 2e6 ÷ (these two + the controller's)
+  samples a second.
 
 And: ``samples_per_s_max``: the highest of the measured rates; ``samples_per_s_ceiling``:
 1e6 ÷ ``cpu_us_per_sample_1024w``, the rate a controller with one core of its own sustains at
@@ -201,6 +206,18 @@ def loop_cpu(me: psutil.Process) -> float:
     return next(t.user_time + t.system_time for t in me.threads() if t.id == main)
 
 
+def children_cpu(me: psutil.Process) -> dict[int, tuple[str, float]]:
+    """Each process under ``me``: (``agents`` for a node agent, else ``workers``; its CPU
+    seconds so far), by pid."""
+    out = {}
+    for p in me.children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            kind = "agents" if "flowrl.node" in p.cmdline() else "workers"
+            t = p.cpu_times()
+            out[p.pid] = (kind, t.user + t.system)
+    return out
+
+
 def renice_children(me: psutil.Process, nice: int) -> None:
     """Every process under ``me`` (node agents, workers) at niceness ``nice``; a worker
     restarted later inherits its agent's."""
@@ -247,7 +264,7 @@ async def measure(workers: int, agents: int, steps: int, rollout_groups: int = 1
         ctl.dispatch_pass_tasks.clear()
         ctl.version_wait_us.clear()
         logged = len(ctl.step_log)
-        cpu0, loop0 = me.cpu_times(), loop_cpu(me)
+        cpu0, loop0, kids0 = me.cpu_times(), loop_cpu(me), children_cpu(me)
         if profile is not None:
             profile.enable()
         try:
@@ -255,8 +272,12 @@ async def measure(workers: int, agents: int, steps: int, rollout_groups: int = 1
         finally:
             if profile is not None:
                 profile.disable()
-        cpu1, loop1 = me.cpu_times(), loop_cpu(me)
+        cpu1, loop1, kids1 = me.cpu_times(), loop_cpu(me), children_cpu(me)
         cpu = (cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)
+        cluster = {"agents": 0.0, "workers": 0.0}  # a process restarted meanwhile: not counted
+        for pid, (kind, end) in kids1.items():
+            if pid in kids0:
+                cluster[kind] += end - kids0[pid][1]
         reference.append(reference_us())
         samples = out["samples"]
         if out["rows_trained_twice"]:  # exactly once holds at any load
@@ -265,6 +286,8 @@ async def measure(workers: int, agents: int, steps: int, rollout_groups: int = 1
         set_affinity(me, affinity)  # the next shape starts its processes on every CPU
         return {
             "samples_per_s": out["samples_per_s"], "cpu_us_per_sample": cpu / samples * 1e6,
+            "agents_cpu_us_per_sample": cluster["agents"] / samples * 1e6,
+            "workers_cpu_us_per_sample": cluster["workers"] / samples * 1e6,
             "turns_per_s": turns / out["wall_s"],
             "cpu_us_per_turn": cpu / turns * 1e6 if turns else None,
             "cpu_share": cpu / out["wall_s"], "loop_share": (loop1 - loop0) / cpu,
@@ -292,6 +315,9 @@ async def main_async(quick: bool, rollout_groups: int, episode_turns: int = 0,
         result[f"cpu_us_per_sample_{workers}w"] = round(r["cpu_us_per_sample"], 1)
         result[f"controller_cpu_share_{workers}w"] = round(r["cpu_share"], 3)
         result[f"event_loop_cpu_share_{workers}w"] = round(r["loop_share"], 3)
+        result[f"agents_cpu_us_per_sample_{workers}w"] = round(r["agents_cpu_us_per_sample"], 1)
+        result[f"workers_cpu_us_per_sample_{workers}w"] = round(r["workers_cpu_us_per_sample"],
+                                                                1)
         if episode_turns:
             result[f"turns_per_s_{workers}w"] = round(r["turns_per_s"], 1)
             result[f"cpu_us_per_turn_{workers}w"] = round(r["cpu_us_per_turn"], 1)

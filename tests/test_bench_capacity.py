@@ -94,6 +94,11 @@ async def test_episodes_are_counted_by_their_turns() -> None:
     assert per_turn < per_sample
     single = await capacity.measure(16, 1, 1)
     assert single["cpu_us_per_turn"] is None  # single-turn: nothing counted as turns
+    # The simulated cluster's own CPU, by kind of process: the node agent's (its store and
+    # relay) and the workers' were both spent on the measured step.
+    for run in (r, single):
+        assert run["agents_cpu_us_per_sample"] > 0
+        assert run["workers_cpu_us_per_sample"] > 0
 
 
 @pytest.mark.timeout(60)

@@ -35,7 +35,7 @@ from transport.errors import TransportError
 from transport.process_limits import SocketRoomError, make_room
 from transport.rpc import RpcClient
 from transport.store_client import StoreClient
-from workers.runtime import Role, WeightSyncError, Worker, WorkerConfig
+from workers.runtime import Role, WeightFetches, WeightSyncError, Worker, WorkerConfig
 
 log = structlog.get_logger("flowrl.worker")
 
@@ -167,7 +167,8 @@ async def serve(spec: WorkerSpec) -> None:
         except Exception as exc:
             await report_start_failure(spec, exc)
             raise
-        workers = [Worker(config, role, store) for config, role in
+        weights = WeightFetches(store, len(roles))
+        workers = [Worker(config, role, store, weights) for config, role in
                    zip(worker_configs(spec), roles, strict=True)]
 
         def stop_all() -> None:

@@ -240,11 +240,62 @@ async def fetch_weights(store: Store, wire: Mapping[str, Any]) -> dict[str, torc
     return {n: t.view(*wire[n][1]) for n, t in zip(names, flat, strict=True)}
 
 
+class WeightFetches:
+    """One fetch of a version's weights for all the workers one process hosts.
+
+    Every worker loads each version it is told of; with many workers in a process (simulated
+    ones, small engines) each fetching on its own would make one store round trip a worker, and
+    a read of the whole version from the trainer's node for each one on another node. Here the
+    first worker to ask starts the fetch and the others share its result (read-only tensors,
+    as `fetch_weights` returns them). The fetch is kept until every worker has taken it, or a
+    newer version is asked for (a worker that skips a version never takes it), so at most one
+    version's tensors are held beyond their loads. A process of one worker keeps nothing.
+    """
+
+    def __init__(self, store: Store, workers: int) -> None:
+        self.store = store
+        self.workers = workers
+        #: fetches started, and asks answered by a fetch another worker started
+        self.started = 0
+        self.shared = 0
+        self._version = -1
+        self._wire: Mapping[str, Any] = {}
+        self._fetch: asyncio.Future[dict[str, torch.Tensor]] | None = None
+        self._takers = 0
+
+    async def fetch(self, version: int, wire: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """``version``'s tensors, as `publish_weights` described them in ``wire``."""
+        if self.workers <= 1:
+            self.started += 1
+            return await fetch_weights(self.store, wire)
+        shared = self._fetch
+        if shared is None or version != self._version or wire != self._wire:
+            shared = self._fetch = asyncio.ensure_future(fetch_weights(self.store, wire))
+            shared.add_done_callback(self._ended)
+            self._version, self._wire, self._takers = version, wire, 0
+            self.started += 1
+        else:
+            self.shared += 1
+        self._takers += 1
+        if self._takers >= self.workers:  # the last to take it: nothing is held after
+            self._fetch = None
+        # One worker's deadline or stop cancels its own wait, never the others' fetch.
+        return await asyncio.shield(shared)
+
+    def _ended(self, fetch: asyncio.Future[dict[str, torch.Tensor]]) -> None:
+        if not fetch.cancelled() and fetch.exception() is not None and self._fetch is fetch:
+            self._fetch = None  # a failed fetch is not shared by the workers that ask later
+
+
 class Worker:
-    def __init__(self, config: WorkerConfig, role: Role, store: Store) -> None:
+    def __init__(self, config: WorkerConfig, role: Role, store: Store,
+                 weights: WeightFetches | None = None) -> None:
+        """``weights``: shared by the workers of one process (`WeightFetches`); by default
+        this worker's own."""
         self.config = config
         self.role = role
         self.store = store
+        self.weights = WeightFetches(store, 1) if weights is None else weights
         self.worker_id = ""
         # worker_id and the token of the register reply: what every later call carries
         self._me: dict[str, Any] = {}
@@ -500,7 +551,7 @@ class Worker:
             deadline = self.config.weight_sync_timeout_s
             try:
                 async with asyncio.timeout(deadline):
-                    state = await fetch_weights(self.store, weights)
+                    state = await self.weights.fetch(version, weights)
                     continued = await self.role.load_version(version, state)
             except TimeoutError:
                 error = (f"worker {self.worker_id} ({self.config.name}) did not load policy "
