@@ -64,6 +64,9 @@ OP_GET_TASK: Final = "get_task"
 OP_TASK_DONE: Final = "task_done"
 OP_TASK_FAILED: Final = "task_failed"
 OP_SERVED: Final = "served"
+#: the ``served`` reports of the workers of one process, to their node's relay, as
+#: ``{"reports": [served, ...]}`` (`workers.runtime.ServedReports`; at most `MAX_NODE_SERVED`)
+OP_SERVED_MANY: Final = "served_many"
 OP_NODE_SERVED: Final = "node_served"
 OP_NODE_HEARTBEAT: Final = "node_heartbeat"
 #: the most entries (served reports, drops, heartbeats) one ``node_served`` or

@@ -21,8 +21,11 @@ agent (`flowrl.node`, either kind) runs a `NodeRelay`:
   ``ok: False`` (it exits, as before). A worker that stops (dies, hangs) is no longer passed
   on, so its deadline at the controller runs out, no later than if each of its heartbeats had
   been passed on.
-- *served*: workers send ``served`` (the same request, with their id and token) to the relay's
-  ipc endpoint, which answers at once and keeps each worker's latest report. One ``node_served``
+- *served*: workers send their ``served`` reports (the request they would send the
+  controller, with their id and token) to the relay's ipc endpoint, the reports of one
+  process's workers made in one turn of its event loop in one ``served_many``
+  (`workers.runtime.ServedReports`); the relay answers at once and keeps each worker's latest
+  report. One ``node_served``
   is in flight at a time; what arrives meanwhile goes in the next, so the first report of a
   version travels at once and the rest of the node's follow in one or a few messages.
 
@@ -129,7 +132,8 @@ class NodeRelay:
                                curve=curve)
         self._pub = Publisher(ipc_endpoint(run_id, f"relay-{node}"), on_drop=self._dropped)
         self._server = RpcServer(ipc_endpoint(run_id, f"served-{node}"),
-                                 {m.OP_SERVED: self._served, m.OP_HEARTBEAT: self._heartbeat},
+                                 {m.OP_SERVED_MANY: self._served_many,
+                                  m.OP_HEARTBEAT: self._heartbeat},
                                  tensors=False)
         self._heartbeat_s = heartbeat_s
         self._renewals = Renewals(renew_s)
@@ -177,20 +181,30 @@ class NodeRelay:
             if topic == m.TOPIC_STOP:
                 on_stop()
 
-    async def _served(self, p: Any, peer: bytes) -> dict[str, Any]:
-        """A worker's ``served``: checked for shape here, for its token by the controller."""
-        if not (isinstance(p, dict) and type(p.get("worker_id")) is str
-                and type(p.get("token")) is bytes and type(p.get("version")) is int):
-            raise ValueError("served needs 'worker_id', 'token' and 'version'")
-        entry: list[Any] = [p["worker_id"], p["token"], p["version"]]
-        if "interrupted" in p or "continued" in p:
-            entry += [p.get("interrupted", 0), p.get("continued", 0)]
-        if p["worker_id"] not in self._pending and len(self._pending) >= m.MAX_NODE_SERVED:
+    async def _served_many(self, p: Any, peer: bytes) -> dict[str, Any]:
+        """The ``served`` reports of one process's workers: checked for shape here, for their
+        tokens by the controller. One malformed report refuses the request, taking none."""
+        reports = p.get("reports") if isinstance(p, dict) else None
+        if type(reports) is not list or not 0 < len(reports) <= m.MAX_NODE_SERVED:
+            raise ValueError(f"served_many needs 'reports', a list of 1 to "
+                             f"{m.MAX_NODE_SERVED} served reports")
+        for i, r in enumerate(reports):
+            if not (isinstance(r, dict) and type(r.get("worker_id")) is str
+                    and type(r.get("token")) is bytes and type(r.get("version")) is int):
+                raise ValueError(f"report {i}: served needs 'worker_id', 'token' and 'version'")
+        pending = self._pending
+        new = {r["worker_id"] for r in reports} - pending.keys()
+        if len(pending) + len(new) > m.MAX_NODE_SERVED:
             raise ValueError("too many served reports waiting")  # only a flood gets here
-        self._pending[p["worker_id"]] = entry
+        on_served = self.on_served
+        for r in reports:
+            entry: list[Any] = [r["worker_id"], r["token"], r["version"]]
+            if "interrupted" in r or "continued" in r:
+                entry += [r.get("interrupted", 0), r.get("continued", 0)]
+            pending[r["worker_id"]] = entry
+            if on_served is not None:
+                on_served(r["worker_id"], r["token"], r["version"])
         self._wake.set()
-        if self.on_served is not None:
-            self.on_served(p["worker_id"], p["token"], p["version"])
         return {"ok": True}
 
     async def _heartbeat(self, p: Any, peer: bytes) -> dict[str, Any]:

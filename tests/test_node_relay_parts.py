@@ -124,8 +124,13 @@ async def flood(upstream: Publisher) -> None:
 
 
 def served(worker: str, version: int) -> dict[str, Any]:
-    """A worker's ``served`` report, as it sends it to the relay."""
+    """A worker's ``served`` report, as its process sends it to the relay (`reports`)."""
     return {"worker_id": worker, "token": f"token-{worker}".encode(), "version": version}
+
+
+def reports(*served: dict[str, Any]) -> dict[str, Any]:
+    """``served`` reports as one process sends them to the relay (``served_many``)."""
+    return {"reports": list(served)}
 
 
 def entry(worker: str, version: int) -> list[Any]:
@@ -195,7 +200,8 @@ async def test_a_worker_that_stops_reading_is_dropped_and_reported_in_the_next_n
         assert got == list(range(FLOOD))
         # A drop is reported once: the next node_served carries only what came since.
         async with RpcClient(relay.served, ctx=zmq_ctx, timeout=STEP) as workers:
-            assert await workers.call(m.OP_SERVED, served("rollout-0", 1)) == {"ok": True}
+            reply = await workers.call(m.OP_SERVED_MANY, reports(served("rollout-0", 1)))
+            assert reply == {"ok": True}
         call = await script.next()
         assert (call.payload["served"], call.payload["dropped"]) == ([entry("rollout-0", 1)], [])
         call.reply({"ok": True, "served": 1})
@@ -211,7 +217,8 @@ async def test_an_unanswered_node_served_is_sent_again_with_what_came_meanwhile(
         drops = observe_drops(relay)
 
         async def report(worker: str, version: int) -> None:
-            assert await workers.call(m.OP_SERVED, served(worker, version)) == {"ok": True}
+            reply = await workers.call(m.OP_SERVED_MANY, reports(served(worker, version)))
+            assert reply == {"ok": True}
 
         # A worker stops reading: its drop is the first node_served, left unanswered for now.
         await worker_subscriber(stack, relay, "rollout-a", zmq_ctx)
@@ -264,7 +271,8 @@ async def test_a_refused_node_served_is_logged_not_resent_and_none_ends_the_repo
                 RpcClient(relay.served, ctx=zmq_ctx, timeout=STEP) as workers):
 
         async def report(worker: str, version: int) -> None:
-            assert await workers.call(m.OP_SERVED, served(worker, version)) == {"ok": True}
+            reply = await workers.call(m.OP_SERVED_MANY, reports(served(worker, version)))
+            assert reply == {"ok": True}
 
         await report("w1", 1)
         refused = await script.next()
@@ -293,6 +301,32 @@ async def test_a_refused_node_served_is_logged_not_resent_and_none_ends_the_repo
 
 
 @pytest.mark.timeout(60)
+async def test_a_process_reports_its_workers_in_one_request_and_a_malformed_one_takes_none(
+        run_id: str, zmq_ctx: zmq.asyncio.Context) -> None:
+    script = Script()
+    async with (relaying(run_id, zmq_ctx, script) as (_, relay),
+                RpcClient(relay.served, ctx=zmq_ctx, timeout=STEP) as workers):
+        bad: list[tuple[Any, str]] = [
+            ({}, "'reports', a list of 1 to 4096"),
+            ({"reports": []}, "'reports', a list of 1 to 4096"),
+            ({"reports": [served("w", 1)] * (m.MAX_NODE_SERVED + 1)}, "a list of 1 to 4096"),
+            (reports(served("w1", 1), {"worker_id": "w2", "version": 1}), "report 1: "),
+            (reports(served("w1", 1), "w2"), "report 1: served needs"),
+        ]
+        for payload, error in bad:
+            with pytest.raises(RemoteError, match=error):
+                await workers.call(m.OP_SERVED_MANY, payload)
+            assert relay.waiting == 0  # w1's good report in it was not taken either
+        interrupted = {**served("w3", 2), "interrupted": 1, "continued": 4}
+        assert await workers.call(m.OP_SERVED_MANY, reports(
+            served("w1", 2), served("w2", 2), interrupted)) == {"ok": True}
+        call = await script.next()
+        assert by_worker(call.payload["served"]) == {
+            "w1": entry("w1", 2), "w2": entry("w2", 2), "w3": [*entry("w3", 2), 1, 4]}
+        call.reply({"ok": True, "served": 3})
+
+
+@pytest.mark.timeout(60)
 async def test_a_served_report_reaches_the_nodes_local_dispatch_before_the_controller(
         run_id: str, zmq_ctx: zmq.asyncio.Context) -> None:
     """The agent's local dispatch learns a worker's version from the relay (`on_served`), so a
@@ -312,11 +346,11 @@ async def test_a_served_report_reaches_the_nodes_local_dispatch_before_the_contr
         relay.on_served = api.served
         poll = asyncio.create_task(dispatch.take("w1", "rollout", STEP))
         with pytest.raises(RemoteError, match="'version'"):
-            await workers.call(m.OP_SERVED, {**served("w1", 2), "version": "2"})
-        assert await workers.call(m.OP_SERVED, served("w1", 1)) == {"ok": True}
+            await workers.call(m.OP_SERVED_MANY, reports({**served("w1", 2), "version": "2"}))
+        assert await workers.call(m.OP_SERVED_MANY, reports(served("w1", 1))) == {"ok": True}
         await asyncio.sleep(0)
         assert not poll.done()  # version 1 may not run it
-        assert await workers.call(m.OP_SERVED, served("w1", 2)) == {"ok": True}
+        assert await workers.call(m.OP_SERVED_MANY, reports(served("w1", 2))) == {"ok": True}
         async with asyncio.timeout(STEP):
             assert await poll == task
         first = await script.next()  # the controller hears of it all the same

@@ -35,7 +35,14 @@ from transport.errors import TransportError
 from transport.process_limits import SocketRoomError, make_room
 from transport.rpc import RpcClient
 from transport.store_client import StoreClient
-from workers.runtime import Role, WeightFetches, WeightSyncError, Worker, WorkerConfig
+from workers.runtime import (
+    Role,
+    ServedReports,
+    WeightFetches,
+    WeightSyncError,
+    Worker,
+    WorkerConfig,
+)
 
 log = structlog.get_logger("flowrl.worker")
 
@@ -90,7 +97,8 @@ def worker_configs(spec: WorkerSpec) -> list[WorkerConfig]:
 #: sockets a worker may hold: the controller's endpoint, its node relay's, broadcasts, and its
 #: agent's under node dispatch
 SOCKETS_PER_WORKER = 4
-#: and its process: the store client's, a start-failure report's, spares
+#: and its process: the store client's, its relay client (the workers' gathered ``served``), a
+#: start-failure report's, spares
 SOCKETS_PER_PROCESS = 8
 
 
@@ -161,15 +169,22 @@ async def serve(spec: WorkerSpec) -> None:
         raise
     store = store_client(spec)
     roles: list[Role] = []
+    # The process's one client of its node's relay, for its workers' gathered ``served``.
+    relay: RpcClient | None = None
+    served: ServedReports | None = None
     try:
         try:
             roles = make_roles(spec)
         except Exception as exc:
             await report_start_failure(spec, exc)
             raise
+        configs = worker_configs(spec)
         weights = WeightFetches(store, len(roles))
-        workers = [Worker(config, role, store, weights) for config, role in
-                   zip(worker_configs(spec), roles, strict=True)]
+        if spec.endpoints.relay:
+            relay = RpcClient(spec.endpoints.relay, timeout=configs[0].rpc_timeout_s)
+            served = ServedReports(relay)
+        workers = [Worker(config, role, store, weights, served) for config, role in
+                   zip(configs, roles, strict=True)]
 
         def stop_all() -> None:
             for w in workers:
@@ -190,6 +205,8 @@ async def serve(spec: WorkerSpec) -> None:
             close = getattr(role, "aclose", None)
             if close is not None:
                 await close()
+        if relay is not None:
+            await relay.aclose()
         await store.aclose()
 
 

@@ -287,11 +287,50 @@ class WeightFetches:
             self._fetch = None  # a failed fetch is not shared by the workers that ask later
 
 
+class ServedReports:
+    """The ``served`` reports of the workers one process hosts, to their node's relay: those
+    made in one turn of the event loop leave in one ``served_many`` request.
+
+    At a version switch every idle worker of a process loads the version in the same turn
+    (they share one fetch: `WeightFetches`) and reports it, so the relay takes a request a
+    process and version where it took one a worker. Each report returns once its request is
+    answered, and raises what the request raised.
+    """
+
+    def __init__(self, relay: RpcClient) -> None:
+        """``relay``: a client of the node's relay (its ``served`` endpoint); not closed here."""
+        self.relay = relay
+        #: ``served_many`` requests sent
+        self.requests = 0
+        self._batch: list[dict[str, Any]] = []
+        self._next: asyncio.Future[None] | None = None
+
+    async def report(self, served: dict[str, Any]) -> None:
+        """Send ``served`` (a worker's report: its id, token and version) with the others of
+        this turn."""
+        if self._next is None:
+            self._batch = []
+            self._next = asyncio.ensure_future(self._send())
+            # A request whose every reporter gave up waiting still ends; its error is not news.
+            self._next.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._batch.append(served)
+        # One worker's stop cancels its own wait, never the request the others wait on.
+        await asyncio.shield(self._next)
+
+    async def _send(self) -> None:
+        # First run after the reports of the turn that started it: later ones start another.
+        batch, self._next = self._batch, None
+        for i in range(0, len(batch), m.MAX_NODE_SERVED):
+            self.requests += 1
+            await self.relay.call(m.OP_SERVED_MANY, {"reports": batch[i:i + m.MAX_NODE_SERVED]})
+
+
 class Worker:
     def __init__(self, config: WorkerConfig, role: Role, store: Store,
-                 weights: WeightFetches | None = None) -> None:
-        """``weights``: shared by the workers of one process (`WeightFetches`); by default
-        this worker's own."""
+                 weights: WeightFetches | None = None,
+                 served: ServedReports | None = None) -> None:
+        """``weights`` and ``served``: shared by the workers of one process (`WeightFetches`,
+        `ServedReports`); by default this worker's own."""
         self.config = config
         self.role = role
         self.store = store
@@ -309,6 +348,9 @@ class Worker:
         # Where ``served`` and heartbeats go. The relay is on this node (ipc): no curve.
         self._relay_rpc = (RpcClient(config.relay, timeout=config.rpc_timeout_s)
                             if config.relay else self._rpc)
+        # Without a relay, the controller takes each worker's ``served`` by itself.
+        self._served = (None if not config.relay else
+                        ServedReports(self._relay_rpc) if served is None else served)
         self._sub = Subscriber(config.broadcast, list(m.WORKER_TOPICS), name=config.name,
                                curve=for_endpoint(config.curve, config.broadcast))
         self._stopped = asyncio.Event()
@@ -569,7 +611,10 @@ class Worker:
                 served.update(interrupted=running, continued=continued or 0)
                 self._log().info("running tasks continue under the new version",
                                  new_version=version, tasks=running, sequences=continued or 0)
-            await self._relay_rpc.call(m.OP_SERVED, served)
+            if self._served is None:
+                await self._rpc.call(m.OP_SERVED, served)
+            else:
+                await self._served.report(served)
         finally:
             self._gate.set()
 

@@ -1,21 +1,26 @@
-"""The workers of one process share one fetch of a version's weights (`WeightFetches`): against
-a real store server, read from another node as a rollout process off the trainer's node reads
-them, counting the server's requests."""
+"""What the workers of one process share: one fetch of a version's weights (`WeightFetches`),
+against a real store server read from another node as a rollout process off the trainer's node
+reads them, counting the server's requests; and one request to their node's relay for the
+``served`` reports of one turn (`ServedReports`), against a real RPC server."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import torch
 
+from flowrl import messages as m
 from transport.endpoints import ipc_endpoint
+from transport.errors import RemoteError
 from transport.handles import Handle, handle_to_wire
+from transport.rpc import RpcClient, RpcServer
 from transport.store import SampleStore
 from transport.store_client import StoreClient
 from transport.store_server import StoreServer
-from workers.runtime import WeightFetches, publish_weights
+from workers.runtime import ServedReports, WeightFetches, publish_weights
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -113,5 +118,71 @@ async def test_one_worker_giving_up_does_not_cancel_the_others_fetch(
     first.cancel()  # its weight-sync deadline, say
     state = await second
     assert torch.equal(state["layer.weight"], WEIGHTS["layer.weight"])
+    with pytest.raises(asyncio.CancelledError):
+        await first
+
+
+class Relay:
+    """A relay's ``served_many`` endpoint that records each request's reports, and refuses
+    those of worker ``refuse``."""
+
+    def __init__(self, refuse: str = "") -> None:
+        self.requests: list[list[str]] = []
+        self.refuse = refuse
+
+    async def served_many(self, p: Any, peer: bytes) -> dict[str, Any]:
+        workers = [r["worker_id"] for r in p["reports"]]
+        self.requests.append(workers)
+        if self.refuse in workers:
+            raise ValueError(f"refused {self.refuse}")
+        return {"ok": True}
+
+
+@pytest.fixture
+async def relay(run_id: str) -> AsyncIterator[tuple[Relay, RpcClient]]:
+    recorder = Relay(refuse="bad")
+    async with (RpcServer(ipc_endpoint(run_id, "served"),
+                          {m.OP_SERVED_MANY: recorder.served_many}) as server,
+                RpcClient(server.endpoint, timeout=10.0) as client):
+        yield recorder, client
+
+
+def report(worker: str) -> dict[str, Any]:
+    return {"worker_id": worker, "token": b"t", "version": 1}
+
+
+async def test_the_reports_of_one_turn_leave_in_one_request(
+        relay: tuple[Relay, RpcClient]) -> None:
+    recorder, client = relay
+    served = ServedReports(client)
+    await asyncio.gather(*(served.report(report(f"w{i}")) for i in range(5)))
+    assert recorder.requests == [[f"w{i}" for i in range(5)]]
+    await served.report(report("w5"))  # a later turn: a request of its own
+    assert recorder.requests[1:] == [["w5"]]
+    assert served.requests == 2
+
+
+async def test_a_refused_request_fails_each_of_its_reports(
+        relay: tuple[Relay, RpcClient]) -> None:
+    recorder, client = relay
+    served = ServedReports(client)
+    results = await asyncio.gather(served.report(report("w1")), served.report(report("bad")),
+                                   return_exceptions=True)
+    assert recorder.requests == [["w1", "bad"]]
+    assert [type(r) for r in results] == [RemoteError, RemoteError]
+    await served.report(report("w2"))  # the next turn's request is not the failed one
+    assert recorder.requests[1:] == [["w2"]]
+
+
+async def test_one_worker_giving_up_does_not_cancel_the_others_report(
+        relay: tuple[Relay, RpcClient]) -> None:
+    recorder, client = relay
+    served = ServedReports(client)
+    first = asyncio.create_task(served.report(report("w1")))
+    second = asyncio.create_task(served.report(report("w2")))
+    await asyncio.sleep(0)  # one turn: both reports are in the request, which is on its way
+    first.cancel()
+    await second
+    assert recorder.requests == [["w1", "w2"]]
     with pytest.raises(asyncio.CancelledError):
         await first
