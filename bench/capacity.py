@@ -122,9 +122,11 @@ import psutil
 from bench.pipeline import pct
 from bench.runner import run_and_print
 from bench.scale import started_with_agents
+from flowrl.controller import Controller
 from flowrl.logs import configure
 from flowrl.pipeline import PipelineSpec, PoolSpec, grpo_stages
 from transport.codec import HANDLE_EXT
+from transport.rpc import RpcClient
 
 #: near-zero compute: a rollout task is a 1 ms sleep, every response 8 tokens.
 COST = {
@@ -206,6 +208,18 @@ def loop_cpu(me: psutil.Process) -> float:
     return next(t.user_time + t.system_time for t in me.threads() if t.id == main)
 
 
+async def read_every_store(ctl: Controller) -> None:
+    """An empty read from every other node's store: a node agent imports torch at the first
+    read from another node (~1-2 s of CPU), and one whose rows the warm-up step did not
+    read would import it in the measured steps, on the cores the controller runs on."""
+    hub = ctl.nodes
+    if hub is None:
+        return
+    for endpoint in list(hub.peers.values()):
+        async with RpcClient(endpoint, curve=hub.keys, timeout=120.0) as store:
+            await store.call("read", {"ranges": []})
+
+
 def children_cpu(me: psutil.Process) -> dict[int, tuple[str, float]]:
     """Each process under ``me``: (``agents`` for a node agent, else ``workers``; its CPU
     seconds so far), by pid."""
@@ -258,6 +272,7 @@ async def measure(workers: int, agents: int, steps: int, rollout_groups: int = 1
         if pinned:
             pin(me, affinity)
         await ctl.run(steps=1, timeout_s=300)  # warm-up: every worker polling, first version
+        await read_every_store(ctl)
         reference = [reference_us()]  # between runs: the controller handles little meanwhile
         ctl.dispatch_us.clear()
         ctl.dispatch_cpu_us.clear()
