@@ -133,6 +133,11 @@ def reports(*served: dict[str, Any]) -> dict[str, Any]:
     return {"reports": list(served)}
 
 
+async def report(workers: RpcClient, worker: str, version: int) -> None:
+    """``worker``'s ``served`` report of ``version``, sent to the relay and taken."""
+    assert await workers.call(m.OP_SERVED_MANY, reports(served(worker, version))) == {"ok": True}
+
+
 def entry(worker: str, version: int) -> list[Any]:
     """`served`'s report as the relay passes it on: an array (`flowrl.node_relay`)."""
     return [worker, f"token-{worker}".encode(), version]
@@ -200,8 +205,7 @@ async def test_a_worker_that_stops_reading_is_dropped_and_reported_in_the_next_n
         assert got == list(range(FLOOD))
         # A drop is reported once: the next node_served carries only what came since.
         async with RpcClient(relay.served, ctx=zmq_ctx, timeout=STEP) as workers:
-            reply = await workers.call(m.OP_SERVED_MANY, reports(served("rollout-0", 1)))
-            assert reply == {"ok": True}
+            await report(workers, "rollout-0", 1)
         call = await script.next()
         assert (call.payload["served"], call.payload["dropped"]) == ([entry("rollout-0", 1)], [])
         call.reply({"ok": True, "served": 1})
@@ -216,10 +220,6 @@ async def test_an_unanswered_node_served_is_sent_again_with_what_came_meanwhile(
                 RpcClient(relay.served, ctx=zmq_ctx, timeout=STEP) as workers):
         drops = observe_drops(relay)
 
-        async def report(worker: str, version: int) -> None:
-            reply = await workers.call(m.OP_SERVED_MANY, reports(served(worker, version)))
-            assert reply == {"ok": True}
-
         # A worker stops reading: its drop is the first node_served, left unanswered for now.
         await worker_subscriber(stack, relay, "rollout-a", zmq_ctx)
         await flood(upstream)
@@ -227,8 +227,8 @@ async def test_an_unanswered_node_served_is_sent_again_with_what_came_meanwhile(
         a = {"name": "rollout-a", "reason": "took no message for 10.0 s", "connected": True}
         assert (first.payload["served"], first.payload["dropped"]) == ([], [a])
         # Meanwhile two workers report, and another worker stops reading and is dropped.
-        await report("w1", 1)
-        await report("w2", 1)
+        await report(workers, "w1", 1)
+        await report(workers, "w2", 1)
         async with asyncio.timeout(STEP):
             assert (await drops.get()).name == "rollout-a"
         await worker_subscriber(stack, relay, "rollout-b", zmq_ctx)
@@ -245,8 +245,8 @@ async def test_an_unanswered_node_served_is_sent_again_with_what_came_meanwhile(
         assert by_worker(second.payload["served"]) == {
             "w1": entry("w1", 1), "w2": entry("w2", 1)}
         # Meanwhile w1 serves a later version and w3 reports for the first time.
-        await report("w1", 2)
-        await report("w3", 1)
+        await report(workers, "w1", 2)
+        await report(workers, "w3", 1)
         second.fail(DeadlineExceeded("node_served: no reply"))
         third = await script.next()
         assert third.payload["dropped"] == [a, b]
@@ -256,7 +256,7 @@ async def test_an_unanswered_node_served_is_sent_again_with_what_came_meanwhile(
         third.reply({"ok": True, "served": 3})
 
         # Answered: nothing of it is sent again; the next carries only what came since.
-        await report("w4", 1)
+        await report(workers, "w4", 1)
         fourth = await script.next()
         assert (fourth.payload["served"], fourth.payload["dropped"]) == ([entry("w4", 1)], [])
         fourth.reply({"ok": True, "served": 1})
@@ -270,17 +270,13 @@ async def test_a_refused_node_served_is_logged_not_resent_and_none_ends_the_repo
     async with (relaying(run_id, zmq_ctx, script) as (_, relay),
                 RpcClient(relay.served, ctx=zmq_ctx, timeout=STEP) as workers):
 
-        async def report(worker: str, version: int) -> None:
-            reply = await workers.call(m.OP_SERVED_MANY, reports(served(worker, version)))
-            assert reply == {"ok": True}
-
-        await report("w1", 1)
+        await report(workers, "w1", 1)
         refused = await script.next()
         assert refused.payload["served"] == [entry("w1", 1)]
         with structlog.testing.capture_logs() as logs:
             refused.fail(RemoteError("ValueError", "node n0 reported without its token"))
             # The next node_served carries only the report made after the refusal.
-            await report("w2", 1)
+            await report(workers, "w2", 1)
             after = await script.next()
         assert after.payload["served"] == [entry("w2", 1)]
         warnings = [e for e in logs if e["event"] == "node_served refused"]
@@ -291,7 +287,7 @@ async def test_a_refused_node_served_is_logged_not_resent_and_none_ends_the_repo
 
         # None: the controller is gone; the relay sends no more node_served.
         after.reply(None)
-        await report("w3", 1)
+        await report(workers, "w3", 1)
         # Had the report loop still been waiting, the report's wake-up would have run it (and
         # queued a call) before the reply to `report` reached this task: the relay's handler
         # wakes it before it replies, and the reply comes back only through zmq's I/O thread
@@ -347,10 +343,10 @@ async def test_a_served_report_reaches_the_nodes_local_dispatch_before_the_contr
         poll = asyncio.create_task(dispatch.take("w1", "rollout", STEP))
         with pytest.raises(RemoteError, match="'version'"):
             await workers.call(m.OP_SERVED_MANY, reports({**served("w1", 2), "version": "2"}))
-        assert await workers.call(m.OP_SERVED_MANY, reports(served("w1", 1))) == {"ok": True}
+        await report(workers, "w1", 1)
         await asyncio.sleep(0)
         assert not poll.done()  # version 1 may not run it
-        assert await workers.call(m.OP_SERVED_MANY, reports(served("w1", 2))) == {"ok": True}
+        await report(workers, "w1", 2)
         async with asyncio.timeout(STEP):
             assert await poll == task
         first = await script.next()  # the controller hears of it all the same
