@@ -269,7 +269,6 @@ async def test_a_refused_node_served_is_logged_not_resent_and_none_ends_the_repo
     script = Script()
     async with (relaying(run_id, zmq_ctx, script) as (_, relay),
                 RpcClient(relay.served, ctx=zmq_ctx, timeout=STEP) as workers):
-
         await report(workers, "w1", 1)
         refused = await script.next()
         assert refused.payload["served"] == [entry("w1", 1)]
