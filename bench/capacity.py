@@ -209,9 +209,10 @@ def loop_cpu(me: psutil.Process) -> float:
 
 
 async def read_every_store(ctl: Controller) -> None:
-    """An empty read from every other node's store: a node agent imports torch at the first
-    read from another node (~1-2 s of CPU), and one whose rows the warm-up step did not
-    read would import it in the measured steps, on the cores the controller runs on."""
+    """An empty read from every node's store, at the endpoint other nodes read it by (the
+    controller's own node's too): a node agent imports torch at the first read from another
+    node (~1-2 s of CPU), and one whose rows the warm-up step did not read would import it in
+    the measured steps, on the cores the controller runs on."""
     hub = ctl.nodes
     if hub is None:
         return

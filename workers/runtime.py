@@ -349,8 +349,9 @@ class Worker:
         self._relay_rpc = (RpcClient(config.relay, timeout=config.rpc_timeout_s)
                             if config.relay else self._rpc)
         # Without a relay, the controller takes each worker's ``served`` by itself.
-        self._served = (None if not config.relay else
-                        ServedReports(self._relay_rpc) if served is None else served)
+        self._served: ServedReports | None = None
+        if config.relay:
+            self._served = ServedReports(self._relay_rpc) if served is None else served
         self._sub = Subscriber(config.broadcast, list(m.WORKER_TOPICS), name=config.name,
                                curve=for_endpoint(config.curve, config.broadcast))
         self._stopped = asyncio.Event()
