@@ -131,6 +131,9 @@ def rank_main(rank: int, store: str, model: str, mode: str, steps: int, out: str
         result = {"step_ms": ms, "state_bytes": state_bytes(engine)}
         if rank == 0:
             Path(out).write_text(json.dumps(result))
+        # Both ranks done with every collective before either tears gloo down (as in
+        # `bench/reshard.py`): a rank whose peer left first may abort at exit.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

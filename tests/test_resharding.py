@@ -359,6 +359,9 @@ def _fsdp_into_tp_rank(rank: int, store: str, model: str, out: str) -> None:
                     for r in range(2) for n, t in whole.items())
         Path(f"{out}.{rank}").write_text(json.dumps({"equal": equal, "buckets": made,
                                                      "names": len(whole)}))
+        # Both ranks done with every collective before either tears gloo down (as in
+        # `bench/reshard.py`): without it a rank aborted at exit, exit -6, under load.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
