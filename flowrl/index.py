@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any, Final
 
 from flowrl.graph import StageGraph, StageSpec
@@ -87,9 +87,12 @@ class UnknownField(LookupError):
     """A field name the graph does not know, or one the completing stage does not produce."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
 class Task:
-    """A micro-batch handed to one stage: its rows and the handles of the fields it needs."""
+    """A micro-batch handed to one stage: its rows and the handles of the fields it needs.
+
+    Not frozen: `Index.bind` gives a task formed without a worker its worker in place (a copy
+    cost more than the rest of handing it out). Nothing else changes a task."""
 
     id: int
     stage: str
@@ -633,8 +636,7 @@ class Index:
             raise UnknownTask(f"task {task_id} is not in flight") from None
         if task.worker is not None:
             raise ValueError(f"task {task_id} runs on {task.worker} already")
-        task = replace(task, worker=worker)
-        self._tasks[task_id] = (task, st)
+        task.worker = worker
         if task_id in self._formed:
             self._formed.discard(task_id)
             st.formed -= 1

@@ -11,7 +11,7 @@ from flowrl.backpressure import StoreBackpressure
 from flowrl.control.admission import Admission
 from flowrl.control.assignments import Assignment, Assignments
 from flowrl.control.ledger import StepLedger
-from flowrl.control.scheduler import Scheduler
+from flowrl.control.scheduler import ADMIT_AHEAD_CHUNK, Scheduler
 from flowrl.graph import StageGraph, StageSpec
 from flowrl.index import Index
 from flowrl.registry import Registry, WorkerInfo
@@ -220,3 +220,22 @@ def test_a_stale_group_dropped_by_the_train_stage_is_replaced_in_the_same_pass()
     assert r.scheduler.stale_dropped == 1
     assert sent == [(a.worker_id, (1,)), (b.worker_id, (2,))]
     assert r.prompts[-2:] == [[1, 1], [0, 0]]
+
+
+def test_a_pass_admits_at_most_a_chunk_and_the_rest_follows_in_chunks() -> None:
+    """A run's start finds a step's worth of idle workers: one pass admits a chunk of groups
+    (whole tasks) and leaves the rest to `admit_ahead`, whose tasks the next passes hand out;
+    every group of the step is admitted once, to a worker of its own."""
+    r = run(staleness=0, groups_per_step=40, micro_groups=4)
+    workers = [r.worker(version=0) for _ in range(10)]
+    first = r.dispatch()
+    assert sum(len(groups) for _, groups in first) == ADMIT_AHEAD_CHUNK
+    assert r.scheduler.may_admit_ahead
+    sent = list(first)
+    while r.scheduler.admit_ahead(steps_target=0, now=0.0, up_to=ADMIT_AHEAD_CHUNK):
+        sent += r.dispatch()
+    sent += r.dispatch()
+    assert sorted(g for _, groups in sent for g in groups) == list(range(40))
+    assert sorted(w for w, _ in sent) == sorted(w.worker_id for w in workers)
+    # and the next step ahead, formed for the version that may generate it
+    assert (r.admission.admitted, r.scheduler.formed_waiting()) == (80, 10)

@@ -28,11 +28,12 @@ class Assignment:
     started_at: float = 0.0
 
     def message(self) -> m.TaskMsg:
-        """The task as its worker receives it."""
+        """The task as its worker receives it. Its ``inputs`` are the task's own handles, not
+        a copy: a message is only ever packed for the wire, and a task's handles never change."""
         t = self.task
         return {"task_id": t.id, "stage": t.stage, "rows": list(t.rows),
                 "groups": list(t.groups), "row_groups": list(t.row_groups),
-                "inputs": {k: list(v) for k, v in t.handles.items()}, "params": self.params}
+                "inputs": t.handles, "params": self.params}
 
 
 class Assignments:

@@ -39,8 +39,9 @@ from flowrl.registry import Registry, WorkerInfo
 
 __all__ = ["ADMIT_AHEAD_CHUNK", "Scheduler", "find_source_stage"]
 
-#: groups the controller admits ahead (`Scheduler.admit_ahead`) before it lets the event loop
-#: handle what waits: ~10 µs of CPU a group, so a chunk holds a report back ~0.2 ms at most
+#: groups the controller admits (`Scheduler.admit_ahead`, and a pass for its idle workers)
+#: before it lets the event loop handle what waits: ~10 µs of CPU a group, so a chunk holds a
+#: report back ~0.2 ms at most
 ADMIT_AHEAD_CHUNK = 16
 
 
@@ -184,7 +185,14 @@ class Scheduler:
         self.may_admit_ahead = False
         if steps_target and version >= steps_target:
             return
+        chunk = 0
         while adm.open(version) and adm.store_admits(version, now):
+            if chunk >= ADMIT_AHEAD_CHUNK:
+                # A run's start finds a step's worth of idle workers: admitting it all in one
+                # pass would hold every report back for the whole pass (a step of 256 groups:
+                # ~3 ms of CPU); the rest is admitted a chunk at a time between them.
+                self.may_admit_ahead = True
+                return
             w = self.registry.least_loaded(stage.role,
                                            adm.min_generation_version(adm.next_step))
             if w is None:
@@ -199,6 +207,7 @@ class Scheduler:
             task = self.index.request(stage.name, admitted, worker=w.worker_id)
             assert task is not None
             self._assign(w, task, {}, now)
+            chunk += admitted
         self.may_admit_ahead = self._looks_ahead(version, steps_target)
 
     def _looks_ahead(self, version: int, steps_target: int) -> bool:
