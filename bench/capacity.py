@@ -40,7 +40,8 @@ task to each of its workers that loaded the version) stretched by the machine's 
 ``dispatch_cpu_p50_us_1024w`` / ``dispatch_cpu_p99_us_1024w``: the same places counted in the
 CPU time of the event loop's thread (`Controller.dispatch_cpu_us`), so without the preemption by
 the workers on these shared cores: the tail a controller with a core of its own would see
-(mostly a step's admission pass, which creates and hands out the step's rollout tasks);
+(a version switch's pass, which hands out the tasks formed for it; a pass admits a chunk
+of groups at most, `ADMIT_AHEAD_CHUNK`);
 ``dispatch_pass_max_tasks_1024w``: the most tasks one pass handed out
 (`Controller.dispatch_pass_tasks`); ``version_wait_p50_us_1024w`` /
 ``version_wait_p99_us_1024w``: from the moment the controller takes a rollout worker's

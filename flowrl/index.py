@@ -92,7 +92,8 @@ class Task:
     """A micro-batch handed to one stage: its rows and the handles of the fields it needs.
 
     Not frozen: `Index.bind` gives a task formed without a worker its worker in place (a copy
-    cost more than the rest of handing it out). Nothing else changes a task."""
+    cost more than the rest of handing it out). Nothing else changes a task. Compared and
+    hashed by identity (``eq=False``), as a mutable one must be to stay hashable."""
 
     id: int
     stage: str
