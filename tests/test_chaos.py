@@ -59,12 +59,12 @@ def _assert_sound(out: dict[str, Any]) -> None:
             assert _left_behind(run_id) == []
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)
 def test_killing_and_hanging_every_role_mid_run_loses_and_repeats_nothing() -> None:
     # Simulated compute, real processes: one kill of each role and two hangs (SIGSTOP, never
     # resumed) at random moments, and a subscriber that stops reading broadcasts from the start.
     out = _chaos("--engine", "sim", "--kills", "4", "--stops", "2", "--stalls", "1",
-                 "--steps", "10", "--seed", "3", timeout=140)
+                 "--steps", "10", "--seed", "3", timeout=290)
     _assert_sound(out)
     assert out["kills_by_role"] == dict.fromkeys(ROLES, 1)
     assert out["stops"] == 2
@@ -76,14 +76,14 @@ def test_killing_and_hanging_every_role_mid_run_loses_and_repeats_nothing() -> N
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(300)
 def test_a_killed_real_trainer_continues_from_the_published_weights(tmp_path: Path) -> None:
     # The real tiny model (no reference stage, hangs or resume phase, to be quick); seed 0 kills
     # the trainer at version 3, so its step 4 is told apart from one of a trainer restarted
     # from the initial weights.
     out = _chaos("--engine", "tiny", "--kills", "1", "--stops", "0", "--stalls", "0",
                  "--roles", "train", "--steps", "6", "--seed", "0", "--set", "algorithm.kl_coef=0",
-                 "--no-resume", timeout=140,
+                 "--no-resume", timeout=290,
                  env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
     _assert_sound(out)
     assert out["kills_by_role"] == {"train": 1}

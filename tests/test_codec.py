@@ -347,6 +347,7 @@ payloads = st.recursive(
 )
 
 
+@pytest.mark.timeout(150)
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(payloads)
 def test_roundtrip_property(obj: Any) -> None:

@@ -139,7 +139,7 @@ async def test_a_kill_order_is_done_once_its_own_node_acknowledges_it(
 # ---- a real run on two nodes -------------------------------------------------------------------
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(360)
 async def test_two_ranks_on_two_nodes_stay_in_sync_and_restart_together(
     tmp_path: Path,
 ) -> None:
@@ -154,7 +154,7 @@ async def test_two_ranks_on_two_nodes_stay_in_sync_and_restart_together(
         trainer=TrainerConfig(lr=1e-3, groups_per_step=4, micro_batch_groups=1, ranks=2),
         placement=two_nodes(keys_file, opt_in=True),
     )
-    ctl = Controller(recipe.to_pipeline(), cluster=cluster_config(recipe), start_timeout_s=60)
+    ctl = Controller(recipe.to_pipeline(), cluster=cluster_config(recipe), start_timeout_s=120)
     assert ctl.nodes is not None
     log = tmp_path / "b.log"
     procs: list[asyncio.subprocess.Process] = []
@@ -167,7 +167,7 @@ async def test_two_ranks_on_two_nodes_stay_in_sync_and_restart_together(
             # The ranks were told to meet in the controller's store.
             section = ctl.workforce.engine_config()["data_parallel"]
             assert split_address(section["store"])[0] == "127.0.0.1"
-            out = await ctl.run(steps=2, timeout_s=60)
+            out = await ctl.run(steps=2, timeout_s=120)
             assert out["version"] == 2
             assert out["rows_trained_twice"] == 0
             assert ctl.status()["errors"] == []
@@ -186,7 +186,7 @@ async def test_two_ranks_on_two_nodes_stay_in_sync_and_restart_together(
             # keys. Then the rank on node b dies: its agent reports it, and the same happens.
             for generation, victim in enumerate(("node0", "b"), start=1):
                 ranks = {w.node: w.pid for w in ctl.registry.of_role("train")}
-                run = asyncio.ensure_future(ctl.run(steps=1, timeout_s=60))
+                run = asyncio.ensure_future(ctl.run(steps=1, timeout_s=120))
                 if victim == "node0":
                     ctl.kill_worker_process(ranks[victim])
                 else:

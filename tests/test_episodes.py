@@ -435,7 +435,7 @@ def test_an_episode_run_refuses_evaluation_and_the_chat_template_naming_field_an
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 async def test_a_run_trains_a_multi_turn_episode(tmp_path: Path) -> None:
     from flowrl.controller import Controller
 

@@ -51,7 +51,7 @@ def _processes_of(run_id: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_runs_the_tiny_recipe_and_leaves_nothing_behind(tmp_path: Path) -> None:
     steps = 3
     done = _launch(
@@ -60,6 +60,7 @@ def test_runs_the_tiny_recipe_and_leaves_nothing_behind(tmp_path: Path) -> None:
         "--set", "trainer.groups_per_step=2", "--set", "trainer.micro_batch_groups=1",
         "--set", "algorithm.group_size=4",
         env={"XDG_CACHE_HOME": str(tmp_path / "cache"), "FLOWRL_LOG_FORMAT": "json"},
+        timeout=270.0,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()

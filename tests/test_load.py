@@ -38,7 +38,7 @@ MAX_BYTES_PER_ROW = 500
 MAX_BYTES_PER_ROW_WIRE = 2000
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 def test_index_memory_per_row_is_bounded_and_released() -> None:
     rows = 100_000
     mem = index_memory(rows)
@@ -48,14 +48,14 @@ def test_index_memory_per_row_is_bounded_and_released() -> None:
     assert mem["retained_bytes"] < 0.02 * mem["bytes_per_row"] * rows
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 def test_index_memory_with_wire_handles() -> None:
     mem = index_memory(20_000, wire=True)
     assert mem["bytes_per_row"] < MAX_BYTES_PER_ROW_WIRE
     assert mem["retained_bytes"] < 0.02 * mem["bytes_per_row"] * mem["rows"]
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(150)
 def test_registry_churn_leaves_nothing_behind() -> None:
     churn = registry_churn(workers=256, rounds=12)
     assert churn["max_size"] == 256
@@ -85,7 +85,7 @@ async def test_a_small_store_pauses_admission_and_completes() -> None:
     assert 0 < out["peak_used_bytes"] <= SMALL_STORE
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 async def test_a_store_too_small_for_a_step_stops_the_run_with_its_capacity() -> None:
     out = await store_at_capacity(TOO_SMALL_STORE, steps=2, timeout_s=40.0)
     assert not out["completed"]

@@ -98,11 +98,16 @@ class Live:
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def live() -> AsyncIterator[Live]:
+    """One run for the module's tests. Its start and stop have bounds of their own (the
+    controller's start timeout, and those below): the tests' timeouts count only their own
+    bodies (``func_only``), or the first test would carry the workers' start, which takes
+    ~30 s beside other work on a slow 2-core host."""
     config = MonitorConfig(token=SecretStr(TOKEN))
     async with Controller(spec(), monitor=config) as ctl, aiohttp.ClientSession() as http:
         assert ctl.monitor_url is not None
         run = asyncio.ensure_future(ctl.run(steps=10**6))
-        await ctl.wait_for(lambda: ctl.version >= 2)
+        async with asyncio.timeout(120):
+            await ctl.wait_for(lambda: ctl.version >= 2)
         yield Live(ctl, ctl.monitor_url, http, run)
         ctl.resume()
         ctl.stop()
@@ -147,7 +152,7 @@ async def next_kind(events: AsyncIterator[dict[str, Any]], kind: str,
 # ---- read endpoints ---------------------------------------------------------------------------
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(30, func_only=True)
 async def test_status_serves_the_controller_status(live: Live) -> None:
     body = await get_json(live, "status")
     assert set(body) == set(live.ctl.status())
@@ -169,7 +174,7 @@ async def test_status_serves_the_controller_status(live: Live) -> None:
     assert TOKEN not in json.dumps(body)
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(30, func_only=True)
 async def test_metrics_parse_and_are_labelled_by_stage_and_worker(live: Live) -> None:
     async with live.http.get(live.url + "metrics") as r:
         assert r.status == 200
@@ -242,7 +247,7 @@ async def test_an_interrupted_weight_load_is_an_instant_event_on_its_workers_tra
     assert (span["pid"], span["tid"]) == threads["rollout-1"]
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(30, func_only=True)
 async def test_trace_is_valid_chrome_trace_json(live: Live) -> None:
     trace_version = live.ctl.version
     trace = await get_json(live, "trace")
@@ -286,7 +291,7 @@ async def test_trace_is_valid_chrome_trace_json(live: Live) -> None:
         assert r.status == 400
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(30, func_only=True)
 async def test_events_stream_every_step_in_order_and_resume_after_an_id(live: Live) -> None:
     steps: list[int] = []
     seqs: list[int] = []
@@ -320,7 +325,7 @@ async def _take(it: AsyncIterator[dict[str, Any]], n: int) -> AsyncIterator[dict
 # ---- control ----------------------------------------------------------------------------------
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(30, func_only=True)
 @pytest.mark.parametrize("path", ["pause", "resume", "stop", "staleness"])
 @pytest.mark.parametrize("auth", [None, "Bearer wrong-token-wrong-token", f"Basic {TOKEN}"])
 async def test_control_without_the_token_is_refused(live: Live, path: str,
@@ -339,7 +344,7 @@ async def test_control_without_the_token_is_refused(live: Live, path: str,
     assert not live.run.done()
 
 
-@pytest.mark.timeout(40)
+@pytest.mark.timeout(40, func_only=True)
 async def test_pause_stops_dispatch_until_resume(live: Live, capfd: pytest.CaptureFixture[str],
                                                  ) -> None:
     seen: list[dict[str, Any]] = []
@@ -380,7 +385,7 @@ async def test_pause_stops_dispatch_until_resume(live: Live, capfd: pytest.Captu
     assert TOKEN not in out + err  # ... and the token never is
 
 
-@pytest.mark.timeout(40)
+@pytest.mark.timeout(40, func_only=True)
 async def test_staleness_change_applies_to_the_next_steps(live: Live) -> None:
     async with live.http.get(live.url + "events") as resp:
         events = sse(resp)
@@ -404,7 +409,7 @@ async def test_staleness_change_applies_to_the_next_steps(live: Live) -> None:
     assert all(e["staleness_max"] == 0 for e in late)
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(30, func_only=True)
 @pytest.mark.parametrize("body", [{}, {"max_staleness": -1}, {"max_staleness": 65},
                                   {"max_staleness": "1"}, {"max_staleness": True}, [1]])
 async def test_bad_staleness_bodies_are_rejected(live: Live, body: Any) -> None:
@@ -419,7 +424,7 @@ async def test_bad_staleness_bodies_are_rejected(live: Live, body: Any) -> None:
 # ---- binding and access -----------------------------------------------------------------------
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(30, func_only=True)
 async def test_loopback_monitor_answers_loopback_host_names_only(live: Live) -> None:
     async with live.http.get(live.url + "status", headers={"Host": "rebound.example"}) as r:
         assert r.status == 421
@@ -428,7 +433,7 @@ async def test_loopback_monitor_answers_loopback_host_names_only(live: Live) -> 
         assert r.status == 200
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(30, func_only=True)
 async def test_off_loopback_every_data_endpoint_needs_the_token(live: Live) -> None:
     config = MonitorConfig(host="0.0.0.0", token=SecretStr(TOKEN))
     async with MonitorServer(live.ctl, config) as mon:
@@ -457,7 +462,7 @@ async def test_non_loopback_without_a_token_refuses_to_start() -> None:
     assert ctl.worker_pids() == []  # refused before any process started
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(30, func_only=True)
 async def test_dashboard_and_its_files_are_served(live: Live) -> None:
     async with live.http.get(live.url) as r:
         assert r.status == 200
@@ -477,7 +482,7 @@ async def test_dashboard_and_its_files_are_served(live: Live) -> None:
 # ---- the terminal view ------------------------------------------------------------------------
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(30, func_only=True)
 async def test_terminal_view_prints_one_snapshot(live: Live) -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "flowrl.monitor", live.url, "--once",
@@ -493,7 +498,7 @@ async def test_terminal_view_prints_one_snapshot(live: Live) -> None:
         assert name in text
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(30, func_only=True)
 async def test_terminal_view_redraws_until_ctrl_c_then_exits_cleanly(live: Live) -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "flowrl.monitor", live.url, "--interval", "0.2",
@@ -516,7 +521,7 @@ async def test_terminal_view_redraws_until_ctrl_c_then_exits_cleanly(live: Live)
     assert b"Traceback" not in err
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(30, func_only=True)
 async def test_terminal_view_stops_at_a_wrong_token_naming_it(live: Live) -> None:
     config = MonitorConfig(host="0.0.0.0", token=SecretStr(TOKEN))
     async with MonitorServer(live.ctl, config) as mon:
@@ -582,7 +587,7 @@ async def until_closed(reader: asyncio.StreamReader) -> bytes:
     return got
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(90, func_only=True)
 async def test_a_slowloris_crowd_is_bounded_and_timed_out(live: Live) -> None:
     async with MonitorServer(live.ctl, MonitorConfig(**LIMITS)) as mon:
         port = int(mon.url.rstrip("/").rsplit(":", 1)[1])
@@ -619,7 +624,7 @@ async def test_a_slowloris_crowd_is_bounded_and_timed_out(live: Live) -> None:
                 writer.close()
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(60, func_only=True)
 async def test_event_streams_beyond_the_cap_get_503_and_share_one_subscription(
         live: Live) -> None:
     async with MonitorServer(live.ctl, MonitorConfig(**LIMITS)) as mon, \
@@ -644,7 +649,7 @@ async def test_event_streams_beyond_the_cap_get_503_and_share_one_subscription(
             assert r.status == 200
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(30, func_only=True)
 @pytest.mark.parametrize("bad", ["\u00b2", "\u0663", "\u00e9", "1" * 21, "9" * 5000, "-1", "1.5",
                                  "0x10"])
 async def test_events_with_a_bad_id_answer_400(live: Live, bad: str) -> None:
@@ -662,7 +667,7 @@ async def test_events_with_a_bad_id_answer_400(live: Live, bad: str) -> None:
     assert b"last_id" in body
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(60, func_only=True)
 async def test_an_event_stream_whose_client_stops_reading_is_dropped(live: Live) -> None:
     limits = {**LIMITS, "stall_timeout_s": 1.0}
     async with MonitorServer(live.ctl, MonitorConfig(**limits)) as mon:

@@ -296,7 +296,7 @@ def test_a_replayed_trace_predicts_a_run_under_another_staleness(tmp_path: Path)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(420)
 def test_a_plan_that_crowds_the_cores_has_its_tasks_stretched(tmp_path: Path) -> None:
     """The contention loop end to end: a trace whose header says 1 core, replayed with 4
     rollout workers where it recorded 2. (Its simulated workers wait instead of computing, so

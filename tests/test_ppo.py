@@ -263,7 +263,7 @@ async def test_a_simulated_ppo_pipeline_runs_through_a_controller() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 async def test_a_short_real_ppo_run_completes(model_dir: Path) -> None:
     r = Recipe(
         steps=2, model=ModelConfig(path=str(model_dir)),
@@ -274,7 +274,7 @@ async def test_a_short_real_ppo_run_completes(model_dir: Path) -> None:
         trainer=TrainerConfig(lr=1e-4, groups_per_step=2),
     )
     async with Controller(r.to_pipeline()) as ctl:
-        out = await ctl.run(steps=r.steps, timeout_s=30)
+        out = await ctl.run(steps=r.steps, timeout_s=75)
         status = ctl.status()
     assert out["version"] == 2
     assert out["samples"] == 2 * 2 * 2

@@ -200,7 +200,7 @@ def _no_process_shows(secrets: list[str]) -> list[str]:
 # Ray tests take 5-20 s on quiet cores; Ray's actors start far slower when the cores are
 # contended (agents took 50 s to join with two CPU-bound processes beside the suite).
 @needs_ray
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(360)
 async def test_a_run_on_two_ray_placed_agents_trains_every_row_once(ray_run: Any) -> None:
     ray = ray_run
     steps = 3
@@ -262,7 +262,7 @@ async def test_an_agent_ray_cannot_place_fails_the_start_naming_the_node(
 
 
 @needs_ray
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(240)
 async def test_an_agent_and_its_workers_die_with_their_actor(ray_run: Any) -> None:
     ray = ray_run
     recipe = sim_recipe(1, {"kind": "ray", "roles": {"rollout": ("a",)},
@@ -272,7 +272,7 @@ async def test_an_agent_and_its_workers_die_with_their_actor(ray_run: Any) -> No
         ctl = Controller(recipe.to_pipeline(), cluster=cluster_config(recipe, host="127.0.0.1"))
         try:
             await agents.start_controller(ctl)
-            await ctl.run(steps=1, timeout_s=30)  # the agent's store now holds segments
+            await ctl.run(steps=1, timeout_s=60)  # the agent's store now holds segments
             agent = psutil.Process(agents.started["a"]["pid"])
             family = [agent, *agent.children(recursive=True)]
             assert any("workers.main" in " ".join(p.cmdline()) for p in family)

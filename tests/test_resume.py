@@ -129,7 +129,7 @@ def _children(pid: int) -> list[psutil.Process]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(560)
 def test_sigkilled_launch_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "run"
     args = [sys.executable, "-m", "flowrl.launch", "recipes/tiny_cpu.py", "--no-monitor",
@@ -167,7 +167,7 @@ def test_sigkilled_launch_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     assert not (out / "final").exists()
 
     done = subprocess.run([*args, "--resume", str(out)], cwd=ROOT, env=env, text=True,
-                          capture_output=True, timeout=180, check=False)
+                          capture_output=True, timeout=360, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"resuming from {out / 'step_2'} (step 2" in done.stdout
     lines = done.stdout.splitlines()

@@ -43,7 +43,7 @@ def guard_events(ctl: Controller) -> list[dict[str, Any]]:
     return [e for e in ctl.events.recent if e["kind"] == "stability"]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(480)
 @pytest.mark.parametrize("guarded", [True, False])
 async def test_a_learning_rate_spike_is_rolled_back(guarded: bool) -> None:
     after_spike = 60 if guarded else 30  # unguarded: enough to see the drop
@@ -100,7 +100,7 @@ hf_rollout.HFRolloutEngine.generate = generate
 '''
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(360)
 @pytest.mark.parametrize("guarded", [True, False])
 async def test_a_corrupted_rollout_engine_is_caught_by_the_mismatch_kl(
     guarded: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -98,7 +98,7 @@ async def test_a_dataset_without_usable_rows_stops_the_run_naming_the_file(
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(120)
 async def test_a_process_that_dies_is_named_with_the_traceback_it_printed(
         tmp_path: Path) -> None:
     recipe = _recipe(tmp_path, reward=RewardConfig(fn=f"{tmp_path / 'rewards.py'}:crash"),
@@ -112,7 +112,7 @@ async def test_a_process_that_dies_is_named_with_the_traceback_it_printed(
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 async def test_a_process_that_came_up_before_is_restarted_when_it_cannot_start_again(
         tmp_path: Path) -> None:
     # It started once, so its failing to start again may not be for good: it is restarted

@@ -164,7 +164,7 @@ def test_rejects_bad_shapes(tmp_path: Path) -> None:
         build_tiny_model(tmp_path / "x", corpus=[])
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 def test_cli_builds_a_model(tmp_path: Path) -> None:
     out = tmp_path / "cli"
     proc = subprocess.run(
@@ -172,7 +172,7 @@ def test_cli_builds_a_model(tmp_path: Path) -> None:
          "--vocab-size", "400"],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=80,
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
