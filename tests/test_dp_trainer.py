@@ -378,7 +378,8 @@ def response_length(prompt, response, *, answer, **_):
 """
 
 
-# Three runs (60 + 90 + 60 s at most): on two busy cores they took 45-65 s, and once 120.
+# Three runs (60 + 90 + 60 s at most): on two busy cores they took 45-65 s, and once 120;
+# 102 s beside a `make demo` on a host three times slower at plain Python.
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("sharding", ["replicate", "fsdp2"])
 async def test_a_two_rank_run_stays_in_sync_and_a_lost_rank_restarts_the_group(
