@@ -20,6 +20,8 @@ from transport.codec import DTYPES, MAX_MESSAGE_BYTES, RUN_EXT, decode, encode, 
 from transport.errors import MalformedMessage, MessageTooLarge
 from transport.handles import (
     Handle,
+    free_entries,
+    freed_handles,
     handle_node,
     handle_nodes,
     is_handle,
@@ -509,3 +511,41 @@ def test_a_row_outside_its_run_is_a_malformed_message(row: Any) -> None:
     else:
         with pytest.raises(MalformedMessage):
             rows_from_wire([[run, 0], [run, row]])
+
+
+# ---- frees: a run's rows as one entry -----------------------------------------------------------
+
+
+def test_frees_name_a_runs_rows_once_and_leave_inline_values_out() -> None:
+    first, second = run_to_wire(_handles(4)), run_to_wire(_handles(6)[4:])
+    assert first is not None
+    assert second is not None
+    lone = to_wire(_handles(8)[7:])[0]
+    rows = run_rows(first)
+    # As the index retires them: a group's rows with its rewards, groups of runs interleaved.
+    retired = [*rows[:2], 0.5, run_rows(second)[1], lone, *rows[2:], 7, None, [1, 2, 3]]
+    entries = free_entries(retired)
+    assert entries == [[first, [0, 1, 2, 3]], [second, [1]], lone]
+    sent = decode(encode({"handles": entries}))["handles"]  # as the store gets them
+    assert freed_handles(sent) == [*_handles(4), _handles(6)[5], _handles(8)[7]]
+    # Equal runs that are different objects (decoded apart) are one entry too.
+    again = decode(encode({"rows": run_rows(first)}))["rows"]
+    assert free_entries([*again[:1], *run_rows(first)[1:2]]) == [[first, [0, 1]]]
+    # Row pairs as `Handle.from_wire` takes them, and plain handles, still free as before.
+    assert freed_handles([[first, 3], list(_handles(1)[0])]) == [_handles(4)[3], _handles(1)[0]]
+    assert free_entries([]) == []
+    assert freed_handles([]) == []
+
+
+@pytest.mark.parametrize("bad", [
+    "nope",
+    [[run_to_wire(_handles(2)), [0, 2]]],  # a row outside its run
+    [[run_to_wire(_handles(2)), [0, "1"]]],
+    [[run_to_wire(_handles(2)), [True]]],
+    [[msgpack.ExtType(RUN_EXT, b"\xc1"), [0]]],  # not a run
+    [[to_wire(_handles(1))[0], [0]]],  # a handle is not a run
+    [[run_to_wire(_handles(2)), [0]], ["n", "nope", 0, "int64", [4]]],  # one bad handle
+])
+def test_a_malformed_free_names_nothing_to_free(bad: Any) -> None:
+    with pytest.raises(MalformedMessage):
+        freed_handles(bad)

@@ -23,7 +23,7 @@ import zmq.asyncio
 from transport import lazy_torch, shm
 from transport.endpoints import ipc_endpoint, remove_run_dir, tcp_endpoint
 from transport.errors import NodeLost, RemoteError, UnknownSegment
-from transport.handles import rows_from_wire
+from transport.handles import free_entries, rows_from_wire, run_to_wire
 from transport.rpc import RpcClient
 from transport.store import Handle, SampleStore
 from transport.store_client import StoreClient
@@ -415,6 +415,26 @@ async def test_server_answers_bad_requests_with_errors_and_keeps_serving(run_id:
             assert torch.equal(buf.view(torch.float32), torch.ones(4))
         assert store.holds(h.segment)  # a refused commit never removes a held segment
         store.free(handles["x"])
+
+
+async def test_a_free_takes_a_runs_rows_as_one_entry(run_id: str) -> None:
+    async with served(run_id, ipc_endpoint(run_id, "store")) as (store, server):
+        handles = (await store.put({"x": [torch.ones(n) for n in (4, 3, 2)]}))["x"]
+        run = run_to_wire(handles)
+        assert run is not None
+        (segment,) = {h.segment for h in handles}
+        async with RpcClient(server.endpoint) as rpc:
+            with pytest.raises(RemoteError, match="row 3 of a run of 3 rows"):
+                await rpc.call("free", {"handles": [[run, [0, 3]]]})
+            assert store.holds(segment)  # a refused free frees nothing
+            # As the controller frees what it retired: the rows as an entry of their run.
+            await rpc.call("free", {"handles": free_entries([(run, 2), 0.5, (run, 0)])})
+            assert store.holds(segment)  # row 1 is still held
+            with pytest.raises(RemoteError, match="freed twice"):
+                await rpc.call("free", {"handles": [[run, [0]]]})
+            await rpc.call("free", {"handles": [[run, [1]]]})
+        assert not store.holds(segment)
+        assert store.used_bytes == store.statistics().pooled_bytes
 
 
 _LOOPER = """

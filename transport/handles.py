@@ -13,6 +13,10 @@ and keeps each row as the pair ``(run, i)``, which is a handle wherever one is t
 (`is_handle`, `Handle.from_wire`, `rows_from_wire`, `handle_nodes`). So no per-row handle is
 decoded, checked or built where every row of every report passes: the controller.
 
+A store's ``free`` takes a run's rows as one entry too, ``[run, [i, ...]]`` (`free_entries`
+builds them from what the controller retires, `freed_handles` checks them at the store): a
+step's frees cost a few values a put, not a handle a row.
+
 Rows of one field of one put are packed back to back, so the handles of a micro-batch read
 back in order form one contiguous byte range: `contiguous_runs` finds such runs, so a read costs
 one operation per run, not per row.
@@ -53,6 +57,8 @@ __all__ = [
     "Run",
     "contiguous_runs",
     "dtype_name",
+    "free_entries",
+    "freed_handles",
     "handle_node",
     "handle_nodes",
     "handle_to_wire",
@@ -342,11 +348,62 @@ def _run_from_wire(value: Any) -> _RunRows:
 def _run_row(value: list[Any] | tuple[Any, ...]) -> Handle:
     """The handle of a run's row ``(run, i)``; MalformedMessage if bad."""
     ext, i = value
-    run = _run_from_wire(ext)
+    return _row_handle(_run_from_wire(ext), i)
+
+
+def _row_handle(run: _RunRows, i: Any) -> Handle:
+    """The handle of row ``i`` of ``run`` (checked); MalformedMessage if there is no such row."""
     if type(i) is not int or not 0 <= i < len(run.lens):
         raise MalformedMessage(f"row {i!r:.50} of a run of {len(run.lens)} rows")
     return tuple.__new__(Handle, (run.node, run.segment, run.bounds[i], run.dtype,
                                   (run.lens[i],)))
+
+
+def free_entries(values: Iterable[Any]) -> list[Any]:
+    """The handles among ``values`` (inline values such as rewards left out) as a store's
+    ``free`` takes them: a handle as it is, and the rows of one run (``(run, i)`` pairs,
+    `run_rows`) as one entry ``[run, [i, ...]]``, wherever they are among ``values``.
+
+    Rows retire a group at a time, so most of a run's rows come together: the pair's run is
+    compared by identity first (`run_rows` gives every row of a report's run the same one)."""
+    out: list[Any] = []
+    by_run: dict[msgpack.ExtType, list[int]] = {}
+    last: Any = None
+    rows: list[int] = []
+    for v in values:
+        kind = type(v)
+        if kind is tuple or kind is list:
+            if len(v) != 2:
+                continue
+            run, i = v
+            if run is not last:
+                if type(run) is not msgpack.ExtType or run.code != RUN_EXT:
+                    continue
+                found = by_run.get(run)
+                if found is None:
+                    found = by_run[run] = []
+                    out.append([run, found])
+                last, rows = run, found
+            rows.append(i)
+        elif kind is msgpack.ExtType and v.code == HANDLE_EXT:
+            out.append(v)
+    return out
+
+
+def freed_handles(entries: Any) -> list[Handle]:
+    """The handles a store's ``free`` names, checked: each entry a handle (`Handle.from_wire`:
+    its ext form, a list, or a run's row ``[run, i]``) or a run's rows ``[run, [i, ...]]``
+    (`free_entries`). MalformedMessage if any is bad."""
+    if type(entries) is not list:
+        raise MalformedMessage("handles must be a list")
+    out: list[Handle] = []
+    for e in entries:
+        if type(e) in _PAIRS and len(e) == 2 and type(e[1]) is list:
+            run = _run_from_wire(e[0])
+            out.extend(_row_handle(run, i) for i in e[1])
+        else:
+            out.append(Handle.from_wire(e))
+    return out
 
 
 class Run(NamedTuple):

@@ -46,7 +46,7 @@ from transport import lazy_torch, shm
 from transport.curve import CurveKeys
 from transport.endpoints import tcp_endpoint
 from transport.errors import MalformedMessage
-from transport.handles import Handle
+from transport.handles import freed_handles
 from transport.packing import Grant
 from transport.request_auth import AuthStats, RequestAuth
 from transport.rpc import RpcServer, RpcServerStats
@@ -244,10 +244,7 @@ class StoreServer:
         self.store.release_writer(_as_int(_field(payload, "pid"), "pid"))
 
     async def _free(self, payload: Any, peer: bytes) -> None:
-        handles = _field(payload, "handles")
-        if not isinstance(handles, list):
-            raise MalformedMessage("handles must be a list")
-        self.store.free([Handle.from_wire(h) for h in handles])
+        self.store.free(freed_handles(_field(payload, "handles")))
 
     async def _read(self, payload: Any, peer: bytes) -> list[torch.Tensor]:
         ranges = _field(payload, "ranges")

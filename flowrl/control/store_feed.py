@@ -18,7 +18,7 @@ import structlog
 
 from flowrl.control.admission import Admission
 from flowrl.index import Index
-from transport.handles import is_handle
+from transport.handles import free_entries
 from transport.rpc import RpcClient
 
 __all__ = ["STORE_CHECK_S", "StoreFeed"]
@@ -88,9 +88,9 @@ class StoreFeed:
                     log.warning("store check failed", error=repr(exc))
                 continue
             self._arrived.clear()
-            # One batch of what piled up; inline field values (prompt positions, rewards)
-            # hold no memory.
-            handles = [h for h in self._pending if is_handle(h)]
+            # One batch of what piled up, a run's rows as one entry; inline field values
+            # (prompt positions, rewards) hold no memory.
+            handles = free_entries(self._pending)
             self._pending = []
             if self.store is None:
                 continue
