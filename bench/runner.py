@@ -4,25 +4,19 @@ library versions a figure was measured with, and lists of integers as arguments 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import platform
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
+from flowrl.lifecycle import run_loop
 from flowrl.tiny_model import installed_versions
 
 
 def run_and_print(main: Coroutine[Any, Any, dict[str, Any]]) -> None:
-    """Run ``main`` on uvloop when it is installed (as flowrl's processes do), else on asyncio,
-    and print what it returns as one JSON line."""
-    try:
-        import uvloop
-    except ImportError:
-        result = asyncio.run(main)
-    else:
-        result = uvloop.run(main)
-    print(json.dumps(result))
+    """Run ``main`` on the loop flowrl's processes run on (`flowrl.lifecycle.run_loop`) and
+    print what it returns as one JSON line."""
+    print(json.dumps(run_loop(main)))
 
 
 def library_versions(names: Iterable[str]) -> dict[str, str]:

@@ -330,7 +330,9 @@ class Controller:
         except TimeoutError as exc:
             raise RunError(str(exc)) from None
         self.collector.start(self._now())
-        self._log().info("controller ready", workers=len(self.registry))
+        # Which loop: uvloop under `flowrl.launch` (`flowrl.lifecycle.run_loop`), a notebook's own.
+        loop_kind = type(asyncio.get_running_loop()).__module__.partition(".")[0]
+        self._log().info("controller ready", workers=len(self.registry), loop=loop_kind)
 
     async def aclose(self) -> None:
         """Stop workers, the node agent and the sockets; leaves no process or file behind."""

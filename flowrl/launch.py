@@ -224,6 +224,7 @@ def _main(argv: list[str] | None = None) -> int:
     import json
 
     from flowrl.interrupts import Interrupts
+    from flowrl.lifecycle import run_loop
     from flowrl.logs import configure
     from flowrl.progress import Progress
 
@@ -242,7 +243,7 @@ def _main(argv: list[str] | None = None) -> int:
         print(_format_eval(line), flush=True)
 
     try:
-        summary = asyncio.run(_stoppable(run_recipe(
+        summary = run_loop(_stoppable(run_recipe(
             recipe, on_step=show_step, monitor=not args.no_monitor,
             on_start=_announce_monitor, resume=resume, run_id=run_id,
             overwrite=args.overwrite, progress=progress, interrupts=interrupts,

@@ -13,9 +13,11 @@ import os
 import signal
 import sys
 from collections.abc import Coroutine
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 _PR_SET_PDEATHSIG = 1
+
+T = TypeVar("T")
 
 #: set by whoever starts a flowrl child process (`flowrl.procs.Supervisor`, a Ray agent's
 #: actor) to its own pid: the child can tell that its parent died before it asked to die with it
@@ -67,17 +69,22 @@ def take_niceness(niceness: int) -> int:
     return os.getpriority(os.PRIO_PROCESS, 0)
 
 
-def run_main(coro: Coroutine[Any, Any, None]) -> None:
-    """Run a child process's main coroutine on uvloop when installed (never inside a notebook:
-    children are our own processes)."""
-    # Everything imported so far (torch included) lives for the whole process: keep it out of
-    # the collector's generations, or each full collection stalls the loop for tens of ms.
-    gc.freeze()
+def run_loop(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to its end on uvloop when installed, else on asyncio's own loop, and
+    return its result: the loop every flowrl process runs on, the launched controller's too (a
+    controller embedded in a notebook runs on the notebook's loop)."""
     try:
         import uvloop
     except ImportError:
         import asyncio
 
-        asyncio.run(coro)
-    else:
-        uvloop.run(coro)
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def run_main(coro: Coroutine[Any, Any, None]) -> None:
+    """Run a child process's main coroutine (`run_loop`)."""
+    # Everything imported so far (torch included) lives for the whole process: keep it out of
+    # the collector's generations, or each full collection stalls the loop for tens of ms.
+    gc.freeze()
+    run_loop(coro)

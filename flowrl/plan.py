@@ -27,7 +27,6 @@ load it had then.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import itertools
 import json
 import sys
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flowrl.contention import Busy, slowdowns, stretches
+from flowrl.lifecycle import run_loop
 
 if TYPE_CHECKING:
     from flowrl.controller import Controller
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INPUT
     configure()
     try:
-        plans = asyncio.run(plan(Path(args.trace), knobs, steps=args.steps))
+        plans = run_loop(plan(Path(args.trace), knobs, steps=args.steps))
     except (TraceError, RecipeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INPUT

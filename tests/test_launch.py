@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -28,17 +29,22 @@ def _launch(*args: str, env: dict[str, str] | None = None,
     )
 
 
-def _run_ids(stderr: str) -> set[str]:
-    """Run ids named by the controller's JSON log lines."""
-    ids = set()
+def _records(stderr: str) -> list[dict[str, Any]]:
+    """The controller's JSON log lines."""
+    records = []
     for line in stderr.splitlines():
         try:
             record = json.loads(line)
         except ValueError:
             continue
-        if isinstance(record, dict) and isinstance(record.get("run_id"), str):
-            ids.add(record["run_id"])
-    return ids
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def _run_ids(stderr: str) -> set[str]:
+    """Run ids named by the controller's JSON log lines."""
+    return {r["run_id"] for r in _records(stderr) if isinstance(r.get("run_id"), str)}
 
 
 def _processes_of(run_id: str) -> list[str]:
@@ -71,6 +77,9 @@ def test_runs_the_tiny_recipe_and_leaves_nothing_behind(tmp_path: Path) -> None:
     assert summary["rows_trained_twice"] == 0
 
     (run_id,) = _run_ids(done.stderr)
+    # The controller runs on uvloop, as the workers, the node agents and the benchmarks do.
+    assert [r.get("loop") for r in _records(done.stderr) if r.get("event") == "controller ready"
+            ] == ["uvloop"]
     assert not Path(f"/tmp/flowrl-{run_id}").exists()
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"flowrl-{run_id}")]
     assert _processes_of(run_id) == []
