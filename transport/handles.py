@@ -377,7 +377,7 @@ def free_entries(values: Iterable[Any]) -> list[Any]:
                 continue
             run, i = v
             if run is not last:
-                if type(run) is not msgpack.ExtType or run.code != RUN_EXT:
+                if not is_run(run):
                     continue
                 found = by_run.get(run)
                 if found is None:
@@ -385,6 +385,7 @@ def free_entries(values: Iterable[Any]) -> list[Any]:
                     out.append([run, found])
                 last, rows = run, found
             rows.append(i)
+        # `is_handle` written out: every inline value (a step's rewards) passes here
         elif kind is msgpack.ExtType and v.code == HANDLE_EXT:
             out.append(v)
     return out

@@ -90,17 +90,18 @@ class StoreFeed:
             self._arrived.clear()
             # One batch of what piled up, a run's rows as one entry; inline field values
             # (prompt positions, rewards) hold no memory.
-            handles = free_entries(self._pending)
+            entries = free_entries(self._pending)
             self._pending = []
             if self.store is None:
                 continue
             try:
-                if handles:
-                    await self.store.call("free", {"handles": handles}, timeout=10.0)
+                if entries:
+                    await self.store.call("free", {"handles": entries}, timeout=10.0)
                     self.backpressure.free_batches += 1
                 await self.refresh()
             except Exception as exc:
-                log.warning("store free failed", error=repr(exc), handles=len(handles))
+                handles = sum(len(e[1]) if type(e) is list else 1 for e in entries)
+                log.warning("store free failed", error=repr(exc), handles=handles)
 
     async def refresh(self) -> None:
         assert self.store is not None
