@@ -138,3 +138,10 @@ def test_the_reference_workload_is_timed_in_this_threads_cpu(monkeypatch: pytest
     ticks = iter([0.0, 0.001, 1.0, 1.003, 2.0, 2.002])
     monkeypatch.setattr(capacity.time, "thread_time", lambda: next(ticks))
     assert capacity.reference_us(repeats=3) == pytest.approx(2000.0)
+
+
+def test_a_figure_is_scaled_to_the_fast_hosts_reference() -> None:
+    # A host twice as slow at the reference work measured twice the CPU: half of it scaled.
+    slow = 2 * capacity.FAST_HOST_REFERENCE_US
+    assert capacity.scaled_to_fast_host(100.0, slow) == pytest.approx(50.0)
+    assert capacity.scaled_to_fast_host(100.0, capacity.FAST_HOST_REFERENCE_US) == 100.0
