@@ -671,16 +671,26 @@ class Controller:
         if wake:
             self._wake()
 
-    def worker_serves(self, info: WorkerInfo, version: int, interrupted: int = 0,
-                      continued: int = 0) -> None:
-        self._serves(info, version, interrupted, continued)
-        self.versions.release_unserved()
-        self._wake()
-
-    def workers_serve(self, served: list[tuple[WorkerInfo, int, int, int]]) -> None:
-        """A node's gathered ``served`` reports: one release and one dispatch pass for all."""
-        for info, version, interrupted, continued in served:
-            self._serves(info, version, interrupted, continued)
+    def workers_serve(self, served: list[tuple[WorkerInfo, int]],
+                      interrupted: list[tuple[WorkerInfo, int, int]]) -> None:
+        """Workers' ``served`` reports (a node's gathered ones, or one worker's), each
+        ``(worker, version)``: one release and one dispatch pass for all. ``interrupted``:
+        ``(worker, tasks, sequences)`` of those that loaded the version while tasks ran, which
+        continue under it (rollout.partial)."""
+        self.registry.serve(served)
+        now = time.perf_counter()
+        source = self.scheduler.source.role
+        formed_for = self.scheduler.formed_for
+        idle_since = self._idle_since
+        for info, version in served:
+            if (not info.tasks and not info.leased and info.role == source
+                    and formed_for(version)):
+                idle_since[info.worker_id] = now
+        self.trace.served(served, time.time())
+        for info, tasks, sequences in interrupted:
+            detail = {"version": info.version, "tasks": tasks, "sequences": sequences}
+            self.events.emit("interrupted", worker=info.worker_id, **detail)
+            self.events.mark(info.worker_id, info.role, "interrupted", **detail)
         self.versions.release_unserved()
         self._wake()
 
@@ -691,18 +701,6 @@ class Controller:
         if node == self.node:
             return self._own_node_token
         return None if self._hub is None else self._hub.token(node)
-
-    def _serves(self, info: WorkerInfo, version: int, interrupted: int,
-                continued: int) -> None:
-        info.version = version
-        if (not info.tasks and not info.leased and info.role == self.scheduler.source.role
-                and self.scheduler.formed_for(version)):
-            self._idle_since[info.worker_id] = time.perf_counter()
-        self.trace.served(info.worker_id, version, time.time())
-        if interrupted:  # loaded while tasks ran, which continue under it (rollout.partial)
-            detail = {"version": version, "tasks": interrupted, "sequences": continued}
-            self.events.emit("interrupted", worker=info.worker_id, **detail)
-            self.events.mark(info.worker_id, info.role, "interrupted", **detail)
 
     def sync_failed(self, info: WorkerInfo, version: int, error: str) -> None:
         record: dict[str, Any] = {

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 
@@ -218,32 +218,46 @@ class Registry:
     # ---- the indexes ------------------------------------------------------------------------
 
     def _moved(self, info: WorkerInfo, version: int) -> None:
-        """``info`` serves ``version`` from now on (its ``version`` is about to be set).
+        """``info`` serves ``version`` from now on (its ``version`` is about to be set)."""
+        self.serve(((info, version),))
 
-        Every rollout worker moves once a version, so this is `_count` and `_take`/`_put`
-        written out in one frame (a `served` report's largest cost in the controller)."""
-        old, role, wid = info.version, info.role, info.worker_id
-        counts = self._versions.setdefault(role, {})
-        n = counts.get(old, 0) - 1
-        if n:
-            counts[old] = n
-        else:
-            del counts[old]
-        counts[version] = counts.get(version, 0) + 1
-        for index in (self._open, self._idle):
-            buckets = index.get(role)
-            if buckets is None:
+    def serve(self, served: Iterable[tuple[WorkerInfo, int]]) -> None:
+        """Each ``(worker, version)``: the worker serves the version from now on; the counts
+        and the open and idle tables follow. A node's gathered ``served`` moves most of its
+        workers from one version to the next, so each role's tables are looked up once."""
+        tables: dict[str, tuple[dict[int, int], list[dict[int, dict[str, WorkerInfo]]]]] = {}
+        for info, version in served:
+            old = info._version
+            if old == version:
                 continue
-            bucket = buckets.get(old)
-            if bucket is None or bucket.pop(wid, None) is None:
+            if info._moved is None:  # removed: in none of the tables
+                info._version = version
                 continue
-            if not bucket:
-                del buckets[old]
-            to = buckets.get(version)
-            if to is None:
-                buckets[version] = {wid: info}
+            role, wid = info.role, info.worker_id
+            found = tables.get(role)
+            if found is None:
+                found = tables[role] = (
+                    self._versions.setdefault(role, {}),
+                    [b for b in (self._open.get(role), self._idle.get(role)) if b is not None])
+            counts, indexes = found
+            n = counts.get(old, 0) - 1
+            if n:
+                counts[old] = n
             else:
-                to[wid] = info
+                del counts[old]
+            counts[version] = counts.get(version, 0) + 1
+            for buckets in indexes:
+                bucket = buckets.get(old)
+                if bucket is None or bucket.pop(wid, None) is None:
+                    continue
+                if not bucket:
+                    del buckets[old]
+                to = buckets.get(version)
+                if to is None:
+                    buckets[version] = {wid: info}
+                else:
+                    to[wid] = info
+            info._version = version
 
     def _count(self, info: WorkerInfo, version: int, delta: int) -> None:
         counts = self._versions.setdefault(info.role, {})

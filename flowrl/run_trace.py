@@ -30,7 +30,7 @@ import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 __all__ = ["FORMAT", "VERSION", "RunTrace", "StepRecord", "SyncRecord", "TaskRecord",
            "TraceError", "TraceRecord", "read_trace", "trace_lines", "write_trace"]
@@ -43,8 +43,7 @@ class TraceError(ValueError):
     """A file that is not a readable flowrl trace; the message names the file and line."""
 
 
-@dataclass(frozen=True, slots=True)
-class TaskRecord:
+class TaskRecord(NamedTuple):
     stage: str
     role: str
     worker: str
@@ -60,8 +59,7 @@ class TaskRecord:
                 "len": list(self.lengths), "end": self.step_end}
 
 
-@dataclass(frozen=True, slots=True)
-class SyncRecord:
+class SyncRecord(NamedTuple):
     worker: str
     version: int
     t: float
@@ -72,8 +70,7 @@ class SyncRecord:
                 "t": round(self.t, 6), "s": round(self.s, 6)}
 
 
-@dataclass(frozen=True, slots=True)
-class StepRecord:
+class StepRecord(NamedTuple):
     step: int
     t: float
     samples: int
@@ -82,7 +79,8 @@ class StepRecord:
         return {"k": "step", "step": self.step, "t": round(self.t, 6), "samples": self.samples}
 
 
-#: one record of a trace after its header
+#: one record of a trace after its header (tuples: a controller makes one a task and one a
+#: worker's ``served``, and a tuple is made in half the time of a frozen dataclass)
 TraceRecord = TaskRecord | SyncRecord | StepRecord
 
 

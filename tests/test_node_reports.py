@@ -24,10 +24,13 @@ class Served:
     ``node_served`` passed on (the rest of the protocol is never called here)."""
 
     def __init__(self) -> None:
-        self.batches: list[list[tuple[WorkerInfo, int, int, int]]] = []
+        self.batches: list[list[tuple[WorkerInfo, int]]] = []
+        self.interrupted: list[list[tuple[WorkerInfo, int, int]]] = []
 
-    def workers_serve(self, served: list[tuple[WorkerInfo, int, int, int]]) -> None:
+    def workers_serve(self, served: list[tuple[WorkerInfo, int]],
+                      interrupted: list[tuple[WorkerInfo, int, int]]) -> None:
         self.batches.append(served)
+        self.interrupted.append(interrupted)
 
 
 @pytest.fixture
@@ -70,8 +73,9 @@ async def test_each_served_entry_is_checked_by_itself(
         reply = await call(api, m.OP_NODE_SERVED, {"node": "n1", "token": NODE_TOKEN,
                                                    "served": entries, "dropped": []})
     assert reply == {"ok": True, "served": 2}
-    assert [(i.worker_id, v, a, b) for i, v, a, b in events.batches[0]] == [
-        (w0.worker_id, 3, 0, 0), (w1.worker_id, 3, 2, 5)]
+    assert [(i.worker_id, v) for i, v in events.batches[0]] == [
+        (w0.worker_id, 3), (w1.worker_id, 3)]
+    assert [(i.worker_id, a, b) for i, a, b in events.interrupted[0]] == [(w1.worker_id, 2, 5)]
     said = [e["event"] for e in logs]
     assert said.count("ignored a served report without its worker's token") == 1
     assert said.count("ignored a malformed served report") == 2  # out of range, wrong type

@@ -10,6 +10,7 @@ import random
 import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -103,7 +104,8 @@ def test_the_recorder_times_a_task_from_when_its_worker_could_start_it() -> None
     rec.task("rollout-0", "rollout", 2, 101.5, [1, 2], False, now=102.5)
     rec.task("train-1", "train", 2, 102.5, [9, 9], True, now=103.0)
     rec.step({"step": 1, "samples": 2}, now=103.0)
-    rec.served("rollout-0", 1, now=103.25)  # published at 103.0 after its last task ended
+    worker = SimpleNamespace(worker_id="rollout-0")
+    rec.served([(worker, 1)], now=103.25)  # published at 103.0 after its last task ended
     tasks = [r for r in rec.records if isinstance(r, TaskRecord)]
     assert [t.s for t in tasks] == [1.0, 0.5, 0.5]
     assert tasks[0].lengths == (5, 7)
@@ -113,9 +115,9 @@ def test_the_recorder_times_a_task_from_when_its_worker_could_start_it() -> None
     assert syncs == [SyncRecord("rollout-0", 1, 3.25, 0.25)]
     rec.task("rollout-0", "rollout", 2, 103.25, [1, 1], False, now=104.0)
     rec.step({"step": 2, "samples": 2}, now=104.0)
-    rec.served("rollout-0", 2, now=104.5)  # it finished its task at 104.0: loaded in 0.5 s
+    rec.served([(worker, 2)], now=104.5)  # it finished its task at 104.0: loaded in 0.5 s
     assert [r for r in rec.records if isinstance(r, SyncRecord)][-1].s == 0.5
-    rec.served("rollout-0", 7, now=104.0)  # a version never published here: not timed
+    rec.served([(worker, 7)], now=104.0)  # a version never published here: not timed
     assert len([r for r in rec.records if isinstance(r, SyncRecord)]) == 2
     # The controller's CPU over the recording, and the samples it trained meanwhile.
     assert rec.header(now=110.0, cpu=5.5)["controller"] == {"cpu_s": 0.5, "wall_s": 10.0,

@@ -15,12 +15,17 @@ seconds, `time.process_time`).
 from __future__ import annotations
 
 import collections
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
 
 from flowrl.run_trace import StepRecord, SyncRecord, TaskRecord, TraceRecord, header
 
 __all__ = ["TraceRecorder"]
+
+
+class _Worker(Protocol):
+    @property
+    def worker_id(self) -> str: ...
 
 
 class TraceRecorder:
@@ -65,14 +70,22 @@ class TraceRecorder:
         self.samples += samples
         self.records.append(StepRecord(version, now - self.t0, samples))
 
-    def served(self, worker: str, version: int, now: float) -> None:
-        """``worker`` loaded ``version``: it could start once the version was published and
+    def served(self, served: Iterable[tuple[_Worker, int]], now: float) -> None:
+        """Each ``(worker, version)``: the worker loaded the version (a node's gathered
+        ``served``, one ``now`` for all); it could start once the version was published and
         its last task was done."""
-        published = self._published.get(version)
-        if published is None:  # the start's version, or one published before recording
-            return
-        begun = max(published, self._last_end.get(worker, 0.0))
-        self.records.append(SyncRecord(worker, version, now - self.t0, max(0.0, now - begun)))
+        published_at = self._published.get
+        last_end = self._last_end.get
+        append = self.records.append
+        t = now - self.t0
+        for worker, version in served:
+            published = published_at(version)
+            if published is None:  # the start's version, or one published before recording
+                continue
+            wid = worker.worker_id
+            ended = last_end(wid, 0.0)
+            begun = published if published > ended else ended
+            append(SyncRecord(wid, version, t, now - begun if now > begun else 0.0))
 
     def header(self, *, now: float, cpu: float) -> dict[str, Any]:
         controller = {"cpu_s": round(max(0.0, cpu - self.cpu0), 6),

@@ -49,10 +49,8 @@ class WorkerEvents(Protocol):
 
     def task_failed(self, a: Assignment, error: str) -> None: ...
 
-    def worker_serves(self, info: WorkerInfo, version: int, interrupted: int = 0,
-                      continued: int = 0) -> None: ...
-
-    def workers_serve(self, served: list[tuple[WorkerInfo, int, int, int]]) -> None: ...
+    def workers_serve(self, served: list[tuple[WorkerInfo, int]],
+                      interrupted: list[tuple[WorkerInfo, int, int]]) -> None: ...
 
     def node_dropped(self, node: str, dropped: DroppedSubscriber) -> None: ...
 
@@ -239,8 +237,8 @@ class WorkerApi:
         interrupted, continued = (_int(p, key, 0, 2**31) if key in p else 0
                                   for key in ("interrupted", "continued"))
         if info is not None:
-            self.events.worker_serves(info, _int(p, "version", 0, 2**62), interrupted,
-                                      continued)
+            self.events.workers_serve([(info, _int(p, "version", 0, 2**62))],
+                                      [(info, interrupted, continued)] if interrupted else [])
         return {"ok": True}
 
     def _node_served(self, p: dict[str, Any], peer: bytes) -> dict[str, Any]:
@@ -255,7 +253,8 @@ class WorkerApi:
                 or len(entries) > m.MAX_NODE_SERVED or len(drops) > m.MAX_NODE_SERVED):
             raise ValueError(f"'served' and 'dropped' must be lists of at most "
                              f"{m.MAX_NODE_SERVED}")
-        served: list[tuple[WorkerInfo, int, int, int]] = []
+        served: list[tuple[WorkerInfo, int]] = []
+        interrupts: list[tuple[WorkerInfo, int, int]] = []
         get = self.registry.get
         for e in entries:  # [worker id, token, version(, interrupted, continued)]
             n = len(e) if type(e) is list else 0
@@ -263,7 +262,8 @@ class WorkerApi:
             info = get(wid) if type(wid) is str else None
             if info is None or info.node != node:
                 continue  # gone meanwhile (or never this node's), or not an entry
-            if not _is_token(e[1], info.token):
+            token = e[1]  # `_is_token` written out: an entry a worker, ~1,000 a step
+            if not (type(token) is bytes and hmac.compare_digest(token, info.token)):
                 log.warning("ignored a served report without its worker's token",
                             worker=wid, node=node)
                 continue
@@ -275,9 +275,11 @@ class WorkerApi:
                 log.warning("ignored a malformed served report", worker=wid,
                             entry=repr(e[2:])[:200])
                 continue
-            served.append((info, version, interrupted, continued))
+            served.append((info, version))
+            if interrupted:
+                interrupts.append((info, interrupted, continued))
         if served:
-            self.events.workers_serve(served)
+            self.events.workers_serve(served, interrupts)
         for d in drops:
             if not (isinstance(d, dict) and type(d.get("name")) is str
                     and type(d.get("reason")) is str and type(d.get("connected")) is bool):
