@@ -236,6 +236,19 @@ def _tensor_hook(
     return hook, used
 
 
+class _HasTensor(Exception):
+    """A tensor in a message of one frame (`_frameless_hook`)."""
+
+
+def _frameless_hook(code: int, data: bytes) -> Any:
+    """`_tensor_hook`'s for a message of one frame, made once."""
+    if code in (HANDLE_EXT, RUN_EXT):
+        return _tuple_new(msgpack.ExtType, (code, data))
+    if code == _EXT_TENSOR:
+        raise _HasTensor
+    raise MalformedMessage(f"unknown ext type {code}")
+
+
 def decode(frames: Sequence[Frame], *, max_bytes: int = MAX_MESSAGE_BYTES,
            tensors: bool = True) -> Any:
     """Decode frames made by `encode`; tensors are views over the frames where possible.
@@ -246,6 +259,15 @@ def decode(frames: Sequence[Frame], *, max_bytes: int = MAX_MESSAGE_BYTES,
     MalformedMessage for anything else that is not a valid message.
     """
     try:
+        if len(frames) == 1:  # most messages: no tensor, so none of the frames' bookkeeping
+            view = _byte_view(frames[0])
+            if view.nbytes > max_bytes:
+                raise MessageTooLarge(f"message of {view.nbytes} bytes exceeds the "
+                                      f"{max_bytes}-byte limit")
+            try:
+                return msgpack.unpackb(view, ext_hook=_frameless_hook, strict_map_key=False)
+            except _HasTensor:
+                pass  # malformed (no frame for it): the full decode below says why
         views = [_byte_view(f) for f in frames]
         if not views:
             raise MalformedMessage("empty message")

@@ -281,14 +281,25 @@ def _unwrap(value: Any) -> Any:
         raise MalformedMessage(f"undecodable handle: {type(exc).__name__}: {exc}") from None
 
 
-class _RunRows(NamedTuple):
-    """A run's rows, checked (`_run_from_wire`): each row's offset (and the end), and length."""
+class _RunRows:
+    """A run's rows, checked (`_run_from_wire`): where the first starts and each row's length;
+    each row's offset (and the end) is worked out when a row's handle is first asked for, which
+    the controller, keeping a run's rows as ``(run, i)`` pairs, never does."""
 
-    node: str
-    segment: str
-    dtype: str
-    bounds: tuple[int, ...]
-    lens: tuple[int, ...]
+    __slots__ = ("_bounds", "dtype", "itemsize", "lens", "node", "segment", "start")
+
+    def __init__(self, node: str, segment: str, dtype: str, start: int, itemsize: int,
+                 lens: tuple[int, ...]) -> None:
+        self.node, self.segment, self.dtype = node, segment, dtype
+        self.start, self.itemsize, self.lens = start, itemsize, lens
+        self._bounds: tuple[int, ...] | None = None
+
+    @property
+    def bounds(self) -> tuple[int, ...]:
+        if self._bounds is None:
+            self._bounds = tuple(itertools.accumulate(
+                [n * self.itemsize for n in self.lens], initial=self.start))
+        return self._bounds
 
 
 # Runs already checked, by their bytes: a run is named by every row of it that is read or freed.
@@ -337,11 +348,10 @@ def _run_from_wire(value: Any) -> _RunRows:
         raise MalformedMessage("a run names a segment")
     if set(map(type, lens)) != {int} or min(lens) <= 0:
         raise MalformedMessage(f"a run's lengths are positive integers, got {lens!r:.200}")
-    itemsize = ITEMSIZE[dtype]
-    bounds = tuple(itertools.accumulate([n * itemsize for n in lens], initial=start))
     if len(_RUNS) >= _RUNS_MAX:
         _RUNS.clear()
-    found = _RUNS[value.data] = _RunRows(node, first.segment, dtype, bounds, tuple(lens))
+    found = _RUNS[value.data] = _RunRows(node, first.segment, dtype, start, ITEMSIZE[dtype],
+                                         tuple(lens))
     return found
 
 
