@@ -17,14 +17,16 @@ import collections
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 #: a watcher that falls this far behind starts losing its oldest events.
 SUBSCRIBER_QUEUE = 1024
 
 
-@dataclass(frozen=True, slots=True)
-class Span:
+class Span(NamedTuple):
+    """A task on its worker's timeline (one a task: a tuple is made in half the time of a
+    frozen dataclass)."""
+
     worker: str
     role: str
     stage: str

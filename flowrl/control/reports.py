@@ -28,6 +28,7 @@ _KEYS = frozenset({"worker_id", "token", "task_id", "fields", "lengths", "versio
                    "weights", "failed"})
 _MAX_INT = 2**62
 _HANDLES = {msgpack.ExtType}
+_NUMBERS = {int, float, bool}
 #: the longest failure kind and error text a report may carry (a longer error is cut)
 _MAX_KIND, _MAX_ERROR = 64, 2000
 
@@ -137,7 +138,10 @@ def check_report(report: TaskReport, task: Task, stage: StageSpec, *, train: boo
             raise MalformedReport(f"field {name!r} has {len(values)} values for {n} rows")
         if name in report.runs:
             continue  # checked as it was parsed
-        if values and set(map(type, values)) == _HANDLES:
+        kinds = set(map(type, values))
+        if kinds <= _NUMBERS:
+            continue  # inline values (a reward a row): no handle among them
+        if kinds == _HANDLES:
             # A field of handles (most are): decoded and checked as one list, column by
             # column where they are one put's rows, rather than one handle at a time.
             try:
