@@ -197,12 +197,8 @@ def _tensor_hook(
     used: set[int] = set()
 
     def hook(code: int, data: bytes) -> Any:
-        if code in (HANDLE_EXT, RUN_EXT):
-            # ExtType's own constructor re-checks what msgpack guarantees, in three Python
-            # frames per handle; the controller decodes every row's handles.
-            return _tuple_new(msgpack.ExtType, (code, data))
         if code != _EXT_TENSOR:
-            raise MalformedMessage(f"unknown ext type {code}")
+            return _frameless_hook(code, data)  # a handle, a run, or an unknown type
         if not tensors:
             raise MalformedMessage("a tensor where this endpoint takes none")
         desc = msgpack.unpackb(data)
@@ -241,12 +237,20 @@ class _HasTensor(Exception):
 
 
 def _frameless_hook(code: int, data: bytes) -> Any:
-    """`_tensor_hook`'s for a message of one frame, made once."""
+    """The ext hook of a message of one frame, made once; `_tensor_hook`'s passes it every
+    ext type but a tensor."""
     if code in (HANDLE_EXT, RUN_EXT):
+        # ExtType's own constructor re-checks what msgpack guarantees, in three Python
+        # frames per handle; the controller decodes every row's handles.
         return _tuple_new(msgpack.ExtType, (code, data))
     if code == _EXT_TENSOR:
         raise _HasTensor
     raise MalformedMessage(f"unknown ext type {code}")
+
+
+def _check_size(nbytes: int, max_bytes: int) -> None:
+    if nbytes > max_bytes:
+        raise MessageTooLarge(f"message of {nbytes} bytes exceeds the {max_bytes}-byte limit")
 
 
 def decode(frames: Sequence[Frame], *, max_bytes: int = MAX_MESSAGE_BYTES,
@@ -261,9 +265,7 @@ def decode(frames: Sequence[Frame], *, max_bytes: int = MAX_MESSAGE_BYTES,
     try:
         if len(frames) == 1:  # most messages: no tensor, so none of the frames' bookkeeping
             view = _byte_view(frames[0])
-            if view.nbytes > max_bytes:
-                raise MessageTooLarge(f"message of {view.nbytes} bytes exceeds the "
-                                      f"{max_bytes}-byte limit")
+            _check_size(view.nbytes, max_bytes)
             try:
                 return msgpack.unpackb(view, ext_hook=_frameless_hook, strict_map_key=False)
             except _HasTensor:
@@ -271,9 +273,7 @@ def decode(frames: Sequence[Frame], *, max_bytes: int = MAX_MESSAGE_BYTES,
         views = [_byte_view(f) for f in frames]
         if not views:
             raise MalformedMessage("empty message")
-        total = sum(v.nbytes for v in views)
-        if total > max_bytes:
-            raise MessageTooLarge(f"message of {total} bytes exceeds the {max_bytes}-byte limit")
+        _check_size(sum(v.nbytes for v in views), max_bytes)
         hook, used = _tensor_hook(views, max_bytes, tensors)
         obj = msgpack.unpackb(views[0], ext_hook=hook, strict_map_key=False)
         if len(used) != len(views) - 1:

@@ -165,6 +165,6 @@ def _check_value(name: str, value: Any) -> None:
             Handle.from_wire(value)
         except (MalformedMessage, TypeError, ValueError) as exc:
             raise MalformedReport(f"field {name!r}: {exc}") from None
-    elif type(value) not in (int, float, bool):
+    elif type(value) not in _NUMBERS:
         raise MalformedReport(f"field {name!r}: a value must be a store handle or a number, "
                               f"got {type(value).__name__}")

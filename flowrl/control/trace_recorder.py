@@ -83,9 +83,8 @@ class TraceRecorder:
             if published is None:  # the start's version, or one published before recording
                 continue
             wid = worker.worker_id
-            ended = last_end(wid, 0.0)
-            begun = published if published > ended else ended
-            append(SyncRecord(wid, version, t, now - begun if now > begun else 0.0))
+            begun = max(published, last_end(wid, 0.0))
+            append(SyncRecord(wid, version, t, max(0.0, now - begun)))
 
     def header(self, *, now: float, cpu: float) -> dict[str, Any]:
         controller = {"cpu_s": round(max(0.0, cpu - self.cpu0), 6),

@@ -262,8 +262,7 @@ class WorkerApi:
             info = get(wid) if type(wid) is str else None
             if info is None or info.node != node:
                 continue  # gone meanwhile (or never this node's), or not an entry
-            token = e[1]  # `_is_token` written out: an entry a worker, ~1,000 a step
-            if not (type(token) is bytes and hmac.compare_digest(token, info.token)):
+            if not _is_token(e[1], info.token):
                 log.warning("ignored a served report without its worker's token",
                             worker=wid, node=node)
                 continue
