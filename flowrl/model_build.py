@@ -10,7 +10,6 @@ child says what it does as JSON lines on stderr; they become the run's ``model``
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import sys
@@ -20,11 +19,14 @@ from typing import Any
 from flowrl.interrupts import Interrupts
 from flowrl.lifecycle import PARENT_ENV
 from flowrl.progress import Progress, seconds
+from flowrl.spawn import start_child, stop_child
 
 __all__ = ["BuildFailed", "build_in_child", "cli_args"]
 
 #: the lines of a failed build's output its error quotes
 _ERROR_LINES = 20
+#: how long a stopped build has to remove its temporary directory before it is killed
+_STOP_GRACE_S = 30.0
 
 
 class BuildFailed(RuntimeError):
@@ -72,9 +74,9 @@ async def build_in_child(out: Path, settings: dict[str, Any], *, what: str,
                          progress: Progress, interrupts: Interrupts) -> Path:
     """Build the tiny model of ``settings`` (`build_tiny_model`'s keyword arguments) into
     ``out`` in a child process, saying how it goes; ``what`` names it in the lines (``tiny
-    model``). Cancelled, the child is stopped (SIGTERM: it removes its temporary directory)
-    and waited for; a forced stop (`Interrupts.force`) kills it. Raises `BuildFailed` with
-    the end of its output when it fails."""
+    model``). Cancelled, even while it starts, the child is stopped (SIGTERM: it removes its
+    temporary directory) and waited for; a forced stop (`Interrupts.force`) kills it. Raises
+    `BuildFailed` with the end of its output when it fails."""
     steps = int(settings.get("pretrain_steps", 0))
     until = settings.get("pretrain_until")
     warm = (f" ({steps} warm-up steps)" if until is None else
@@ -82,10 +84,11 @@ async def build_in_child(out: Path, settings: dict[str, Any], *, what: str,
             f"{steps} steps)") if steps else ""
     progress.begin("model", f"building the {what}", f"building the {what}{warm} into the "
                    f"cache, where later runs find it: {out}")
-    proc = await asyncio.create_subprocess_exec(
+    proc = await start_child(
         sys.executable, "-m", "flowrl.tiny_model", str(out), *cli_args(settings),
-        "--json-progress", stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, env={**os.environ, PARENT_ENV: str(os.getpid())})
+        "--json-progress", grace_s=_STOP_GRACE_S, stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, PARENT_ENV: str(os.getpid())})
     untrack = interrupts.track(lambda: [proc.pid] if proc.returncode is None else [])
     other: list[str] = []  # what is not progress: a traceback, warnings
     try:
@@ -98,10 +101,7 @@ async def build_in_child(out: Path, settings: dict[str, Any], *, what: str,
         await proc.stdout.read()
         code = await proc.wait()
     except BaseException:  # cancelled (interrupted): the child removes what it began
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.terminate()
-            await asyncio.shield(proc.wait())
+        await asyncio.shield(stop_child(proc, _STOP_GRACE_S))
         raise
     finally:
         untrack()

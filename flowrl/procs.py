@@ -21,6 +21,7 @@ import structlog
 
 from flowrl.lifecycle import PARENT_ENV
 from flowrl.logs import FORMAT_ENV, ChildLines
+from flowrl.spawn import start_child
 
 log = structlog.get_logger("flowrl.procs")
 
@@ -59,7 +60,7 @@ class Supervisor:
         full_env = {**os.environ, **(env or {}), PARENT_ENV: str(os.getpid())}
         full_env.setdefault("PYTHONUNBUFFERED", "1")
         full_env.setdefault(FORMAT_ENV, "json")  # the relay parses children's lines
-        proc = await asyncio.create_subprocess_exec(
+        proc = await start_child(
             *argv,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,

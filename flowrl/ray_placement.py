@@ -49,7 +49,6 @@ if __name__ == "__main__":
 import contextlib
 import importlib
 import ipaddress
-import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +56,7 @@ import structlog
 
 from flowrl.controller import RunError
 from flowrl.recipe import RayConfig, RayResources
+from flowrl.spawn import start_child, stop_child
 from transport.curve import ENV as KEYS_ENV
 
 if TYPE_CHECKING:
@@ -108,25 +108,12 @@ class _AgentActor:
                         "niceness needs root, CAP_SYS_NICE or RLIMIT_NICE", node=self.node,
                         niceness=got, wanted=self.niceness)
         env = {**os.environ, KEYS_ENV: self.keys, PARENT_ENV: str(os.getpid())}
-        self.proc = await asyncio.create_subprocess_exec(
-            *argv, env=env, stdin=asyncio.subprocess.DEVNULL)
+        self.proc = await start_child(*argv, env=env, stdin=asyncio.subprocess.DEVNULL)
         return {"pid": self.proc.pid, "host": self.host}
 
     async def stop(self, grace_s: float) -> int | None:
         """Stop the agent (TERM, then KILL after `grace_s`); its exit code."""
-        proc = self.proc
-        if proc is None:
-            return None
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-            try:
-                async with asyncio.timeout(grace_s):
-                    await proc.wait()
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-        return await proc.wait()
+        return None if self.proc is None else await stop_child(self.proc, grace_s)
 
 
 class RayAgents:

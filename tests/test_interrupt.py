@@ -61,9 +61,17 @@ def _ctrl_c(proc: subprocess.Popen[str], tmp_path: Path) -> tuple[int, list[str]
         if proc.poll() is None:
             os.killpg(group, signal.SIGKILL)
             proc.wait()
-    left = [p.pid for p in psutil.process_iter() if _group_of(p) == group]
+    left = [_described(p) for p in psutil.process_iter() if _group_of(p) == group]
     assert left == [], f"processes of the launcher's group left running: {left}"
     return proc.returncode, rest.splitlines(), (tmp_path / "stderr").read_text().splitlines()
+
+
+def _described(p: psutil.Process) -> str:
+    """A process's pid, state and command line, for a failure's message."""
+    try:
+        return f"{p.pid} ({p.status()}): {' '.join(p.cmdline())[:200]}"
+    except psutil.Error:
+        return f"{p.pid} (gone)"
 
 
 def _group_of(p: psutil.Process) -> int | None:

@@ -25,6 +25,7 @@ from typing import Any
 
 from flowrl.episode import ToolResult
 from flowrl.lifecycle import PARENT_ENV
+from flowrl.spawn import start_child
 from workers.tool_sandbox import MAX_FRAME_BYTES, pack, unpack
 
 __all__ = ["ToolPool", "ToolPoolError"]
@@ -153,7 +154,7 @@ class ToolPool:
     async def _start(self) -> _Sandbox:
         if self._closed:
             raise ToolPoolError("the tool pool is closed")
-        proc = await asyncio.create_subprocess_exec(
+        proc = await start_child(
             sys.executable, "-m", "workers.tool_sandbox",
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             # its own process group, killed whole: what a tool starts dies with it
