@@ -252,3 +252,21 @@ def test_a_warm_up_target_needs_answers_and_without_steps_changes_nothing(
                          pretrain_until=0.5)
     with pytest.raises(ValueError, match=r"\(0, 1\]"):
         build_tiny_model(tmp_path / "x", **SMALL, pretrain_steps=10, pretrain_until=1.5)
+
+
+def test_a_build_trains_on_one_thread_and_gives_the_caller_its_threads_back(
+        tmp_path: Path) -> None:
+    # Its threads would wait on each other with anything else on the cores (5-7 times slower).
+    seen: list[tuple[str, int]] = []
+    build_tiny_model(tmp_path / "m", **SMALL, pretrain_steps=2,
+                     progress=lambda stage, f: seen.append((stage, torch.get_num_threads())))
+    assert seen == [("tokenizer", 2), ("model", 1), ("warmup", 1), ("warmup", 1), ("save", 2)]
+    assert torch.get_num_threads() == 2  # this module's, back
+
+    def ctrl_c(stage: str, figures: dict[str, Any]) -> None:
+        if stage == "warmup":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        build_tiny_model(tmp_path / "cut", **SMALL, pretrain_steps=2, progress=ctrl_c)
+    assert torch.get_num_threads() == 2  # back after a build that stopped too
