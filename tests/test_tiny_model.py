@@ -257,16 +257,23 @@ def test_a_warm_up_target_needs_answers_and_without_steps_changes_nothing(
 def test_a_build_trains_on_one_thread_and_gives_the_caller_its_threads_back(
         tmp_path: Path) -> None:
     # Its threads would wait on each other with anything else on the cores (5-7 times slower).
-    seen: list[tuple[str, int]] = []
-    build_tiny_model(tmp_path / "m", **SMALL, pretrain_steps=2,
-                     progress=lambda stage, f: seen.append((stage, torch.get_num_threads())))
-    assert seen == [("tokenizer", 2), ("model", 1), ("warmup", 1), ("warmup", 1), ("save", 2)]
-    assert torch.get_num_threads() == 2  # this module's, back
+    # The caller's count is set here: other modules set theirs when pytest imports them.
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        seen: list[tuple[str, int]] = []
+        build_tiny_model(tmp_path / "m", **SMALL, pretrain_steps=2,
+                         progress=lambda stage, f: seen.append((stage, torch.get_num_threads())))
+        assert seen == [("tokenizer", 2), ("model", 1), ("warmup", 1), ("warmup", 1),
+                        ("save", 2)]
+        assert torch.get_num_threads() == 2  # the caller's, back
 
-    def ctrl_c(stage: str, figures: dict[str, Any]) -> None:
-        if stage == "warmup":
-            raise KeyboardInterrupt
+        def ctrl_c(stage: str, figures: dict[str, Any]) -> None:
+            if stage == "warmup":
+                raise KeyboardInterrupt
 
-    with pytest.raises(KeyboardInterrupt):
-        build_tiny_model(tmp_path / "cut", **SMALL, pretrain_steps=2, progress=ctrl_c)
-    assert torch.get_num_threads() == 2  # back after a build that stopped too
+        with pytest.raises(KeyboardInterrupt):
+            build_tiny_model(tmp_path / "cut", **SMALL, pretrain_steps=2, progress=ctrl_c)
+        assert torch.get_num_threads() == 2  # back after a build that stopped too
+    finally:
+        torch.set_num_threads(before)
